@@ -1,0 +1,151 @@
+"""Scaled dot-product and multi-head attention (Vaswani et al., 2017, section 3.2).
+
+Arrays are `[batch, length, heads, head_dim]`; masks are boolean and broadcastable to
+`[batch, heads, q_length, kv_length]`, True meaning "may attend".
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from transformer_jax.config import ModelConfig
+
+Array = jax.Array
+
+# Xavier/Glorot-uniform. `nn.DenseGeneral` initialises its kernel in the flattened 2-D shape, so the fused
+# [d_model, heads, head_dim] projection gets fan_in = d_model and fan_out = heads * head_dim: exactly the
+# d_model x d_model matrix of the reference implementations.
+_xavier = nn.initializers.xavier_uniform()
+
+
+def dot_product_attention(query: Array, key: Array, value: Array, mask: Optional[Array] = None, *,
+                          implementation: str = "xla", dropout_rate: float = 0.0,
+                          dropout_rng: Optional[Array] = None, return_weights: bool = False):
+  """softmax(Q Kᵀ / √d_k) V (section 3.2.1), one call for every head.
+
+  Args:
+    query: `[batch, q_len, heads, head_dim]`.
+    key, value: `[batch, kv_len, heads, head_dim]`.
+    mask: boolean, broadcastable to `[batch, heads, q_len, kv_len]`; True = attend.
+    implementation: 'xla' or 'cudnn' (GPU, bf16/fp16), forwarded to `jax.nn.dot_product_attention`.
+    dropout_rate, dropout_rng: dropout on the attention weights (not in the paper; off by default). Needs the
+      explicit path below, as does `return_weights`.
+    return_weights: also return the attention weights `[batch, heads, q_len, kv_len]` (float32).
+
+  Returns:
+    `[batch, q_len, heads, head_dim]` in the dtype of `query`, plus the weights when asked.
+  """
+  explicit = return_weights or (dropout_rate > 0.0 and dropout_rng is not None)
+  if not explicit:
+    # Fused path: XLA (or cuDNN) sees one attention op; the default for training and decoding.
+    return jax.nn.dot_product_attention(query, key, value, mask=mask, implementation=implementation)
+
+  depth = query.shape[-1]
+  # [batch, heads, q_len, kv_len]; logits and softmax in float32 whatever the activation dtype.
+  logits = jnp.einsum("bqhd,bkhd->bhqk", query, key, preferred_element_type=jnp.float32)
+  logits = logits / jnp.sqrt(jnp.float32(depth))
+  if mask is not None:
+    logits = jnp.where(mask, logits, jnp.finfo(jnp.float32).min)
+  weights = jax.nn.softmax(logits, axis=-1)
+  probs = weights
+  if dropout_rate > 0.0 and dropout_rng is not None:
+    keep = jax.random.bernoulli(dropout_rng, 1.0 - dropout_rate, probs.shape)
+    probs = jnp.where(keep, probs / (1.0 - dropout_rate), 0.0)
+  out = jnp.einsum("bhqk,bkhd->bqhd", probs.astype(value.dtype), value)
+  return (out, weights) if return_weights else out
+
+
+class MultiHeadAttention(nn.Module):
+  """Multi-head attention with h parallel heads and an output projection W^O (section 3.2.2).
+
+  Projections are Xavier-uniform with zero biases. In `decode` mode the module keeps a KV cache in the
+  `cache` collection and takes one query position per call:
+    * self-attention (`is_cross=False`): keys/values of each new position are written at `cache_index`
+      into `cached_key`/`cached_value` `[batch, max_decode_len, heads, head_dim]`;
+    * cross-attention (`is_cross=True`): the encoder memory is projected once, when the cache is created,
+      and reused at every step.
+  Passing `return_weights=True` sows the attention weights `[batch, heads, q_len, kv_len]` into the
+  `intermediates` collection under `attention_weights`.
+  """
+
+  config: ModelConfig
+  is_cross: bool = False
+
+  def _projection(self, name: str) -> nn.DenseGeneral:
+    cfg = self.config
+    return nn.DenseGeneral(
+        features=(cfg.num_heads, cfg.head_dim), axis=-1, dtype=cfg.compute_dtype, name=name,
+        kernel_init=nn.with_logical_partitioning(_xavier, ("embed", "heads", "kv")),
+        bias_init=nn.with_logical_partitioning(nn.initializers.zeros, ("heads", "kv")))
+
+  @nn.compact
+  def __call__(self, inputs_q: Array, inputs_kv: Array, mask: Optional[Array], *,
+               deterministic: bool = True, decode: bool = False,
+               max_decode_len: Optional[int] = None, return_weights: bool = False) -> Array:
+    """inputs_q `[batch, q_len, d_model]`, inputs_kv `[batch, kv_len, d_model]` -> `[batch, q_len, d_model]`."""
+    cfg = self.config
+    query = self._projection("query")(inputs_q)  # [batch, q_len, heads, head_dim]
+    key_proj, value_proj = self._projection("key"), self._projection("value")
+
+    if decode and self.is_cross:
+      key, value = self._cached_memory(key_proj, value_proj, inputs_kv)
+    elif decode:
+      key, value, mask = self._update_self_cache(key_proj(inputs_kv), value_proj(inputs_kv), mask,
+                                                 max_decode_len)
+    else:
+      key, value = key_proj(inputs_kv), value_proj(inputs_kv)
+
+    dropout_rng = None
+    if cfg.attention_dropout_rate > 0.0 and not deterministic:
+      dropout_rng = self.make_rng("dropout")
+    result = dot_product_attention(
+        query, key, value, mask, implementation=cfg.attention_impl,
+        dropout_rate=cfg.attention_dropout_rate, dropout_rng=dropout_rng, return_weights=return_weights)
+    if return_weights:
+      result, weights = result
+      self.sow("intermediates", "attention_weights", weights)
+
+    return nn.DenseGeneral(
+        features=cfg.d_model, axis=(-2, -1), dtype=cfg.compute_dtype, name="out",
+        kernel_init=nn.with_logical_partitioning(_xavier, ("heads", "kv", "embed")),
+        bias_init=nn.with_logical_partitioning(nn.initializers.zeros, ("embed",)))(result)
+
+  def _cached_memory(self, key_proj, value_proj, memory: Array):
+    """Cross-attention keys/values `[batch, src_len, heads, head_dim]`, projected once per sentence."""
+    cached_key = self.variable("cache", "cached_key", lambda: key_proj(memory))
+    cached_value = self.variable("cache", "cached_value", lambda: value_proj(memory))
+    return cached_key.value, cached_value.value
+
+  def _update_self_cache(self, key: Array, value: Array, mask: Optional[Array],
+                         max_decode_len: Optional[int]):
+    """Writes this step's key/value `[batch, 1, heads, head_dim]` into the cache; returns the full cache.
+
+    On the call that creates the cache (no `cache_index` yet) nothing is written and the step attends to
+    itself only, so that creating the cache costs one position's work.
+    """
+    batch, q_len, heads, head_dim = key.shape
+    is_initialized = self.has_variable("cache", "cached_key")
+    cache_len = max_decode_len or q_len
+    cached_key = self.variable("cache", "cached_key", jnp.zeros, (batch, cache_len, heads, head_dim),
+                               key.dtype)
+    cached_value = self.variable("cache", "cached_value", jnp.zeros,
+                                 (batch, cache_len, heads, head_dim), value.dtype)
+    cache_index = self.variable("cache", "cache_index", lambda: jnp.array(0, dtype=jnp.int32))
+    if not is_initialized:
+      return key, value, mask
+    if q_len != 1:
+      raise ValueError(f"decode mode takes one target position per call, got q_len={q_len}")
+    index = cache_index.value
+    cached_key.value = jax.lax.dynamic_update_slice(cached_key.value, key.astype(cached_key.value.dtype),
+                                                    (0, index, 0, 0))
+    cached_value.value = jax.lax.dynamic_update_slice(
+        cached_value.value, value.astype(cached_value.value.dtype), (0, index, 0, 0))
+    cache_index.value = index + 1
+    # Causal mask over the cache: attend to positions 0..index. [1, 1, 1, cache_len]
+    step_mask = (jnp.arange(cached_key.value.shape[1]) <= index)[None, None, None, :]
+    mask = step_mask if mask is None else jnp.logical_and(mask, step_mask)
+    return cached_key.value, cached_value.value, mask

@@ -1,0 +1,109 @@
+"""Model hyperparameters and the paper's presets (Vaswani et al., 2017, Table 3).
+
+`ModelConfig` is a frozen dataclass so it can be a static argument of `jax.jit` and a field of a
+`flax.linen.Module`. Training hyperparameters (schedule, batch size, steps) live in the experiment configs
+under `experiments/configs/`, not here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal
+
+import jax.numpy as jnp
+
+PositionKind = Literal["sinusoidal", "learned"]
+AttentionImpl = Literal["xla", "cudnn"]
+
+# Token ids shared by the tokenizer and the model (SentencePiece is trained with these ids).
+PAD_ID = 0
+UNK_ID = 1
+BOS_ID = 2
+EOS_ID = 3
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+  """Sizes and switches of the encoder-decoder Transformer.
+
+  Defaults are the paper's base model (Table 3, row "base") with a 37k shared vocabulary (section 5.1).
+  """
+
+  vocab_size: int = 37000
+  num_encoder_layers: int = 6
+  num_decoder_layers: int = 6
+  d_model: int = 512
+  d_ff: int = 2048
+  num_heads: int = 8
+  # P_drop: on every sublayer output before the residual add and on embedding+position sums (section 5.4).
+  dropout_rate: float = 0.1
+  # Not in the paper (tensor2tensor added them later); 0 in the paper presets.
+  attention_dropout_rate: float = 0.0
+  relu_dropout_rate: float = 0.0
+  # Longest position the positional table covers (sinusoids are computed, learned ones are a parameter).
+  max_len: int = 512
+  position_embedding: PositionKind = "sinusoidal"
+  # Post-LN `LayerNorm(x + Dropout(Sublayer(x)))` as in the paper; pre-LN adds final LayerNorms.
+  pre_ln: bool = False
+  # One embedding matrix for source, target and the pre-softmax projection (section 3.4).
+  share_embeddings: bool = True
+  # Multiply embeddings by sqrt(d_model) (section 3.4).
+  scale_embeddings: bool = True
+  layer_norm_epsilon: float = 1e-6
+  attention_impl: AttentionImpl = "xla"
+  # Activation / matmul dtype; parameters are always float32, softmax and loss run in float32.
+  dtype: str = "float32"
+  # Rematerialise each layer's activations in the backward pass (saves memory for long sequences).
+  remat: bool = False
+  pad_id: int = PAD_ID
+  bos_id: int = BOS_ID
+  eos_id: int = EOS_ID
+
+  def __post_init__(self):
+    if self.d_model % self.num_heads:
+      raise ValueError(
+          f"d_model={self.d_model} is not divisible by num_heads={self.num_heads}")
+    if self.position_embedding not in ("sinusoidal", "learned"):
+      raise ValueError(
+          f"position_embedding={self.position_embedding!r}; expected 'sinusoidal' or 'learned'")
+    if self.attention_impl not in ("xla", "cudnn"):
+      raise ValueError(f"attention_impl={self.attention_impl!r}; expected 'xla' or 'cudnn'")
+    if self.dtype not in ("float32", "bfloat16", "float16"):
+      raise ValueError(f"dtype={self.dtype!r}; expected 'float32', 'bfloat16' or 'float16'")
+    for name in ("vocab_size", "num_encoder_layers", "num_decoder_layers", "d_model", "d_ff", "max_len"):
+      if getattr(self, name) <= 0:
+        raise ValueError(f"{name}={getattr(self, name)} must be positive")
+    for name in ("dropout_rate", "attention_dropout_rate", "relu_dropout_rate"):
+      if not 0.0 <= getattr(self, name) < 1.0:
+        raise ValueError(f"{name}={getattr(self, name)} must be in [0, 1)")
+
+  @property
+  def head_dim(self) -> int:
+    """d_k = d_v = d_model / h (section 3.2.2)."""
+    return self.d_model // self.num_heads
+
+  @property
+  def compute_dtype(self) -> jnp.dtype:
+    return jnp.dtype(self.dtype)
+
+  def replace(self, **changes) -> "ModelConfig":
+    return dataclasses.replace(self, **changes)
+
+
+def base(vocab_size: int = 37000, **overrides) -> ModelConfig:
+  """Transformer (base): N=6, d_model=512, d_ff=2048, h=8, P_drop=0.1 (Table 3); ~63M params at 37k vocab."""
+  return ModelConfig(vocab_size=vocab_size, **overrides)
+
+
+def big(vocab_size: int = 37000, dropout_rate: float = 0.3, **overrides) -> ModelConfig:
+  """Transformer (big): N=6, d_model=1024, d_ff=4096, h=16, P_drop=0.3 for EN-DE (0.1 for EN-FR) (Table 3)."""
+  return ModelConfig(vocab_size=vocab_size, d_model=1024, d_ff=4096, num_heads=16,
+                     dropout_rate=dropout_rate, **overrides)
+
+
+def tiny(vocab_size: int = 1000, **overrides) -> ModelConfig:
+  """A small CPU preset (3+3 layers, d_model 128, 4 heads) that trains in minutes on a laptop."""
+  values = dict(vocab_size=vocab_size, num_encoder_layers=3, num_decoder_layers=3, d_model=128,
+                d_ff=512, num_heads=4, dropout_rate=0.1, max_len=256)
+  values.update(overrides)
+  return ModelConfig(**values)

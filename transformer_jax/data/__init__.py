@@ -1,0 +1,1 @@
+"""Datasets for `transformer_jax` experiments."""
