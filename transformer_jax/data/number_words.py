@@ -151,7 +151,7 @@ class NumberWords(tfds.core.GeneratorBasedBuilder):
   Features `{'en': Text, 'de': Text}` with `en = english(n)`,
   `de = german(n)`; examples are keyed by `n`. Splits `train`, `validation`
   and `test` hold the disjoint numbers of `split_numbers(config.seed,
-  config.sizes)`.
+  config.sizes)`, stored in tfds's deterministic key-hash order.
   """
 
   VERSION = tfds.core.Version('1.0.0')

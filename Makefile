@@ -1,0 +1,34 @@
+# Two entry points for a fresh machine with python3 >= 3.11:
+#   make train   set up .venv, train the built-in number-words task, translate a few sentences, print accuracy
+#   make test    set up .venv, run the test suite
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+WORKDIR ?= runs/number_words
+PYTEST_ARGS ?=
+
+.PHONY: setup train test test-all bench clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -c 'import sys; assert sys.version_info >= (3, 11), "python3 >= 3.11 is required, found " + sys.version'
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q -e '.[test]'
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+train: $(STAMP)
+	$(BIN)/python -m experiments.train --workdir=$(WORKDIR)
+	printf 'twenty-one\nthree hundred forty-five thousand six hundred seventy-eight\none hundred one thousand one\n' \
+	  | $(BIN)/python -m experiments.translate --workdir=$(WORKDIR)
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q -n 2 -m 'not slow' $(PYTEST_ARGS)
+
+test-all: $(STAMP)
+	$(BIN)/python -m pytest -q -n 2 $(PYTEST_ARGS)
+
+clean:
+	rm -rf $(VENV) runs

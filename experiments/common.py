@@ -1,0 +1,86 @@
+"""Shared glue for the absl programs: user-facing errors, loading a trained workdir, the final evaluation."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from typing import Any, Sequence
+
+from transformer_jax.data.tokenizer import Tokenizer, VocabularyError
+from transformer_jax.training.loop import NonFiniteLossError
+
+# Exceptions that mean "bad input or state": printed as one line, exit status 1, no traceback.
+USER_ERRORS = (ValueError, FileNotFoundError, NotADirectoryError, VocabularyError, NonFiniteLossError,
+               UnicodeDecodeError)
+
+
+def fail(message: str) -> None:
+  print(f"error: {message}", file=sys.stderr)
+  sys.exit(1)
+
+
+def load_workdir_config(workdir: str) -> dict:
+  path = os.path.join(workdir, "config.json")
+  if not os.path.exists(path):
+    raise FileNotFoundError(f"{path} not found: is {workdir} the --workdir of a training run?")
+  with open(path, encoding="utf-8") as f:
+    return json.load(f)
+
+
+def load_for_inference(workdir: str, checkpoint: str | None = None):
+  """(model_config, params, tokenizer) of a trained workdir; `checkpoint` = a step or a checkpoint dir."""
+  from transformer_jax import checkpoint as checkpoint_lib
+  from transformer_jax.data.input_pipeline import vocab_path
+  from transformer_jax.training.loop import model_config_from
+  import ml_collections
+
+  config = ml_collections.ConfigDict(load_workdir_config(workdir))
+  tokenizer = Tokenizer(vocab_path(config.data, workdir))
+  model_config = model_config_from(config, config.model.vocab_size)
+  tokenizer.check_model_vocab(model_config.vocab_size)
+  directory = os.path.join(workdir, "checkpoints")
+  step = None
+  if checkpoint:
+    if checkpoint.isdigit():
+      step = int(checkpoint)
+    else:
+      directory = checkpoint
+  params = checkpoint_lib.restore_params(directory, model_config, step=step)
+  return model_config, params, tokenizer
+
+
+def translate_texts(model_config, params, tokenizer: Tokenizer, texts: Sequence[str], *, beam_size: int = 1,
+                    alpha: float = 0.6, extra_len: int = 50, progress=None) -> list[str]:
+  """Detokenised translations of `texts`, in input order; empty/blank lines give empty lines."""
+  from transformer_jax import inference
+  ids = [tokenizer.encode(t) if t.strip() else [] for t in texts]
+  outputs = inference.translate_ids(params, model_config, ids, beam_size=beam_size, alpha=alpha,
+                                    extra_len=extra_len, progress=progress)
+  return [tokenizer.decode(o) if src else "" for o, src in zip(outputs, ids)]
+
+
+def report_final_eval(config: Any, workdir: str, result: dict) -> dict:
+  """Translates the test split, prints a few samples and exact-match accuracy, writes final_eval.json."""
+  from transformer_jax.data import sources
+  final = config.get("final_eval")
+  if not final or not final.get("split"):
+    return {}
+  pairs = sources.load_pairs(config.data, final.split, workdir)
+  if final.get("max_examples"):
+    pairs = pairs[: final.max_examples]
+  start = time.time()
+  hyps = translate_texts(result["model_config"], result["state"].params, result["datasets"].tokenizer,
+                         [s for s, _ in pairs], beam_size=final.get("beam_size", 1))
+  seconds = time.time() - start
+  exact = sum(h == t for h, (_, t) in zip(hyps, pairs)) / max(len(pairs), 1)
+  for (src, ref), hyp in list(zip(pairs, hyps))[:5]:
+    print(f"  {src}\n    -> {hyp}   [{'ok' if hyp == ref else 'reference: ' + ref}]")
+  report = {"split": final.split, "examples": len(pairs), "exact_match": exact,
+            "translate_seconds": seconds, "train_minutes": result["summary"].get("train_minutes")}
+  print(f"Exact match on {len(pairs)} {final.split} examples: {100 * exact:.2f}% "
+        f"(translated in {seconds:.1f}s; training took {report['train_minutes']:.1f} min)")
+  with open(os.path.join(workdir, "final_eval.json"), "w", encoding="utf-8") as f:
+    json.dump(report, f, indent=2)
+  return report

@@ -1,0 +1,41 @@
+r"""Train a Transformer from an ml_collections config file.
+
+    python -m experiments.train --workdir=DIR [--config=experiments/configs/NAME.py] [--config.a.b=value ...]
+
+With no --config the built-in number-words task is trained. Re-running with the same --workdir resumes from
+its latest checkpoint.
+"""
+
+import os
+import sys
+
+from absl import app, flags, logging
+from ml_collections import config_flags
+
+_DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs", "number_words.py")
+
+FLAGS = flags.FLAGS
+flags.DEFINE_string("workdir", None, "Directory for checkpoints, vocabulary, config and TensorBoard events.")
+config_flags.DEFINE_config_file("config", _DEFAULT_CONFIG,
+                                "Experiment config file (default: the built-in number-words task).",
+                                lock_config=True)
+flags.mark_flags_as_required(["workdir"])
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+  from transformer_jax.training import loop
+  from experiments import common
+  config = FLAGS.config
+  try:
+    result = loop.train_and_evaluate(config, FLAGS.workdir)
+    common.report_final_eval(config, FLAGS.workdir, result)
+  except common.USER_ERRORS as e:
+    logging.error("%s", e)
+    print(f"error: {e}", file=sys.stderr)
+    sys.exit(1)
+
+
+if __name__ == "__main__":
+  app.run(main)

@@ -1,0 +1,65 @@
+r"""Translate text with a trained workdir: one output line per input line.
+
+    echo "twenty-one" | python -m experiments.translate --workdir=DIR
+    python -m experiments.translate --workdir=DIR --input=FILE --output=FILE [--beam_size=4] [--alpha=0.6]
+
+Empty input lines give empty output lines. `--checkpoint` takes a step number or a checkpoint directory
+(e.g. one written by `experiments.average_checkpoints`).
+"""
+
+import sys
+
+from absl import app, flags
+
+from experiments import common
+
+FLAGS = flags.FLAGS
+flags.DEFINE_string("workdir", None, "The training run's --workdir.")
+flags.DEFINE_string("input", None, "Input text file (default: stdin).")
+flags.DEFINE_string("output", None, "Output file (default: stdout).")
+flags.DEFINE_integer("beam_size", 1, "Beam size; 1 = greedy (the paper uses 4).")
+flags.DEFINE_float("alpha", 0.6, "Length penalty exponent ((5+|Y|)/6)^alpha (the paper uses 0.6).")
+flags.DEFINE_integer("extra_len", 50, "Maximum output length = input length + extra_len.")
+flags.DEFINE_string("checkpoint", None, "A step, or a checkpoint directory (default: the latest).")
+flags.mark_flags_as_required(["workdir"])
+
+
+def read_lines(path):
+  """Lines of `path` (or stdin) without their newline; invalid UTF-8 is reported with file and line."""
+  stream = open(path, "rb") if path else sys.stdin.buffer
+  name = path or "<stdin>"
+  lines = []
+  with stream:
+    for number, raw in enumerate(stream, start=1):
+      try:
+        lines.append(raw.decode("utf-8").rstrip("\r\n"))
+      except UnicodeDecodeError as e:
+        raise ValueError(f"{name}:{number}: invalid UTF-8 ({e.reason} at byte {e.start})") from None
+  return lines
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+  try:
+    lines = read_lines(FLAGS.input)
+    model_config, params, tokenizer = common.load_for_inference(FLAGS.workdir, FLAGS.checkpoint)
+  except common.USER_ERRORS as e:
+    common.fail(str(e))
+  progress = None
+  if FLAGS.input:
+    from tqdm import tqdm
+    bar = tqdm(total=len(lines), unit="sent", file=sys.stderr)
+    progress = bar.update
+  outputs = common.translate_texts(model_config, params, tokenizer, lines, beam_size=FLAGS.beam_size,
+                                   alpha=FLAGS.alpha, extra_len=FLAGS.extra_len, progress=progress)
+  if FLAGS.input:
+    bar.close()
+  out = open(FLAGS.output, "w", encoding="utf-8") if FLAGS.output else sys.stdout
+  with out if FLAGS.output else open(1, "w", encoding="utf-8", closefd=False) as stream:
+    for line in outputs:
+      stream.write(line + "\n")
+
+
+if __name__ == "__main__":
+  app.run(main)

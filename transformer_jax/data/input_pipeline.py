@@ -1,0 +1,85 @@
+"""From a data config to what the trainer consumes: the shared vocabulary, packed train batches, eval sets.
+
+text (tfds) -> SentencePiece ids (+EOS) -> drop blank / over-long pairs (counted, logged) -> packed batches.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+from typing import Any
+
+import numpy as np
+
+from transformer_jax.data import pipeline, sources, tokenizer as tokenizer_lib
+
+
+@dataclasses.dataclass
+class EvalSet:
+  """One evaluation split: the raw text pairs and their ids (EOS included), in stored order."""
+
+  pairs: list[tuple[str, str]]
+  sources: list[np.ndarray]
+  targets: list[np.ndarray]
+
+
+@dataclasses.dataclass
+class Datasets:
+  tokenizer: tokenizer_lib.Tokenizer
+  train: pipeline.PackedBatches
+  eval_sets: dict[str, EvalSet]
+  stats: dict[str, Any]
+
+
+def vocab_path(data_config: Any, workdir: str) -> str:
+  """The vocabulary this run uses: `data.vocab_path` if given, else `<workdir>/vocab/spm.model`."""
+  return data_config.get("vocab_path") or os.path.join(workdir, "vocab", tokenizer_lib.VOCAB_FILENAME)
+
+
+def skip_blank(pairs):
+  """Pairs whose source or target is empty or whitespace-only are skipped in training; returns (kept, n)."""
+  kept = [(s, t) for s, t in pairs if s.strip() and t.strip()]
+  return kept, len(pairs) - len(kept)
+
+
+def load_tokenizer(data_config: Any, workdir: str, train_pairs=None) -> tokenizer_lib.Tokenizer:
+  """Loads the run's vocabulary, training it on both sides of the training split the first time."""
+  path = vocab_path(data_config, workdir)
+
+  def texts():
+    for s, t in train_pairs:
+      yield s
+      yield t
+
+  return tokenizer_lib.load_or_train_tokenizer(
+      path, texts, data_config.vocab_size, model_type=data_config.get("vocab_model_type", "bpe"),
+      max_sentences=data_config.get("vocab_max_sentences", 2_000_000),
+      character_coverage=data_config.get("vocab_character_coverage", 1.0))
+
+
+def build_eval_set(tokenizer: tokenizer_lib.Tokenizer, pairs) -> EvalSet:
+  """Eval splits keep every pair (blank ones as empty sequences) so outputs stay aligned with inputs."""
+  srcs, tgts = tokenizer_lib.encode_pairs(tokenizer, pairs)
+  return EvalSet(list(pairs), srcs, tgts)
+
+
+def build_datasets(data_config: Any, workdir: str, *, seed: int, process_index: int = 0,
+                   process_count: int = 1) -> Datasets:
+  """Vocabulary + packed training iterator + evaluation sets for `data_config` (see experiment configs)."""
+  train_pairs = sources.load_pairs(data_config, data_config.train_split, workdir)
+  train_pairs, blank = skip_blank(train_pairs)
+  if not train_pairs:
+    raise ValueError(f"training split {data_config.train_split!r} of {data_config.dataset} has no non-blank pairs")
+  tok = load_tokenizer(data_config, workdir, train_pairs)
+  srcs, tgts = tokenizer_lib.encode_pairs(tok, train_pairs)
+  srcs, tgts, too_long = pipeline.filter_by_length(srcs, tgts, data_config.max_len)
+  pipeline.log_drop_counts("train", too_long, blank, len(srcs), data_config.max_len)
+  train = pipeline.PackedBatches(srcs, tgts, tokens_per_batch=data_config.tokens_per_batch,
+                                 row_length=data_config.max_len, seed=seed, process_index=process_index,
+                                 process_count=process_count)
+  eval_sets = {}
+  for name in data_config.get("eval_splits", ()):
+    eval_sets[name] = build_eval_set(tok, sources.load_pairs(data_config, name, workdir))
+  stats = {"train_pairs": len(srcs), "dropped_long": too_long, "skipped_blank": blank}
+  return Datasets(tok, train, eval_sets, stats)

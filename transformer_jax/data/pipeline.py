@@ -1,0 +1,201 @@
+"""Batching: packed token-budget training batches with an exactly resumable position, padded eval batches.
+
+Training rows are packed: several (source, target) pairs share a row of `row_length` slots on each side;
+`*_segmentation` numbers the examples in a row (1, 2, ..., 0 for padding) and `*_position` restarts at 0 for
+every example, which the model honours in its masks and positional encodings. Every batch has the same
+shape `[rows_per_batch, row_length]`, so the train step compiles once.
+
+The order of an epoch is a pure function of `(seed, epoch)`, so the iterator's position is just
+`{"epoch", "index"}`: restoring it replays exactly the batches an uninterrupted run would have seen.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Iterator, Sequence
+
+import numpy as np
+
+from transformer_jax.config import PAD_ID
+
+BATCH_KEYS = ("inputs", "targets", "inputs_position", "targets_position", "inputs_segmentation",
+              "targets_segmentation")
+
+
+def filter_by_length(sources: Sequence[np.ndarray], targets: Sequence[np.ndarray], max_len: int):
+  """Drops pairs whose source or target (EOS included) is longer than `max_len`; returns kept + count."""
+  keep = [i for i, (s, t) in enumerate(zip(sources, targets)) if len(s) <= max_len and len(t) <= max_len]
+  dropped = len(sources) - len(keep)
+  return [sources[i] for i in keep], [targets[i] for i in keep], dropped
+
+
+def pack_epoch(source_lengths: np.ndarray, target_lengths: np.ndarray, order: np.ndarray,
+               row_length: int, rows_per_batch: int) -> list[list[list[int]]]:
+  """First-fit packing of examples (in `order`) into batches of `rows_per_batch` rows.
+
+  Returns batches -> rows -> example indices. An example goes into the first open row of the current batch
+  with room on both sides; when none has room and the batch has all its rows, the batch is closed.
+  """
+  batches: list[list[list[int]]] = []
+  rows: list[list[int]] = []
+  used = np.zeros((rows_per_batch, 2), dtype=np.int64)  # [row, (source, target)] slots taken
+  for i in order:
+    need = (source_lengths[i], target_lengths[i])
+    fits = np.flatnonzero((used[: len(rows), 0] + need[0] <= row_length)
+                          & (used[: len(rows), 1] + need[1] <= row_length))
+    if fits.size:
+      r = int(fits[0])
+    elif len(rows) < rows_per_batch:
+      r = len(rows)
+      rows.append([])
+    else:
+      batches.append(rows)
+      rows, used[:] = [[]], 0
+      r = 0
+    rows[r].append(int(i))
+    used[r, 0] += need[0]
+    used[r, 1] += need[1]
+  if rows:
+    batches.append(rows)
+  return batches
+
+
+def build_packed_batch(rows: list[list[int]], sources: Sequence[np.ndarray], targets: Sequence[np.ndarray],
+                       row_length: int, rows_per_batch: int) -> dict[str, np.ndarray]:
+  """Arrays `[rows_per_batch, row_length]` int32 for one planned batch (missing rows are all padding)."""
+  out = {key: np.zeros((rows_per_batch, row_length), np.int32) for key in BATCH_KEYS}
+  for r, row in enumerate(rows):
+    for side, seqs in (("inputs", sources), ("targets", targets)):
+      offset = 0
+      for segment, i in enumerate(row, start=1):
+        seq = seqs[i]
+        end = offset + len(seq)
+        out[side][r, offset:end] = seq
+        out[f"{side}_position"][r, offset:end] = np.arange(len(seq))
+        out[f"{side}_segmentation"][r, offset:end] = segment
+        offset = end
+  return out
+
+
+class PackedBatches:
+  """An endless, exactly resumable iterator of packed training batches.
+
+  Args:
+    sources, targets: token-id arrays (EOS included), already filtered to `row_length`.
+    tokens_per_batch: slot budget per side; rows_per_batch = tokens_per_batch // row_length.
+    row_length: slots per row (the longest example that fits).
+    seed: the shuffling seed; epoch e uses `default_rng([seed, e])`.
+    process_index, process_count: each host yields its own contiguous slice of every batch's rows.
+  """
+
+  def __init__(self, sources: Sequence[np.ndarray], targets: Sequence[np.ndarray], *, tokens_per_batch: int,
+               row_length: int, seed: int = 0, process_index: int = 0, process_count: int = 1):
+    if not sources:
+      raise ValueError("no training examples left to batch")
+    rows = tokens_per_batch // row_length
+    if rows < process_count or rows % process_count:
+      raise ValueError(f"tokens_per_batch={tokens_per_batch} gives {rows} rows of {row_length} slots, which "
+                       f"is not a positive multiple of the {process_count} processes")
+    self.sources, self.targets = list(sources), list(targets)
+    self.source_lengths = np.array([len(s) for s in sources])
+    self.target_lengths = np.array([len(t) for t in targets])
+    if max(self.source_lengths.max(), self.target_lengths.max()) > row_length:
+      raise ValueError(f"examples longer than row_length={row_length}; filter them first")
+    self.row_length, self.rows_per_batch, self.seed = row_length, rows, seed
+    self.process_index, self.process_count = process_index, process_count
+    self.epoch, self.index = 0, 0
+    self._plan_epoch: int | None = None
+    self._plan: list[list[list[int]]] = []
+
+  # -- position ------------------------------------------------------------------------------------------
+  def get_state(self) -> dict:
+    """The position of the next batch: JSON-serialisable."""
+    return {"epoch": int(self.epoch), "index": int(self.index), "seed": int(self.seed)}
+
+  def set_state(self, state: dict) -> None:
+    if int(state.get("seed", self.seed)) != self.seed:
+      raise ValueError(f"data iterator state was saved with seed {state['seed']}, this run uses {self.seed}")
+    self.epoch, self.index = int(state["epoch"]), int(state["index"])
+
+  # -- iteration -----------------------------------------------------------------------------------------
+  def plan(self, epoch: int) -> list[list[list[int]]]:
+    if self._plan_epoch != epoch:
+      order = np.random.default_rng([self.seed, epoch]).permutation(len(self.sources))
+      self._plan = pack_epoch(self.source_lengths, self.target_lengths, order, self.row_length,
+                              self.rows_per_batch)
+      self._plan_epoch = epoch
+    return self._plan
+
+  def __iter__(self) -> Iterator[dict[str, np.ndarray]]:
+    return self
+
+  def __next__(self) -> dict[str, np.ndarray]:
+    plan = self.plan(self.epoch)
+    if self.index >= len(plan):
+      self.epoch, self.index = self.epoch + 1, 0
+      plan = self.plan(self.epoch)
+    rows = plan[self.index]
+    self.index += 1
+    batch = build_packed_batch(rows, self.sources, self.targets, self.row_length, self.rows_per_batch)
+    if self.process_count > 1:
+      per_host = self.rows_per_batch // self.process_count
+      lo = self.process_index * per_host
+      batch = {k: v[lo:lo + per_host] for k, v in batch.items()}
+    return batch
+
+  def padding_efficiency(self, epoch: int = 0) -> tuple[float, float]:
+    """(source, target) real tokens / slots over one epoch's plan."""
+    plan = self.plan(epoch)
+    slots = len(plan) * self.rows_per_batch * self.row_length
+    src = sum(self.source_lengths[i] for b in plan for r in b for i in r)
+    tgt = sum(self.target_lengths[i] for b in plan for r in b for i in r)
+    return src / slots, tgt / slots
+
+
+def round_up(n: int, multiple: int) -> int:
+  return -(-n // multiple) * multiple
+
+
+def length_sorted_batches(lengths: Sequence[int], max_tokens: int, length_multiple: int = 8,
+                          max_rows: int | None = None) -> list[tuple[list[int], int]]:
+  """Groups example indices into batches by length (never dropping or truncating one).
+
+  Returns `(indices, padded_length)` per batch; indices are sorted by length, the padded length is the
+  longest member rounded up to `length_multiple`, and rows * padded_length stays within `max_tokens`
+  (a single longer example still gets its own batch).
+  """
+  order = sorted(range(len(lengths)), key=lambda i: (lengths[i], i))
+  batches: list[tuple[list[int], int]] = []
+  current: list[int] = []
+  for i in order:
+    padded = round_up(max(lengths[i], 1), length_multiple)
+    rows_ok = max_rows is None or len(current) + 1 <= max_rows
+    if current and (not rows_ok or (len(current) + 1) * padded > max_tokens):
+      batches.append((current, round_up(max(max(lengths[j] for j in current), 1), length_multiple)))
+      current = []
+    current.append(i)
+  if current:
+    batches.append((current, round_up(max(max(lengths[j] for j in current), 1), length_multiple)))
+  return batches
+
+
+def pad_batch(seqs: Sequence[np.ndarray], length: int, rows: int | None = None) -> np.ndarray:
+  """`[rows or len(seqs), length]` int32, right-padded with PAD."""
+  out = np.full((rows or len(seqs), length), PAD_ID, np.int32)
+  for r, seq in enumerate(seqs):
+    out[r, : len(seq)] = seq
+  return out
+
+
+def eval_batches(sources: Sequence[np.ndarray], targets: Sequence[np.ndarray], max_tokens: int,
+                 length_multiple: int = 16) -> Iterator[dict[str, np.ndarray]]:
+  """Padded, length-sorted `{'inputs', 'targets'}` batches covering every example exactly once."""
+  lengths = [max(len(s), len(t)) for s, t in zip(sources, targets)]
+  for indices, length in length_sorted_batches(lengths, max_tokens, length_multiple):
+    yield {"inputs": pad_batch([sources[i] for i in indices], length),
+           "targets": pad_batch([targets[i] for i in indices], length)}
+
+
+def log_drop_counts(name: str, dropped_long: int, skipped_blank: int, kept: int, max_len: int) -> None:
+  logging.info("%s: kept %d pairs; dropped %d longer than max_len=%d tokens; skipped %d blank pairs",
+               name, kept, dropped_long, max_len, skipped_blank)

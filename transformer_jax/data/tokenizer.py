@@ -1,0 +1,138 @@
+"""One shared SentencePiece vocabulary for source and target (section 5.1: shared BPE).
+
+Ids: pad 0, unk 1, bos 2, eos 3 (the model's `PAD_ID`, `UNK_ID`, `BOS_ID`, `EOS_ID`). Training uses the
+`identity` normalisation, so detokenisation reproduces any text the vocabulary covers exactly.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+import shutil
+import tempfile
+from typing import Iterable, Sequence
+
+import numpy as np
+import sentencepiece as spm
+
+from transformer_jax.config import BOS_ID, EOS_ID, PAD_ID, UNK_ID
+
+VOCAB_FILENAME = "spm.model"
+
+
+class VocabularyError(ValueError):
+  """The vocabulary file is missing, unreadable, or does not match the model."""
+
+
+class Tokenizer:
+  """A loaded SentencePiece model: text <-> ids (EOS appended on encode, stripped on decode)."""
+
+  def __init__(self, model_path: str):
+    self.path = model_path
+    self._sp = spm.SentencePieceProcessor()
+    try:
+      with open(model_path, "rb") as f:
+        self._sp.LoadFromSerializedProto(f.read())
+    except (OSError, RuntimeError) as e:
+      raise VocabularyError(f"{model_path}: not a readable SentencePiece model ({e})") from None
+    special = (self._sp.pad_id(), self._sp.unk_id(), self._sp.bos_id(), self._sp.eos_id())
+    if special != (PAD_ID, UNK_ID, BOS_ID, EOS_ID):
+      raise VocabularyError(f"{model_path}: special ids (pad, unk, bos, eos) = {special}, expected "
+                            f"{(PAD_ID, UNK_ID, BOS_ID, EOS_ID)}")
+
+  @property
+  def vocab_size(self) -> int:
+    return self._sp.get_piece_size()
+
+  def encode(self, text: str, add_eos: bool = True) -> list[int]:
+    """Text -> ids, `[..., EOS]` by default."""
+    ids = self._sp.encode(text)
+    return ids + [EOS_ID] if add_eos else ids
+
+  def encode_batch(self, texts: Sequence[str], add_eos: bool = True) -> list[list[int]]:
+    """Many texts at once (SentencePiece encodes the list in C++)."""
+    batch = self._sp.encode(list(texts))
+    return [ids + [EOS_ID] for ids in batch] if add_eos else batch
+
+  def decode(self, ids: Iterable[int]) -> str:
+    """Ids -> text, stopping at the first EOS and skipping pad/bos."""
+    out = []
+    for i in ids:
+      i = int(i)
+      if i == EOS_ID:
+        break
+      if i not in (PAD_ID, BOS_ID):
+        out.append(i)
+    return self._sp.decode(out)
+
+  def pieces(self, ids: Iterable[int]) -> list[str]:
+    """The subword strings of `ids` (for attention-map axes)."""
+    return [self._sp.id_to_piece(int(i)) for i in ids]
+
+  def check_model_vocab(self, model_vocab_size: int) -> None:
+    """Raises `VocabularyError` naming both sizes when the model was built for another vocabulary."""
+    if model_vocab_size != self.vocab_size:
+      raise VocabularyError(
+          f"{self.path}: vocabulary has {self.vocab_size} pieces but the model/checkpoint expects "
+          f"vocab_size={model_vocab_size}")
+
+
+def train_tokenizer(texts: Iterable[str], output_path: str, vocab_size: int, *, model_type: str = "bpe",
+                    max_sentences: int = 2_000_000, character_coverage: float = 1.0,
+                    byte_fallback: bool = False, seed: int = 0) -> Tokenizer:
+  """Trains one SentencePiece model on (a bounded random sample of) `texts` and writes it to `output_path`.
+
+  `texts` should hold both sides of the training split. The model file is written to a temporary
+  directory and moved into place only when training succeeded, so an existing vocabulary is never left
+  half-written.
+  """
+  rng = random.Random(seed)
+  sample: list[str] = []
+  seen = 0
+  for text in texts:  # reservoir sampling: a uniform sample of at most max_sentences lines
+    text = text.strip()
+    if not text:
+      continue
+    seen += 1
+    if len(sample) < max_sentences:
+      sample.append(text)
+    else:
+      j = rng.randrange(seen)
+      if j < max_sentences:
+        sample[j] = text
+  if not sample:
+    raise ValueError(f"cannot train a vocabulary for {output_path}: no non-empty training sentences")
+
+  os.makedirs(os.path.dirname(os.path.abspath(output_path)), exist_ok=True)
+  with tempfile.TemporaryDirectory(dir=os.path.dirname(os.path.abspath(output_path))) as tmp:
+    corpus = os.path.join(tmp, "corpus.txt")
+    with open(corpus, "w", encoding="utf-8") as f:
+      for text in sample:
+        f.write(text.replace("\n", " ") + "\n")
+    prefix = os.path.join(tmp, "spm")
+    spm.SentencePieceTrainer.train(
+        input=corpus, model_prefix=prefix, vocab_size=vocab_size, model_type=model_type,
+        pad_id=PAD_ID, unk_id=UNK_ID, bos_id=BOS_ID, eos_id=EOS_ID,
+        normalization_rule_name="identity", character_coverage=character_coverage,
+        byte_fallback=byte_fallback, hard_vocab_limit=False, input_sentence_size=len(sample),
+        shuffle_input_sentence=False, num_threads=os.cpu_count() or 1, minloglevel=2)
+    shutil.move(prefix + ".model", output_path)
+  tokenizer = Tokenizer(output_path)
+  logging.info("Trained a %s vocabulary of %d pieces on %d sentences -> %s", model_type,
+               tokenizer.vocab_size, len(sample), output_path)
+  return tokenizer
+
+
+def load_or_train_tokenizer(path: str, texts_fn, vocab_size: int, **train_kwargs) -> Tokenizer:
+  """Loads the vocabulary at `path` if present (resume, translate), else trains it from `texts_fn()`."""
+  if os.path.exists(path):
+    return Tokenizer(path)
+  return train_tokenizer(texts_fn(), path, vocab_size, **train_kwargs)
+
+
+def encode_pairs(tokenizer: Tokenizer, pairs: Sequence[tuple[str, str]]):
+  """(source, target) texts -> two lists of int32 arrays, each ending with EOS."""
+  sources = tokenizer.encode_batch([p[0] for p in pairs])
+  targets = tokenizer.encode_batch([p[1] for p in pairs])
+  return ([np.asarray(s, np.int32) for s in sources], [np.asarray(t, np.int32) for t in targets])

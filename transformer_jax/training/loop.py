@@ -1,0 +1,175 @@
+"""The training loop: data, state, jitted steps, logging, evaluation and checkpoints for one config.
+
+`train_and_evaluate(config, workdir)` is what `python -m experiments.train` runs; it takes an
+`ml_collections.ConfigDict` (see `experiments/configs/`) and never reads flags.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import math
+import os
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from transformer_jax.config import ModelConfig
+from transformer_jax.data import input_pipeline
+from transformer_jax.training import schedule as schedule_lib
+from transformer_jax.training import steps
+
+
+class NonFiniteLossError(FloatingPointError):
+  """The training loss became NaN or Inf."""
+
+
+def model_config_from(config: Any, vocab_size: int) -> ModelConfig:
+  """`ModelConfig` from `config.model` with the vocabulary size of the run's tokenizer."""
+  fields = {f.name for f in dataclasses.fields(ModelConfig)}
+  values = {k: v for k, v in config.model.to_dict().items() if k in fields}
+  unknown = set(config.model.to_dict()) - fields
+  if unknown:
+    raise ValueError(f"config.model has unknown fields {sorted(unknown)}; ModelConfig fields are {sorted(fields)}")
+  values["vocab_size"] = vocab_size
+  return ModelConfig(**values)
+
+
+def _format_eta(seconds: float) -> str:
+  seconds = max(0, int(seconds))
+  return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m" if seconds >= 3600 else f"{seconds // 60}m{seconds % 60:02d}s"
+
+
+class MetricWriter:
+  """Scalars to TensorBoard event files (tensorboardX) and a JSON-lines log in the workdir."""
+
+  def __init__(self, workdir: str, enabled: bool = True):
+    self.enabled = enabled
+    if not enabled:
+      return
+    from tensorboardX import SummaryWriter
+    self._tb = SummaryWriter(os.path.join(workdir, "tensorboard"))
+    self._jsonl = open(os.path.join(workdir, "metrics.jsonl"), "a", encoding="utf-8")
+
+  def write(self, step: int, scalars: dict[str, float]) -> None:
+    if not self.enabled:
+      return
+    for name, value in scalars.items():
+      self._tb.add_scalar(name, value, step)
+    self._jsonl.write(json.dumps({"step": step, "time": time.time(), **scalars}) + "\n")
+    self._jsonl.flush()
+
+  def close(self) -> None:
+    if self.enabled:
+      self._tb.close()
+      self._jsonl.close()
+
+
+def evaluate_loss(eval_fn, params, eval_set, max_tokens: int) -> dict[str, float]:
+  """Token-weighted loss, NLL, perplexity and accuracy over a whole eval set."""
+  from transformer_jax.data.pipeline import eval_batches
+  totals = None
+  for batch in eval_batches(eval_set.sources, eval_set.targets, max_tokens):
+    sums = eval_fn(params, batch)
+    totals = sums if totals is None else jax.tree_util.tree_map(jnp.add, totals, sums)
+  metrics = {k: float(v) for k, v in steps.metrics_from_sums(totals).items()}
+  metrics["perplexity"] = float(math.exp(min(metrics["nll"], 50.0)))
+  return metrics
+
+
+def train_and_evaluate(config: Any, workdir: str) -> dict[str, Any]:
+  """Trains `config` in `workdir` (resuming from its latest checkpoint) and returns the final metrics."""
+  from transformer_jax import checkpoint as checkpoint_lib
+
+  os.makedirs(workdir, exist_ok=True)
+  is_chief = jax.process_index() == 0
+  data = input_pipeline.build_datasets(config.data, workdir, seed=config.seed,
+                                       process_index=jax.process_index(),
+                                       process_count=jax.process_count())
+  model_config = model_config_from(config, data.tokenizer.vocab_size)
+  config.model.vocab_size = model_config.vocab_size
+  resolved = config.to_dict()
+  if is_chief:
+    with open(os.path.join(workdir, "config.json"), "w", encoding="utf-8") as f:
+      json.dump(resolved, f, indent=2, sort_keys=True)
+  src_eff, tgt_eff = data.train.padding_efficiency()
+  logging.info("Model: %s", model_config)
+  logging.info("Packed batches: %d rows x %d slots; padding efficiency source %.1f%%, target %.1f%%",
+               data.train.rows_per_batch, data.train.row_length, 100 * src_eff, 100 * tgt_eff)
+
+  learning_rate_fn = schedule_lib.rsqrt_schedule(model_config.d_model, config.warmup_steps,
+                                                 config.learning_rate)
+  tx = schedule_lib.adam_with_schedule(model_config.d_model, config.warmup_steps, config.learning_rate,
+                                       b1=config.adam_b1, b2=config.adam_b2, eps=config.adam_eps)
+  rng = jax.random.key(config.seed)
+  init_rng, train_rng = jax.random.split(rng)
+  state = steps.create_train_state(model_config, tx, init_rng)
+
+  ckpt = checkpoint_lib.Checkpointer(os.path.join(workdir, "checkpoints"),
+                                     max_to_keep=config.checkpoint_keep)
+  start_step = 0
+  if ckpt.latest_step() is not None:
+    restored = ckpt.restore_latest_complete(state)
+    state, data_state, start_step = restored.state, restored.data_state, restored.step
+    data.train.set_state(data_state)
+    logging.info("Resumed from the checkpoint at step %d in %s", start_step, ckpt.directory)
+
+  train_step = steps.jit_train_step(model_config, config.label_smoothing, learning_rate_fn=learning_rate_fn)
+  eval_step = steps.jit_eval_step(model_config, config.label_smoothing)
+  writer = MetricWriter(workdir, enabled=is_chief)
+  num_steps = config.num_train_steps
+  logging.info("Training %d parameters for %d steps (from step %d)",
+               sum(x.size for x in jax.tree_util.tree_leaves(state.params)), num_steps, start_step)
+
+  pending: list[tuple[int, dict]] = []
+  last_log_time, last_log_step = time.time(), start_step
+  last_ckpt_time = time.time()
+  train_start = time.time()
+  summary: dict[str, Any] = {}
+  for step in range(start_step + 1, num_steps + 1):
+    batch = next(data.train)
+    state, metrics = train_step(state, batch, train_rng)
+    pending.append((step, metrics))
+
+    if step % config.log_every_steps == 0 or step == num_steps:
+      fetched = jax.device_get([m for _, m in pending])
+      for (s, _), m in zip(pending, fetched):
+        if not np.isfinite(m["loss"]):
+          raise NonFiniteLossError(f"training loss is {m['loss']} at step {s}; stopping "
+                                   f"(last checkpoint: step {ckpt.latest_step()})")
+      now = time.time()
+      tokens = sum(float(m["token_count"]) for m in fetched)
+      steps_per_s = (step - last_log_step) / (now - last_log_time)
+      scalars = {k: float(np.mean([m[k] for m in fetched])) for k in ("loss", "nll", "accuracy", "grad_norm")}
+      scalars.update(learning_rate=float(fetched[-1]["learning_rate"]),
+                     tokens_per_s=tokens / (now - last_log_time), steps_per_s=steps_per_s)
+      writer.write(step, {f"train/{k}": v for k, v in scalars.items()})
+      logging.info("step %d/%d | loss %.3f | acc %.3f | lr %.2e | %.0f tok/s | %.2f steps/s | eta %s",
+                   step, num_steps, scalars["loss"], scalars["accuracy"], scalars["learning_rate"],
+                   scalars["tokens_per_s"], steps_per_s, _format_eta((num_steps - step) / steps_per_s))
+      summary["train"] = scalars
+      pending, last_log_time, last_log_step = [], now, step
+
+    if config.eval_every_steps and (step % config.eval_every_steps == 0 or step == num_steps):
+      for name, eval_set in data.eval_sets.items():
+        metrics = evaluate_loss(eval_step, state.params, eval_set, config.eval_tokens_per_batch)
+        writer.write(step, {f"{name}/{k}": v for k, v in metrics.items()})
+        logging.info("eval %s at step %d: loss %.3f | nll %.3f | ppl %.2f | acc %.3f", name, step,
+                     metrics["loss"], metrics["nll"], metrics["perplexity"], metrics["accuracy"])
+        summary[name] = metrics
+
+    by_steps = config.checkpoint_every_steps and step % config.checkpoint_every_steps == 0
+    by_time = (config.checkpoint_every_minutes
+               and time.time() - last_ckpt_time >= 60 * config.checkpoint_every_minutes)
+    if by_steps or by_time or step == num_steps:
+      ckpt.save(step, state, data.train.get_state(), resolved)
+      last_ckpt_time = time.time()
+
+  ckpt.wait()
+  summary["train_minutes"] = (time.time() - train_start) / 60
+  writer.close()
+  return {"state": state, "model_config": model_config, "datasets": data, "summary": summary}
