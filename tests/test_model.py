@@ -191,8 +191,8 @@ def test_packed_row_equals_examples_alone(name):
   tgt2 = jnp.concatenate([tgt_b, tgt_a, jnp.zeros((1, 1), jnp.int32)], axis=1)
   packed2 = np.asarray(Transformer(cfg).apply(
       {"params": params}, src2, tgt2,
-      inputs_position=jnp.array([[0, 1, 2, 3, 0, 1, 2, 0, 0]]),
-      targets_position=jnp.array([[0, 1, 2, 0, 1, 2, 3, 0]]),
+      jnp.array([[0, 1, 2, 3, 0, 1, 2, 0, 0]]),  # inputs positions
+      jnp.array([[0, 1, 2, 0, 1, 2, 3, 0]]),  # targets positions
       inputs_segmentation=jnp.array([[1, 1, 1, 1, 2, 2, 2, 0, 0]]),
       targets_segmentation=jnp.array([[1, 1, 1, 2, 2, 2, 2, 0]])))[0]
   np.testing.assert_allclose(packed2[:3], alone_b, **TOL)
@@ -369,7 +369,8 @@ def test_dropout_determinism():
   det_a = apply(params, src, tgt, jax.random.key(0), True)
   det_b = apply(params, src, tgt, jax.random.key(1), True)
   np.testing.assert_array_equal(np.asarray(det_a), np.asarray(det_b))
-  np.testing.assert_array_equal(np.asarray(det_a), np.asarray(model.apply({"params": params}, src, tgt)))
+  np.testing.assert_allclose(np.asarray(det_a), np.asarray(model.apply({"params": params}, src, tgt)),
+                             **TOL)
   drop_a = apply(params, src, tgt, jax.random.key(0), False)
   drop_a2 = apply(params, src, tgt, jax.random.key(0), False)
   drop_b = apply(params, src, tgt, jax.random.key(1), False)
@@ -389,7 +390,7 @@ def test_remat_gives_identical_logits_and_gradients(deterministic):
   def loss(p, c):
     logits = Transformer(c).apply({"params": p}, src, tgt, deterministic=deterministic,
                                   rngs={"dropout": jax.random.key(3)})
-    return jnp.mean(jax.nn.log_softmax(logits)[..., 5] * (tgt != 0)[..., None]), logits
+    return jnp.mean(jax.nn.log_softmax(logits)[..., 5] * (tgt != 0)), logits
 
   (l0, logits0), g0 = jax.value_and_grad(loss, has_aux=True)(params, cfg)
   (l1, logits1), g1 = jax.value_and_grad(loss, has_aux=True)(params, cfg_remat)

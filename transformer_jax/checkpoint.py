@@ -246,7 +246,7 @@ class Checkpointer:
     if best_metric is not None:
       policies.append(BestByMetric(best_metric, best_mode, keep_best))
     options = ocp.CheckpointManagerOptions(
-        save_interval_steps=save_interval_steps,
+        save_interval_steps=0 if read_only else save_interval_steps,
         # The manager only writes the `metrics` item when `best_fn` is set; deletion is decided by
         # `preservation_policy` alone (it overrides `max_to_keep`/`best_fn`).
         best_fn=_metric_score(best_metric or "", best_mode),

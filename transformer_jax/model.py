@@ -4,7 +4,7 @@ Reads top to bottom: positions and embeddings, masks, the feed-forward and the t
 stacks, and `Transformer` with `encode`, `decode` and `__call__` (teacher forcing).
 
 Shapes: token ids `[batch, length]`; activations `[batch, length, d_model]`; logits `[batch, length, vocab]`
-(float32). Packed rows carry `*_positions` (position of each token inside its own example) and
+(float32). Packed rows carry `*_position` (position of each token inside its own example) and
 `*_segmentation` (1, 2, ... per example, 0 for padding); attention never crosses examples and positional
 encodings restart at every example, so a packed row computes exactly what its examples compute alone.
 
@@ -234,12 +234,12 @@ class Encoder(nn.Module):
   embed: nn.Module
 
   @nn.compact
-  def __call__(self, inputs: Array, mask: Array, inputs_positions: Optional[Array] = None, *,
+  def __call__(self, inputs: Array, mask: Array, inputs_position: Optional[Array] = None, *,
                deterministic: bool = True, return_weights: bool = False) -> Array:
     """inputs `[batch, src_len]` ids, mask `[batch, 1, src_len, src_len]` -> `[batch, src_len, d_model]`."""
     cfg = self.config
     x = self.embed(inputs)
-    x = AddPositions(cfg, name="positions")(x, inputs_positions, deterministic=deterministic)
+    x = AddPositions(cfg, name="positions")(x, inputs_position, deterministic=deterministic)
     x = nn.with_logical_constraint(x, ("batch", "length", "embed"))
     layer_cls = nn.remat(EncoderLayer, static_argnums=(3, 4)) if cfg.remat else EncoderLayer
     for i in range(cfg.num_encoder_layers):
@@ -258,13 +258,13 @@ class Decoder(nn.Module):
 
   @nn.compact
   def __call__(self, decoder_inputs: Array, memory: Array, self_mask: Optional[Array], cross_mask: Array,
-               targets_positions: Optional[Array] = None, *, deterministic: bool = True,
+               targets_position: Optional[Array] = None, *, deterministic: bool = True,
                decode: bool = False, max_decode_len: Optional[int] = None,
                return_weights: bool = False) -> Array:
     """decoder_inputs `[batch, tgt_len]` (shifted right) -> logits `[batch, tgt_len, vocab]` (float32)."""
     cfg = self.config
     y = self.embed(decoder_inputs)
-    y = AddPositions(cfg, name="positions")(y, targets_positions, deterministic=deterministic, decode=decode)
+    y = AddPositions(cfg, name="positions")(y, targets_position, deterministic=deterministic, decode=decode)
     y = nn.with_logical_constraint(y, ("batch", "length", "embed"))
     layer_cls = nn.remat(DecoderLayer, static_argnums=(5, 6, 7, 8)) if cfg.remat else DecoderLayer
     for i in range(cfg.num_decoder_layers):
@@ -303,15 +303,15 @@ class Transformer(nn.Module):
     self.encoder = Encoder(cfg, source_embed, name="encoder")
     self.decoder = Decoder(cfg, target_embed, output_embed, name="decoder")
 
-  def encode(self, inputs: Array, inputs_positions: Optional[Array] = None,
+  def encode(self, inputs: Array, inputs_position: Optional[Array] = None,
              inputs_segmentation: Optional[Array] = None, *, deterministic: bool = True,
              return_weights: bool = False) -> Array:
     """Source ids `[batch, src_len]` (pad = config.pad_id) -> memory `[batch, src_len, d_model]`."""
     mask = attention_mask(inputs != self.config.pad_id, inputs_segmentation, inputs_segmentation)
-    return self.encoder(inputs, mask, inputs_positions, deterministic=deterministic,
+    return self.encoder(inputs, mask, inputs_position, deterministic=deterministic,
                         return_weights=return_weights)
 
-  def decode(self, encoded: Array, inputs: Array, targets: Array, targets_positions: Optional[Array] = None,
+  def decode(self, encoded: Array, inputs: Array, targets: Array, targets_position: Optional[Array] = None,
              inputs_segmentation: Optional[Array] = None, targets_segmentation: Optional[Array] = None, *,
              deterministic: bool = True, decode: bool = False, max_decode_len: Optional[int] = None,
              return_weights: bool = False) -> Array:
@@ -328,20 +328,20 @@ class Transformer(nn.Module):
       self_mask = None  # causal masking over the cache is done by the attention module
       cross_mask = attention_mask(source_valid)
     else:
-      decoder_inputs = shift_right(targets, cfg.bos_id, targets_positions)
+      decoder_inputs = shift_right(targets, cfg.bos_id, targets_position)
       target_valid = targets != cfg.pad_id
       self_mask = attention_mask(target_valid, targets_segmentation, targets_segmentation, causal=True)
       cross_mask = attention_mask(source_valid, targets_segmentation, inputs_segmentation)
-    return self.decoder(decoder_inputs, encoded, self_mask, cross_mask, targets_positions,
+    return self.decoder(decoder_inputs, encoded, self_mask, cross_mask, targets_position,
                         deterministic=deterministic, decode=decode, max_decode_len=max_decode_len,
                         return_weights=return_weights)
 
-  def __call__(self, inputs: Array, targets: Array, inputs_positions: Optional[Array] = None,
-               targets_positions: Optional[Array] = None, inputs_segmentation: Optional[Array] = None,
+  def __call__(self, inputs: Array, targets: Array, inputs_position: Optional[Array] = None,
+               targets_position: Optional[Array] = None, inputs_segmentation: Optional[Array] = None,
                targets_segmentation: Optional[Array] = None, *, deterministic: bool = True,
                return_weights: bool = False) -> Array:
     """Teacher-forced logits `[batch, tgt_len, vocab]` for source `[batch, src_len]`, targets `[batch, tgt_len]`."""
-    encoded = self.encode(inputs, inputs_positions, inputs_segmentation, deterministic=deterministic,
+    encoded = self.encode(inputs, inputs_position, inputs_segmentation, deterministic=deterministic,
                           return_weights=return_weights)
-    return self.decode(encoded, inputs, targets, targets_positions, inputs_segmentation,
+    return self.decode(encoded, inputs, targets, targets_position, inputs_segmentation,
                        targets_segmentation, deterministic=deterministic, return_weights=return_weights)

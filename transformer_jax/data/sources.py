@@ -1,9 +1,14 @@
 """Where (source, target) text pairs come from: tensorflow-datasets builders, read in bulk.
 
-`load_pairs(data_config, split)` is the one entry point the trainer and the evaluation programs use.
-Supported `data_config.dataset` values:
-  * `number_words` — the built-in task (`transformer_jax.data.number_words`), built into
-    `data_config.tfds_data_dir` on first use.
+`load_pairs(data_config, split, workdir)` is the one entry point the trainer and the evaluation programs
+use. `data_config.dataset` selects the source:
+  * `number_words`: the built-in task (`transformer_jax.data.number_words`), built on first use;
+  * `parallel_text`: a local directory of `{split}.{lang}` files (`data.dir`), built on first use;
+  * a tfds translation builder, e.g. `wmt14_translate/de-en` (the paper's), `wmt14_translate/fr-en`,
+    `wmt17_translate/de-en`, `wmt_t2t_translate/de-en`, read from a prepared `data.tfds_data_dir`.
+    `data.source_lang`/`data.target_lang` choose the direction (EN->DE by default, as in the paper; tfds's
+    own supervised keys are DE->EN). Nothing is downloaded unless `data.download=True`.
+Built datasets live in `data.tfds_data_dir` (default `<workdir>/tfds`).
 """
 
 from __future__ import annotations
@@ -27,23 +32,58 @@ def read_tfds_pairs(builder: tfds.core.DatasetBuilder, split: str, source_key: s
   return pairs
 
 
-def default_tfds_dir(workdir: str | None) -> str:
+def tfds_data_dir(data_config: Any, workdir: str | None) -> str:
+  explicit = data_config.get("tfds_data_dir")
+  if explicit:
+    return explicit
   return os.path.join(workdir, "tfds") if workdir else os.path.expanduser("~/tensorflow_datasets")
+
+
+def _tfds_translation_builder(data_config: Any, data_dir: str) -> tuple[tfds.core.DatasetBuilder, str, str]:
+  name = data_config.dataset
+  source, target = data_config.get("source_lang", "en"), data_config.get("target_lang", "de")
+  try:
+    builder = tfds.builder(name, data_dir=data_dir)
+  except tfds.core.registered.DatasetNotFoundError as e:
+    raise ValueError(f"data.dataset={name!r} is not a known dataset ({e})") from None
+  features = set(builder.info.features.keys())
+  if not {source, target} <= features:
+    raise ValueError(f"{name} has languages {sorted(features)}; data.source_lang={source!r} / "
+                     f"data.target_lang={target!r} do not match")
+  if data_config.get("download", False):
+    builder.download_and_prepare()
+  elif not builder.is_prepared():
+    raise ValueError(f"{name} is not prepared in {data_dir}: prepare it there first (see README, "
+                     f"'Reproducing the paper') or pass --config.data.download=True on a machine with network")
+  return builder, source, target
 
 
 def get_builder(data_config: Any, workdir: str | None = None) -> tuple[tfds.core.DatasetBuilder, str, str]:
   """The prepared tfds builder for `data_config.dataset`, plus its source and target feature keys."""
-  data_dir = data_config.get("tfds_data_dir") or default_tfds_dir(workdir)
+  data_dir = tfds_data_dir(data_config, workdir)
   name = data_config.dataset
   if name == "number_words":
-    from transformer_jax.data.number_words import NumberWords  # registers the builder
+    from transformer_jax.data.number_words import NumberWords
     builder = NumberWords(config=data_config.get("builder_config") or "default", data_dir=data_dir)
     builder.download_and_prepare()
     return builder, "en", "de"
-  raise ValueError(f"data.dataset={name!r} is not a known dataset; expected 'number_words'")
+  if name == "parallel_text":
+    from transformer_jax.data.parallel_text import parallel_text_builder
+    if not data_config.get("dir"):
+      raise ValueError("data.dataset='parallel_text' needs --config.data.dir=DIRECTORY")
+    source, target = data_config.source_lang, data_config.target_lang
+    builder = parallel_text_builder(data_config.dir, source, target, data_dir,
+                                    required_splits=(data_config.train_split,
+                                                     *data_config.get("eval_splits", ())))
+    return builder, source, target
+  return _tfds_translation_builder(data_config, data_dir)
 
 
 def load_pairs(data_config: Any, split: str, workdir: str | None = None) -> Pairs:
   """(source, target) text pairs of `split` (a tfds split name, slicing allowed: 'train[:1000]')."""
   builder, source_key, target_key = get_builder(data_config, workdir)
+  available = set(builder.info.splits.keys())
+  base_split = split.split("[")[0]
+  if available and base_split not in available:
+    raise ValueError(f"{data_config.dataset} has no split {base_split!r}; available: {sorted(available)}")
   return read_tfds_pairs(builder, split, source_key, target_key)

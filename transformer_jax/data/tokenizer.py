@@ -115,7 +115,7 @@ def train_tokenizer(texts: Iterable[str], output_path: str, vocab_size: int, *, 
         input=corpus, model_prefix=prefix, vocab_size=vocab_size, model_type=model_type,
         pad_id=PAD_ID, unk_id=UNK_ID, bos_id=BOS_ID, eos_id=EOS_ID,
         normalization_rule_name="identity", character_coverage=character_coverage,
-        byte_fallback=byte_fallback, hard_vocab_limit=False, input_sentence_size=len(sample),
+        byte_fallback=byte_fallback, hard_vocab_limit=False, input_sentence_size=0,
         shuffle_input_sentence=False, num_threads=os.cpu_count() or 1, minloglevel=2)
     shutil.move(prefix + ".model", output_path)
   tokenizer = Tokenizer(output_path)

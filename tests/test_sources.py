@@ -1,0 +1,163 @@
+"""Text sources (tfds number words, local parallel text, WMT via mocked tfds) and the shared vocabulary."""
+
+import os
+
+import ml_collections
+import numpy as np
+import pytest
+import tensorflow_datasets as tfds
+
+from transformer_jax import config as C
+from transformer_jax.data import input_pipeline, parallel_text, sources, tokenizer as tok_lib
+
+
+def _write(path, lines, raw=None):
+  with open(path, "wb") as f:
+    f.write(raw if raw is not None else ("\n".join(lines) + "\n").encode("utf-8"))
+
+
+def _data_config(**kw):
+  cfg = ml_collections.ConfigDict(dict(dataset="parallel_text", dir="", source_lang="en", target_lang="de",
+                                       tfds_data_dir="", vocab_path="", vocab_size=64, train_split="train",
+                                       eval_splits=("val",), max_len=32, tokens_per_batch=256,
+                                       vocab_max_sentences=1000))
+  cfg.update(kw)
+  return cfg
+
+
+@pytest.fixture
+def small_corpus(tmp_path):
+  d = tmp_path / "corpus"
+  d.mkdir()
+  en = [f"the {w} house number {i}" for i, w in enumerate(["red", "green", "big", "small"] * 10)]
+  de = [f"das {w} haus nummer {i}" for i, w in enumerate(["rote", "grüne", "große", "kleine"] * 10)]
+  en[3], de[3] = "   ", ""  # blank pair: skipped in training
+  _write(d / "train.en", en)
+  _write(d / "train.de", de)
+  _write(d / "val.en", ["the red house", "", "the big house"])
+  _write(d / "val.de", ["das rote haus", "", "das große haus"])
+  return d
+
+
+# -- vocabulary ----------------------------------------------------------------------------------------
+
+def test_tokenizer_special_ids_and_exact_roundtrip(tmp_path):
+  texts = [f"zweihundert{x}undzwanzig {y}" for x in ("ein", "drei", "vier") for y in ("Haus", "Straße!")] * 30
+  tok = tok_lib.train_tokenizer(texts, str(tmp_path / "spm.model"), vocab_size=60)
+  ids = tok.encode("zweihunderteinundzwanzig Straße!")
+  assert ids[-1] == C.EOS_ID and C.PAD_ID not in ids
+  assert tok.decode(ids) == "zweihunderteinundzwanzig Straße!"
+  for text in set(texts):
+    assert tok.decode(tok.encode(text)) == text
+  assert tok.decode(ids + [5, 6, 7]) == tok.decode(ids)  # stops at EOS
+
+
+def test_tokenizer_vocab_mismatch_is_reported(tmp_path):
+  tok = tok_lib.train_tokenizer(["a b c d e f g"] * 10, str(tmp_path / "spm.model"), vocab_size=20)
+  with pytest.raises(tok_lib.VocabularyError, match=f"vocabulary has {tok.vocab_size} pieces.*vocab_size=999"):
+    tok.check_model_vocab(999)
+
+
+def test_unreadable_vocabulary_names_the_file(tmp_path):
+  bad = tmp_path / "spm.model"
+  bad.write_bytes(b"not a model")
+  with pytest.raises(tok_lib.VocabularyError, match="spm.model"):
+    tok_lib.Tokenizer(str(bad))
+
+
+def test_failed_vocab_training_leaves_existing_file_untouched(tmp_path):
+  path = tmp_path / "spm.model"
+  tok_lib.train_tokenizer(["hello world"] * 20, str(path), vocab_size=20)
+  before = path.read_bytes()
+  with pytest.raises(ValueError, match="no non-empty"):
+    tok_lib.train_tokenizer(["", "  "], str(path), vocab_size=20)
+  assert path.read_bytes() == before
+
+
+# -- local parallel text ---------------------------------------------------------------------------------
+
+def test_parallel_text_pipeline_skips_blank_in_training_keeps_in_eval(small_corpus, tmp_path):
+  cfg = _data_config(dir=str(small_corpus))
+  data = input_pipeline.build_datasets(cfg, str(tmp_path / "work"), seed=0)
+  assert data.stats["skipped_blank"] == 1 and data.stats["train_pairs"] == 39
+  val = data.eval_sets["val"]
+  assert [p for p in val.pairs] == [("the red house", "das rote haus"), ("", ""),
+                                   ("the big house", "das große haus")]
+  assert os.path.exists(tmp_path / "work" / "vocab" / "spm.model")
+  batch = next(data.train)
+  assert batch["inputs"].shape == (8, 32)
+
+
+def test_parallel_text_dataset_is_built_once_and_reused(small_corpus, tmp_path):
+  args = (str(small_corpus), "en", "de", str(tmp_path / "tfds"))
+  b1 = parallel_text.parallel_text_builder(*args)
+  stamp = os.path.getmtime(os.path.join(b1.data_dir, "dataset_info.json"))
+  b2 = parallel_text.parallel_text_builder(*args)
+  assert b2.data_dir == b1.data_dir
+  assert os.path.getmtime(os.path.join(b2.data_dir, "dataset_info.json")) == stamp
+  assert sorted(b2.info.splits.keys()) == ["train", "val"]
+
+
+def test_line_count_mismatch_names_both_files_and_counts(small_corpus, tmp_path):
+  _write(small_corpus / "val.de", ["eins", "zwei"])
+  with pytest.raises(ValueError, match=r"val\.en has 3 lines but .*val\.de has 2 lines"):
+    parallel_text.parallel_text_builder(str(small_corpus), "en", "de", str(tmp_path / "tfds"))
+  assert not os.path.exists(tmp_path / "tfds" / "parallel_text")  # nothing written
+
+
+def test_missing_split_file_is_named(small_corpus, tmp_path):
+  os.remove(small_corpus / "val.de")
+  with pytest.raises(ValueError, match=r"missing split file .*val\.de"):
+    parallel_text.parallel_text_builder(str(small_corpus), "en", "de", str(tmp_path / "tfds"),
+                                        required_splits=("train", "val"))
+
+
+def test_invalid_utf8_names_file_and_line(small_corpus, tmp_path):
+  _write(small_corpus / "val.en", None, raw=b"ok line\nbad \xff\xfe line\nthird\n")
+  with pytest.raises(ValueError, match=r"val\.en:2: invalid UTF-8"):
+    parallel_text.parallel_text_builder(str(small_corpus), "en", "de", str(tmp_path / "tfds"))
+
+
+def test_empty_training_file_is_refused(small_corpus, tmp_path):
+  _write(small_corpus / "train.en", None, raw=b"")
+  _write(small_corpus / "train.de", None, raw=b"")
+  with pytest.raises(ValueError, match="no non-blank pairs"):
+    parallel_text.parallel_text_builder(str(small_corpus), "en", "de", str(tmp_path / "tfds"))
+
+
+def test_multi30k_reads_through_tfds(multi30k_dir, tmp_path):
+  cfg = _data_config(dir=multi30k_dir)
+  pairs = sources.load_pairs(cfg, "val", str(tmp_path))
+  assert len(pairs) == 1014
+  with open(os.path.join(multi30k_dir, "val.de"), encoding="utf-8") as f:
+    assert pairs[0][1] == f.readline().rstrip("\n")
+  assert len(sources.load_pairs(cfg, "train", str(tmp_path))) == 29000
+
+
+# -- WMT through tfds (mocked: no network) -------------------------------------------------------------
+
+@pytest.mark.parametrize("name", ["wmt14_translate/de-en", "wmt14_translate/fr-en", "wmt17_translate/de-en",
+                                  "wmt_t2t_translate/de-en"])
+def test_wmt_builders_read_in_the_configured_direction(name, tmp_path):
+  target = name.split("/")[1].split("-")[0]  # de or fr
+  cfg = _data_config(dataset=name, source_lang="en", target_lang=target, download=True)
+  with tfds.testing.mock_data(num_examples=12):
+    pairs = sources.load_pairs(cfg, "train", str(tmp_path))
+    builder, src_key, tgt_key = sources.get_builder(cfg, str(tmp_path))
+    raw = next(iter(tfds.as_numpy(builder.as_dataset(split="train", shuffle_files=False))))
+  assert (src_key, tgt_key) == ("en", target)
+  assert len(pairs) == 12
+  assert pairs[0] == (raw["en"].decode(), raw[target].decode())
+
+
+def test_unprepared_wmt_is_refused_without_downloading(tmp_path):
+  cfg = _data_config(dataset="wmt14_translate/de-en", target_lang="de")
+  with pytest.raises(ValueError, match="not prepared"):
+    sources.get_builder(cfg, str(tmp_path))
+
+
+def test_wrong_direction_languages_are_refused(tmp_path):
+  cfg = _data_config(dataset="wmt14_translate/de-en", target_lang="fr", download=True)
+  with tfds.testing.mock_data(num_examples=2):
+    with pytest.raises(ValueError, match="languages"):
+      sources.get_builder(cfg, str(tmp_path))

@@ -1,0 +1,129 @@
+"""Local parallel text as a tensorflow-datasets builder: a directory of `{split}.{lang}` files.
+
+    data/train.en  data/train.de  data/val.en  data/val.de  data/test2016.en  data/test2016.de
+
+Line N of `X.en` translates line N of `X.de` (UTF-8). The files are checked (line counts, UTF-8, missing
+split files, an empty training file) before anything is built; the dataset is then built once into the tfds
+data directory under a name that fingerprints the files (path, size, mtime), so changed files rebuild and
+unchanged ones are reused.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import os
+import re
+
+import tensorflow_datasets as tfds
+
+_SPLIT_FILE = re.compile(r"^(\w+)\.([A-Za-z_-]+)$")
+
+
+class ParallelTextError(ValueError):
+  """A parallel text directory that cannot be used: the message names the file (and line)."""
+
+
+def discover_splits(directory: str, source_lang: str, target_lang: str) -> list[str]:
+  """Split names that have both a `.{source_lang}` and a `.{target_lang}` file in `directory`."""
+  if not os.path.isdir(directory):
+    raise ParallelTextError(f"data directory {directory} does not exist")
+  names: dict[str, set[str]] = {}
+  for filename in os.listdir(directory):
+    match = _SPLIT_FILE.match(filename)
+    if match:
+      names.setdefault(match.group(1), set()).add(match.group(2))
+  return sorted(s for s, langs in names.items() if {source_lang, target_lang} <= langs)
+
+
+def split_files(directory: str, split: str, source_lang: str, target_lang: str) -> tuple[str, str]:
+  """The two files of `split`; a missing one is named in the error."""
+  paths = tuple(os.path.join(directory, f"{split}.{lang}") for lang in (source_lang, target_lang))
+  for path in paths:
+    if not os.path.isfile(path):
+      available = ", ".join(discover_splits(directory, source_lang, target_lang)) or "none"
+      raise ParallelTextError(f"missing split file {path} (splits with both languages: {available})")
+  return paths
+
+
+def read_lines(path: str) -> list[str]:
+  """Lines of a UTF-8 file without line endings; invalid UTF-8 names the file and line."""
+  lines = []
+  with open(path, "rb") as f:
+    for number, raw in enumerate(f, start=1):
+      try:
+        lines.append(raw.decode("utf-8").rstrip("\r\n"))
+      except UnicodeDecodeError as e:
+        raise ParallelTextError(f"{path}:{number}: invalid UTF-8 ({e.reason} at byte {e.start})") from None
+  return lines
+
+
+def read_split(directory: str, split: str, source_lang: str, target_lang: str) -> list[tuple[str, str]]:
+  """The checked (source, target) pairs of one split, in file order."""
+  source_path, target_path = split_files(directory, split, source_lang, target_lang)
+  source, target = read_lines(source_path), read_lines(target_path)
+  if len(source) != len(target):
+    raise ParallelTextError(f"{source_path} has {len(source)} lines but {target_path} has {len(target)} lines")
+  return list(zip(source, target))
+
+
+def fingerprint(directory: str, splits: list[str], langs: tuple[str, str]) -> str:
+  digest = hashlib.sha256(os.path.abspath(directory).encode())
+  for split in splits:
+    for lang in langs:
+      stat = os.stat(os.path.join(directory, f"{split}.{lang}"))
+      digest.update(f"{split}.{lang}:{stat.st_size}:{stat.st_mtime_ns}".encode())
+  return digest.hexdigest()[:16]
+
+
+@dataclasses.dataclass
+class ParallelTextConfig(tfds.core.BuilderConfig):
+  directory: str = ""
+  source_lang: str = "en"
+  target_lang: str = "de"
+  splits: tuple[str, ...] = ()
+
+
+class ParallelText(tfds.core.GeneratorBasedBuilder):
+  """A tfds dataset over a directory of `{split}.{lang}` files (features: the two language codes)."""
+
+  VERSION = tfds.core.Version("1.0.0")
+
+  def _info(self) -> tfds.core.DatasetInfo:
+    cfg = self.builder_config
+    return self.dataset_info_from_configs(
+        features=tfds.features.FeaturesDict({cfg.source_lang: tfds.features.Text(),
+                                             cfg.target_lang: tfds.features.Text()}),
+        supervised_keys=(cfg.source_lang, cfg.target_lang),
+        disable_shuffling=True)  # keep file order: outputs must align with references
+
+  def _split_generators(self, dl_manager):
+    del dl_manager  # local files only
+    return {split: self._generate_examples(split) for split in self.builder_config.splits}
+
+  def _generate_examples(self, split):
+    cfg = self.builder_config
+    for index, (source, target) in enumerate(read_split(cfg.directory, split, cfg.source_lang,
+                                                        cfg.target_lang)):
+      yield index, {cfg.source_lang: source, cfg.target_lang: target}
+
+
+def parallel_text_builder(directory: str, source_lang: str, target_lang: str, data_dir: str,
+                          required_splits: tuple[str, ...] = ("train",)) -> ParallelText:
+  """Checks the files, then returns the prepared builder (built on first use, reused afterwards)."""
+  for split in required_splits:
+    split_files(directory, split, source_lang, target_lang)
+  splits = discover_splits(directory, source_lang, target_lang)
+  for split in splits:  # validate everything before writing anything
+    pairs = read_split(directory, split, source_lang, target_lang)
+    if split == required_splits[0] and not any(s.strip() and t.strip() for s, t in pairs):
+      raise ParallelTextError(
+          f"training files {os.path.join(directory, split)}.{{{source_lang},{target_lang}}} hold no "
+          f"non-blank pairs")
+  name = f"{source_lang}_{target_lang}_{fingerprint(directory, splits, (source_lang, target_lang))}"
+  config = ParallelTextConfig(name=name, version="1.0.0", directory=os.path.abspath(directory),
+                              source_lang=source_lang, target_lang=target_lang, splits=tuple(splits),
+                              description=f"{directory} ({source_lang}->{target_lang})")
+  builder = ParallelText(config=config, data_dir=data_dir)
+  builder.download_and_prepare()
+  return builder
