@@ -1,0 +1,40 @@
+r"""Draw attention heatmaps (encoder self, decoder self, cross; every layer and head) for one sentence.
+
+    python -m experiments.attention_map --workdir=DIR --source="twenty-one" [--target="einundzwanzig"] \
+        --output=attention.png
+
+Without --target the model's own greedy translation is used.
+"""
+
+from absl import app, flags
+
+from experiments import common
+
+FLAGS = flags.FLAGS
+flags.DEFINE_string("workdir", None, "The training run's --workdir.")
+flags.DEFINE_string("source", None, "Source sentence.")
+flags.DEFINE_string("target", None, "Target sentence (default: the model's greedy translation).")
+flags.DEFINE_string("output", "attention.png", "PNG file to write.")
+flags.DEFINE_string("checkpoint", None, "A step, or a checkpoint directory (default: the latest).")
+flags.mark_flags_as_required(["workdir", "source"])
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+  from transformer_jax import visualize
+  try:
+    model_config, params, tokenizer = common.load_for_inference(FLAGS.workdir, FLAGS.checkpoint)
+  except common.USER_ERRORS as e:
+    common.fail(str(e))
+  target = FLAGS.target
+  if target is None:
+    target = common.translate_texts(model_config, params, tokenizer, [FLAGS.source])[0]
+  source_ids, target_ids = tokenizer.encode(FLAGS.source), tokenizer.encode(target)
+  maps = visualize.attention_maps(params, model_config, source_ids, target_ids)
+  visualize.plot_attention(maps, tokenizer.pieces(source_ids), tokenizer.pieces(target_ids), FLAGS.output)
+  print(f"{FLAGS.source} -> {target}\nwrote {FLAGS.output}")
+
+
+if __name__ == "__main__":
+  app.run(main)

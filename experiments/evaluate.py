@@ -1,0 +1,84 @@
+r"""Translate a source file and score it against a reference with sacreBLEU.
+
+    python -m experiments.evaluate --workdir=DIR --source=test.en --reference=test.de [--beam_size=4]
+        [--alpha=0.6] [--tokenized_bleu] [--lc_tok_reference=test.lc.norm.tok.de] [--checkpoint=STEP|DIR]
+
+Prints cased detokenised BLEU with its signature and chrF; `--tokenized_bleu` adds the paper-style score
+(Moses-tokenised, compound-split); `--lc_tok_reference` adds the Multi30k-style lowercased tokenised score.
+Hypotheses and scores are written next to each other: `<output_prefix>.hyp` and `<output_prefix>.json`.
+"""
+
+import json
+import os
+import sys
+import time
+
+from absl import app, flags
+
+from experiments import common
+from experiments.translate import read_lines
+
+FLAGS = flags.FLAGS
+flags.DEFINE_string("workdir", None, "The training run's --workdir.")
+flags.DEFINE_string("source", None, "Source text file, one sentence per line.")
+flags.DEFINE_string("reference", None, "Reference translations, aligned with --source.")
+flags.DEFINE_integer("beam_size", 4, "Beam size (the paper: 4).")
+flags.DEFINE_float("alpha", 0.6, "Length penalty exponent (the paper: 0.6).")
+flags.DEFINE_integer("extra_len", 50, "Maximum output length = input length + extra_len (the paper: 50).")
+flags.DEFINE_string("checkpoint", None, "A step, or a checkpoint directory (default: the latest).")
+flags.DEFINE_bool("tokenized_bleu", False, "Also report tokenised, compound-split BLEU (paper style).")
+flags.DEFINE_string("target_lang", None, "Target language for Moses tokenisation (default: from config).")
+flags.DEFINE_string("lc_tok_reference", None,
+                    "Lowercased, normalised, tokenised reference (Multi30k style) for an extra score.")
+flags.DEFINE_string("output_prefix", None, "Where to write .hyp and .json (default: <workdir>/eval/<source>).")
+flags.mark_flags_as_required(["workdir", "source", "reference"])
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+  from transformer_jax import metrics
+  try:
+    sources, references = read_lines(FLAGS.source), read_lines(FLAGS.reference)
+    if len(sources) != len(references):
+      raise ValueError(f"{FLAGS.source} has {len(sources)} lines but {FLAGS.reference} has "
+                       f"{len(references)} lines")
+    lc_refs = read_lines(FLAGS.lc_tok_reference) if FLAGS.lc_tok_reference else None
+    if lc_refs is not None and len(lc_refs) != len(sources):
+      raise ValueError(f"{FLAGS.lc_tok_reference} has {len(lc_refs)} lines, expected {len(sources)}")
+    model_config, params, tokenizer = common.load_for_inference(FLAGS.workdir, FLAGS.checkpoint)
+    target_lang = FLAGS.target_lang or common.load_workdir_config(FLAGS.workdir)["data"].get("target_lang", "de")
+  except common.USER_ERRORS as e:
+    common.fail(str(e))
+
+  from tqdm import tqdm
+  start = time.time()
+  with tqdm(total=len(sources), unit="sent", file=sys.stderr) as bar:
+    hypotheses = common.translate_texts(model_config, params, tokenizer, sources, beam_size=FLAGS.beam_size,
+                                        alpha=FLAGS.alpha, extra_len=FLAGS.extra_len, progress=bar.update)
+  seconds = time.time() - start
+  scores = metrics.sacrebleu_scores(hypotheses, references)
+  if FLAGS.tokenized_bleu:
+    scores["tokenized_bleu"] = metrics.tokenized_bleu(hypotheses, references, lang=target_lang)
+  if lc_refs is not None:
+    scores["lc_tok_bleu"] = metrics.lowercased_tokenized_bleu(hypotheses, lc_refs, lang=target_lang)
+  scores.update(sentences=len(sources), seconds=seconds, beam_size=FLAGS.beam_size, alpha=FLAGS.alpha,
+                checkpoint=FLAGS.checkpoint or "latest")
+
+  prefix = FLAGS.output_prefix or os.path.join(FLAGS.workdir, "eval", os.path.basename(FLAGS.source))
+  os.makedirs(os.path.dirname(os.path.abspath(prefix)), exist_ok=True)
+  with open(prefix + ".hyp", "w", encoding="utf-8") as f:
+    f.writelines(h + "\n" for h in hypotheses)
+  with open(prefix + ".json", "w", encoding="utf-8") as f:
+    json.dump(scores, f, indent=2)
+  print(f"BLEU {scores['bleu']:.2f}  ({scores['bleu_signature']})")
+  print(f"chrF {scores['chrf']:.2f}  ({scores['chrf_signature']})")
+  if "tokenized_bleu" in scores:
+    print(f"tokenized compound-split BLEU {scores['tokenized_bleu']:.2f}  (paper style; not comparable to sacreBLEU)")
+  if "lc_tok_bleu" in scores:
+    print(f"lowercased tokenized BLEU {scores['lc_tok_bleu']:.2f}  (against {FLAGS.lc_tok_reference})")
+  print(f"{len(sources)} sentences in {seconds:.1f}s; hypotheses: {prefix}.hyp; scores: {prefix}.json")
+
+
+if __name__ == "__main__":
+  app.run(main)
