@@ -22,6 +22,7 @@ flags.mark_flags_as_required(["workdir", "source"])
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+  common.setup_logging()
   from transformer_jax import visualize
   try:
     model_config, params, tokenizer = common.load_for_inference(FLAGS.workdir, FLAGS.checkpoint)

@@ -16,6 +16,26 @@ USER_ERRORS = (ValueError, FileNotFoundError, NotADirectoryError, VocabularyErro
                UnicodeDecodeError)
 
 
+_QUIET_LIBRARIES = ("/orbax/", "/tensorflow_datasets/", "/etils/", "/tensorstore/")
+
+
+class _LibraryInfoFilter:
+  """Drops INFO/DEBUG records of chatty libraries (orbax logs every save step by step) from absl logs."""
+
+  def filter(self, record) -> bool:
+    import logging
+    return record.levelno >= logging.WARNING or not any(p in record.pathname for p in _QUIET_LIBRARIES)
+
+
+def setup_logging() -> None:
+  """Our own progress at INFO; orbax/tfds chatter only from WARNING up; no tfds progress bars."""
+  from absl import logging as absl_logging
+  import tensorflow_datasets as tfds
+  absl_logging.set_verbosity(absl_logging.INFO)
+  absl_logging.get_absl_handler().addFilter(_LibraryInfoFilter())
+  tfds.disable_progress_bar()
+
+
 def fail(message: str) -> None:
   print(f"error: {message}", file=sys.stderr)
   sys.exit(1)
@@ -65,7 +85,7 @@ def report_final_eval(config: Any, workdir: str, result: dict) -> dict:
   """Translates the test split, prints a few samples and exact-match accuracy, writes final_eval.json."""
   from transformer_jax.data import sources
   final = config.get("final_eval")
-  if not final or not final.get("split"):
+  if not final or not final.get("split") or result["summary"].get("stopped_early"):
     return {}
   pairs = sources.load_pairs(config.data, final.split, workdir)
   if final.get("max_examples"):

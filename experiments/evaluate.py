@@ -37,6 +37,7 @@ flags.mark_flags_as_required(["workdir", "source", "reference"])
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+  common.setup_logging()
   from transformer_jax import metrics
   try:
     sources, references = read_lines(FLAGS.source), read_lines(FLAGS.reference)

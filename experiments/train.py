@@ -28,6 +28,7 @@ def main(argv):
   from transformer_jax.training import loop
   from experiments import common
   config = FLAGS.config
+  common.setup_logging()
   try:
     result = loop.train_and_evaluate(config, FLAGS.workdir)
     common.report_final_eval(config, FLAGS.workdir, result)

@@ -41,6 +41,7 @@ def read_lines(path):
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+  common.setup_logging()
   try:
     lines = read_lines(FLAGS.input)
     model_config, params, tokenizer = common.load_for_inference(FLAGS.workdir, FLAGS.checkpoint)

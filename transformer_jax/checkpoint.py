@@ -22,12 +22,13 @@ import dataclasses
 import logging
 import math
 import os
-from typing import Any, Iterable, Mapping, NamedTuple, Sequence
+from typing import Any, Iterable, Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
+from etils import epath
 from orbax.checkpoint import checkpoint_managers as ocp_policies
 
 logger = logging.getLogger(__name__)
@@ -36,17 +37,24 @@ PyTree = Any
 
 CHECKPOINT_SUBDIR = "checkpoints"
 STATE, RNG, DATA, CONFIG = "state", "rng", "data", "config"
+METRICS = "metrics"  # the item name Orbax's CheckpointManager reads metrics from
 _RNG_KEY = "key"
+_MAX_ERROR_CHARS = 600
 
 
-class Restored(NamedTuple):
-  """What `Checkpointer.restore` returns; unpacks as `state, rng, data_state, config, metrics`."""
+@dataclasses.dataclass(frozen=True)
+class Restored:
+  """A restored step. Unpacks as `state, rng, data_state, config, metrics`; `.step` says which step it was."""
 
   state: PyTree
   rng: jax.Array | None
   data_state: dict
   config: dict
   metrics: dict | None
+  step: int
+
+  def __iter__(self):
+    return iter((self.state, self.rng, self.data_state, self.config, self.metrics))
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -163,8 +171,8 @@ def _as_abstract(tree: PyTree, default_sharding: jax.sharding.Sharding) -> PyTre
       sharding = default_sharding
     shape = tuple(getattr(x, "shape", np.shape(x)))
     dtype = getattr(x, "dtype", None)
-    if dtype is None:
-      dtype = np.asarray(x).dtype
+    if dtype is None:  # Python scalars (e.g. a fresh TrainState's `step`): JAX's default dtype.
+      dtype = jnp.asarray(x).dtype
     return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
 
   return jax.tree_util.tree_map(leaf, tree)
@@ -194,6 +202,15 @@ def _step_dir(directory: str, step: int) -> str:
   return os.path.join(directory, str(step))
 
 
+def _item_tree_metadata(directory: str, step: int, item: str) -> PyTree:
+  """The saved tree metadata (shapes, dtypes) of an array item, read without touching other items."""
+  handler = ocp.handlers.StandardCheckpointHandler()
+  try:
+    return handler.metadata(epath.Path(_step_dir(directory, step)) / item).tree
+  finally:
+    handler.close()
+
+
 def _handler_registry(state_handler: str = "standard") -> ocp.handlers.DefaultCheckpointHandlerRegistry:
   """Which Orbax handler saves/restores each item (so a fresh manager can restore without a prior save)."""
   registry = ocp.handlers.DefaultCheckpointHandlerRegistry()
@@ -209,6 +226,23 @@ def _handler_registry(state_handler: str = "standard") -> ocp.handlers.DefaultCh
     registry.add(item, ocp.args.JsonSave, ocp.handlers.JsonCheckpointHandler())
     registry.add(item, ocp.args.JsonRestore, ocp.handlers.JsonCheckpointHandler())
   return registry
+
+
+class _Manager(ocp.CheckpointManager):
+  """`CheckpointManager` whose per-step metrics reads tolerate a damaged metrics file.
+
+  Orbax reads every step's metrics when the manager is created and only tolerates a missing file, so one
+  truncated `<step>/metrics/metrics` would make the whole directory unusable. Here such a step counts as
+  having no metrics (it is kept or deleted like any step without them).
+  """
+
+  def metrics(self, step: int) -> PyTree | None:
+    try:
+      return super().metrics(step)
+    except Exception as error:  # pylint: disable=broad-except
+      logger.warning("Could not read the metrics of checkpoint step %d in %s (%s: %s); ignoring them.",
+                     step, self.directory, type(error).__name__, error)
+      return None
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -237,6 +271,8 @@ class Checkpointer:
                read_only: bool = False):
     if best_mode not in ("min", "max"):
       raise ValueError(f"best_mode={best_mode!r}; expected 'min' or 'max'")
+    if keep_best < 1:
+      raise ValueError(f"keep_best={keep_best} must be >= 1")
     if max_to_keep is not None and max_to_keep < 1:
       raise ValueError(f"max_to_keep={max_to_keep} must be >= 1 or None")
     self.directory = os.path.abspath(os.fspath(directory))
@@ -247,18 +283,17 @@ class Checkpointer:
       policies.append(BestByMetric(best_metric, best_mode, keep_best))
     options = ocp.CheckpointManagerOptions(
         save_interval_steps=0 if read_only else save_interval_steps,
-        # The manager only writes the `metrics` item when `best_fn` is set; deletion is decided by
-        # `preservation_policy` alone (it overrides `max_to_keep`/`best_fn`).
-        best_fn=_metric_score(best_metric or "", best_mode),
-        best_mode=best_mode,
+        # Deletion is decided by `preservation_policy` alone (latest K + best by metric). `best_fn` stays
+        # unset: with it the manager warns on every save without metrics; `save` writes the metrics item
+        # itself instead (same `<step>/metrics/metrics` file the manager reads back).
         preservation_policy=ocp_policies.AnyPreservationPolicy(policies),
         enable_async_checkpointing=enable_async_checkpointing,
         read_only=read_only,
         create=not read_only,
         cleanup_tmp_directories=not read_only,
     )
-    self._manager = ocp.CheckpointManager(self.directory, options=options,
-                                          handler_registry=_handler_registry())
+    self._manager = _Manager(self.directory, options=options,
+                             handler_registry=_handler_registry())
 
   @classmethod
   def for_workdir(cls, workdir: str | os.PathLike, **kwargs) -> "Checkpointer":
@@ -339,9 +374,12 @@ class Checkpointer:
     }
     if rng is not None:
       items[RNG] = ocp.args.StandardSave({_RNG_KEY: _rng_key_data(rng)})
+    if metrics is not None:
+      metrics = to_jsonable(dict(metrics))
+      items[METRICS] = ocp.args.JsonSave(metrics)
     return bool(self._manager.save(
         step, args=ocp.args.Composite(**items),
-        metrics=None if metrics is None else to_jsonable(dict(metrics)),
+        metrics=metrics,  # the manager's in-memory record, which the preservation policy sees
         force=force,
         custom_metadata=None if custom_metadata is None else to_jsonable(dict(custom_metadata))))
 
@@ -361,6 +399,7 @@ class Checkpointer:
     saved nested dicts/lists placed with the shardings recorded at save time (same topology only).
     The rng is restored replicated over the devices of `abstract_state` unless `abstract_rng` says otherwise.
     """
+    self.wait()  # a step still being written asynchronously is not readable yet
     if step is None:
       step = self.latest_step()
       if step is None:
@@ -375,20 +414,19 @@ class Checkpointer:
     has_rng = self._has_item(step, RNG)
     if has_rng:
       if abstract_rng is None:
-        rng_meta = self._manager.item_metadata(step)[RNG]
-        rng_target = _abstract_from_metadata(rng_meta.tree, replicated)
+        rng_meta = _item_tree_metadata(self.directory, step, RNG)
+        rng_target = _abstract_from_metadata(rng_meta, replicated)
       else:
         rng_target = {_RNG_KEY: _as_abstract(abstract_rng, replicated)}
       items[RNG] = ocp.args.StandardRestore(rng_target)
     restored = self._manager.restore(step, args=ocp.args.Composite(**items))
     rng = restored[RNG][_RNG_KEY] if has_rng else None
     return Restored(state=restored[STATE], rng=rng, data_state=restored[DATA], config=restored[CONFIG],
-                    metrics=self.metrics(step))
+                    metrics=self.metrics(step), step=step)
 
   def restore_latest_complete(self, abstract_state: PyTree | None = None, *,
-                              abstract_rng: jax.ShapeDtypeStruct | None = None,
-                              ) -> tuple[int, Restored] | None:
-    """Restores the newest step that reads back without error; returns `(step, restored)`.
+                              abstract_rng: jax.ShapeDtypeStruct | None = None) -> Restored | None:
+    """Restores the newest step that reads back without error (`.step` of the result says which).
 
     A step that fails to restore (truncated/corrupt file, missing item, ...) is logged as a warning
     naming the step and the error, and the previous step is tried. Nothing is deleted. Returns None when
@@ -402,9 +440,11 @@ class Checkpointer:
     errors = []
     for step in steps:
       try:
-        return step, self.restore(step, abstract_state, abstract_rng=abstract_rng)
+        return self.restore(step, abstract_state, abstract_rng=abstract_rng)
       except Exception as error:  # pylint: disable=broad-except
         message = f"{type(error).__name__}: {error}"
+        if len(message) > _MAX_ERROR_CHARS:  # TensorStore errors embed whole JSON specs.
+          message = message[:_MAX_ERROR_CHARS] + " ..."
         logger.warning("Could not restore checkpoint step %d in %s (%s); falling back to an older step.",
                        step, self.directory, message)
         errors.append(f"step {step}: {message}")
@@ -424,8 +464,8 @@ class Checkpointer:
 def _read_only_manager(directory: str, state_handler: str = "standard") -> ocp.CheckpointManager:
   options = ocp.CheckpointManagerOptions(read_only=True, create=False, enable_async_checkpointing=False,
                                          save_interval_steps=0)
-  return ocp.CheckpointManager(os.path.abspath(os.fspath(directory)), options=options,
-                               handler_registry=_handler_registry(state_handler))
+  return _Manager(os.path.abspath(os.fspath(directory)), options=options,
+                  handler_registry=_handler_registry(state_handler))
 
 
 def restore_params_only(directory: str | os.PathLike, step: int | None = None, *,
@@ -446,7 +486,7 @@ def restore_params_only(directory: str | os.PathLike, step: int | None = None, *
     step = int(step)
     default = sharding or replicated_sharding_like(abstract_params)
     if abstract_params is None:
-      metadata = manager.item_metadata(step)[STATE].tree
+      metadata = _item_tree_metadata(manager.directory, step, STATE)
       target = {"params": _abstract_from_metadata(metadata["params"], default)}
     else:
       target = {"params": _as_abstract(abstract_params, default)}
@@ -456,6 +496,21 @@ def restore_params_only(directory: str | os.PathLike, step: int | None = None, *
     return step, restored[STATE]["params"]
   finally:
     manager.close()
+
+
+def restore_params(directory: str | os.PathLike, model_config: Any = None, step: int | None = None, *,
+                   sharding: jax.sharding.Sharding | None = None) -> PyTree:
+  """The params of `step` (default: latest) for inference, checked against `model_config` if given.
+
+  With a `ModelConfig`, the target shapes come from `jax.eval_shape` of the model's init, so a checkpoint of
+  a different architecture fails with a shape/structure error instead of loading.
+  """
+  abstract = None
+  if model_config is not None:
+    import flax.linen as nn  # pylint: disable=import-outside-toplevel
+    from transformer_jax.training.steps import init_params  # pylint: disable=import-outside-toplevel
+    abstract = jax.eval_shape(lambda: nn.unbox(init_params(model_config, jax.random.key(0))))
+  return restore_params_only(directory, step, abstract_params=abstract, sharding=sharding)[1]
 
 
 def read_config(directory: str | os.PathLike, step: int | None = None) -> dict | None:
@@ -536,12 +591,12 @@ def average_checkpoints(directory: str | os.PathLike, steps: Iterable[int] | Non
     chosen = _select_steps(manager.all_steps(), steps, last_n)
     newest = chosen[-1]
     sharding = sharding or jax.sharding.SingleDeviceSharding(jax.devices()[0])
-    metadata = manager.item_metadata(newest)
-    state_target = _abstract_from_metadata(metadata[STATE].tree, sharding)
+    state_target = _abstract_from_metadata(_item_tree_metadata(directory, newest, STATE), sharding)
     items = {STATE: ocp.args.StandardRestore(state_target), DATA: ocp.args.JsonRestore(),
              CONFIG: ocp.args.JsonRestore()}
-    if metadata.get(RNG) is not None:
-      items[RNG] = ocp.args.StandardRestore(_abstract_from_metadata(metadata[RNG].tree, sharding))
+    if os.path.isdir(os.path.join(_step_dir(directory, newest), RNG)):
+      items[RNG] = ocp.args.StandardRestore(
+          _abstract_from_metadata(_item_tree_metadata(directory, newest, RNG), sharding))
     newest_items = manager.restore(newest, args=ocp.args.Composite(**items))
   finally:
     manager.close()

@@ -25,7 +25,8 @@ Beam search keeps `beam_size` live hypotheses: at every step it takes the `beam_
 live beams; those ending in EOS move to the finished list (the `beam_size` best finished ones are kept), the
 others stay live. With `beam_size=1` this is exactly greedy search. A source stops (its results freeze) when
 no live beam can still beat its best finished hypothesis (`early_stop='best'`, tensor2tensor's stop_early),
-or its worst kept finished one (`early_stop='all'`, which makes the whole n-best list exact), using the bound
+or its worst kept finished one (`early_stop='all'`, which makes the whole n-best list exact; `'none'` runs
+to the maximum length), using the bound
 `score <= log_probs(live) / max(lp(len + 1), lp(max_len))` (log-probs only fall as a hypothesis grows); the
 loop stops when every source has stopped or `max_decode_len` tokens are out.
 
@@ -260,9 +261,11 @@ class _BeamState(NamedTuple):
 
 
 class BeamSearchOutput(NamedTuple):
-  tokens: Array  # [batch, beam, max_decode_len], best first
-  scores: Array  # [batch, beam]: log_probs / lp(|Y|); -inf for empty slots
-  log_probs: Array  # [batch, beam]: sum of token log-probs (EOS included)
+  """What `beam_search(..., full_output=True)` returns."""
+  tokens: Array  # [batch, beam, max_decode_len] int32, best first
+  scores: Array  # [batch, beam] float32: log_probs / lp(|Y|); -inf for empty slots
+  log_probs: Array  # [batch, beam] float32: sum of token log-probs (EOS included)
+  steps: Array  # scalar int32: decoder steps run (< max_decode_len when every source stopped early)
 
 
 def _gather_beams(x: Array, index: Array) -> Array:
@@ -276,8 +279,8 @@ def _beam_search(params, config: ModelConfig, inputs: Array, beam_size: int, alp
   _check_lengths(config, inputs, max_decode_len)
   if beam_size < 1:
     raise ValueError(f"beam_size={beam_size} must be >= 1")
-  if early_stop not in ("best", "all"):
-    raise ValueError(f"early_stop={early_stop!r}; expected 'best' or 'all'")
+  if early_stop not in ("best", "all", "none"):
+    raise ValueError(f"early_stop={early_stop!r}; expected 'best', 'all' or 'none'")
   params = nn.unbox(params)
   model = Transformer(config)
   batch, k, length, vocab = inputs.shape[0], beam_size, max_decode_len, config.vocab_size
@@ -326,8 +329,10 @@ def _beam_search(params, config: ModelConfig, inputs: Array, beam_size: int, alp
     # Stop a source once no live beam can beat its best (or worst kept) finished hypothesis.
     best_alive = jnp.max(alive_log_probs, axis=1)
     bound = best_alive / jnp.maximum(length_penalty(new_len + 1, alpha), lp_at_limit)
-    reference = fin_scores[:, 0] if early_stop == "best" else fin_scores[:, -1]
-    done = keep | (reference >= bound) | (new_len >= limits)
+    done = keep | (new_len >= limits)
+    if early_stop != "none":
+      reference = fin_scores[:, 0] if early_stop == "best" else fin_scores[:, -1]
+      done = done | (reference >= bound)
     return _BeamState(new_len, alive_seqs, alive_log_probs, fin_seqs, fin_scores, fin_log_probs, done, state)
 
   # Only beam 0 is live at the start (all beams would be identical).
@@ -356,26 +361,25 @@ def _beam_search(params, config: ModelConfig, inputs: Array, beam_size: int, alp
       jnp.concatenate([s.fin_log_probs, s.alive_log_probs], axis=1), order, axis=1)
   tokens = _gather_beams(jnp.concatenate([s.fin_seqs, s.alive_seqs], axis=1), order)
   tokens = jnp.where((scores > NEG_INF)[:, :, None], tokens, config.pad_id)
-  return BeamSearchOutput(tokens, scores, log_probs)
+  return BeamSearchOutput(tokens, scores, log_probs, s.t)
 
 
 @functools.partial(jax.jit, static_argnames=("config", "beam_size", "alpha", "max_decode_len", "cached",
-                                             "early_stop", "return_log_probs"))
+                                             "early_stop", "full_output"))
 def beam_search(params, config: ModelConfig, inputs: Array, beam_size: int = 4, alpha: float = 0.6,
                 max_decode_len: int = 64, *, max_lengths: Optional[Array] = None, cached: bool = True,
-                early_stop: str = "best", return_log_probs: bool = False):
+                early_stop: str = "best", full_output: bool = False):
   """Beam search with the GNMT length penalty.
 
-  Returns `(tokens [batch, beam, max_decode_len], scores [batch, beam])`, best first, plus
-  `log_probs [batch, beam]` (the raw sum of token log-probs, EOS included) when `return_log_probs`.
-  `scores = log_probs / ((5 + |Y|) / 6) ** alpha` with `|Y|` the number of emitted tokens INCLUDING EOS
-  (excluding BOS). Slots without any hypothesis have score -inf and pad tokens. See the module docstring.
+  Returns `(tokens [batch, beam, max_decode_len], scores [batch, beam])`, best first; with `full_output`, a
+  `BeamSearchOutput` that adds `log_probs [batch, beam]` (the raw sum of token log-probs, EOS included) and
+  `steps` (decoder steps run). `scores = log_probs / ((5 + |Y|) / 6) ** alpha` with `|Y|` the number of
+  emitted tokens INCLUDING EOS (excluding BOS). Slots without any hypothesis have score -inf and pad tokens.
+  `early_stop`: 'best' (default), 'all' or 'none', see the module docstring.
   """
   out = _beam_search(params, config, inputs, beam_size, alpha, max_decode_len, max_lengths, cached,
                      early_stop)
-  if return_log_probs:
-    return out.tokens, out.scores, out.log_probs
-  return out.tokens, out.scores
+  return out if full_output else (out.tokens, out.scores)
 
 
 def beam_search_uncached(params, config: ModelConfig, inputs: Array, beam_size: int = 4, alpha: float = 0.6,

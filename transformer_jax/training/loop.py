@@ -81,21 +81,88 @@ def evaluate_loss(eval_fn, params, eval_set, max_tokens: int) -> dict[str, float
   return metrics
 
 
+def _read_json(path: str) -> dict | None:
+  if not os.path.exists(path):
+    return None
+  with open(path, encoding="utf-8") as f:
+    return json.load(f)
+
+
+def _write_json_atomically(path: str, value: dict) -> None:
+  tmp = path + ".tmp"
+  with open(tmp, "w", encoding="utf-8") as f:
+    json.dump(value, f, indent=2, sort_keys=True)
+  os.replace(tmp, path)
+
+
+def _check_compatible(saved: dict, requested: dict, workdir: str, keys) -> None:
+  from transformer_jax.checkpoint import config_diff
+  diffs = config_diff(saved, requested, keys=keys)
+  if diffs:
+    raise ValueError(f"{workdir} holds a run with an incompatible config ({'; '.join(diffs)}); use another "
+                     f"--workdir or the saved values")
+
+
+class _StopSignal:
+  """SIGTERM/SIGINT set a flag; the loop finishes the current step, saves a checkpoint and stops.
+
+  On multi-host runs JAX's preemption sync point (`jax.distributed` with the preemption service) is also
+  consulted, so every host stops at the same step.
+  """
+
+  def __init__(self):
+    import signal
+    self.signal_name = None
+    self._previous = {}
+    for sig in (signal.SIGTERM, signal.SIGINT):
+      try:
+        self._previous[sig] = signal.signal(sig, self._handle)
+      except ValueError:  # not the main thread (e.g. in a notebook worker): no handler
+        pass
+
+  def _handle(self, signum, frame):
+    import signal
+    del frame
+    self.signal_name = signal.Signals(signum).name
+
+  def requested(self, step: int) -> bool:
+    if self.signal_name is not None:
+      return True
+    if jax.process_count() > 1:
+      from jax.experimental import multihost_utils
+      try:
+        if multihost_utils.reached_preemption_sync_point(step):
+          self.signal_name = "preemption notice"
+          return True
+      except RuntimeError:  # preemption service not enabled
+        pass
+    return False
+
+  def restore(self) -> None:
+    import signal
+    for sig, handler in self._previous.items():
+      signal.signal(sig, handler)
+
+
 def train_and_evaluate(config: Any, workdir: str) -> dict[str, Any]:
   """Trains `config` in `workdir` (resuming from its latest checkpoint) and returns the final metrics."""
   from transformer_jax import checkpoint as checkpoint_lib
 
   os.makedirs(workdir, exist_ok=True)
   is_chief = jax.process_index() == 0
+  saved_config = _read_json(os.path.join(workdir, "config.json"))
+  if saved_config is not None:  # refuse before anything in the workdir is touched
+    _check_compatible(saved_config, config.to_dict(), workdir, keys=("data.vocab_size", "data.dataset"))
   data = input_pipeline.build_datasets(config.data, workdir, seed=config.seed,
                                        process_index=jax.process_index(),
                                        process_count=jax.process_count())
   model_config = model_config_from(config, data.tokenizer.vocab_size)
   config.model.vocab_size = model_config.vocab_size
   resolved = config.to_dict()
+  if saved_config is not None:
+    _check_compatible(saved_config, resolved, workdir, keys=("model",))
   if is_chief:
-    with open(os.path.join(workdir, "config.json"), "w", encoding="utf-8") as f:
-      json.dump(resolved, f, indent=2, sort_keys=True)
+    _write_json_atomically(os.path.join(workdir, "config.json"), resolved)
   src_eff, tgt_eff = data.train.padding_efficiency()
   logging.info("Model: %s", model_config)
   logging.info("Packed batches: %d rows x %d slots; padding efficiency source %.1f%%, target %.1f%%",
@@ -109,14 +176,18 @@ def train_and_evaluate(config: Any, workdir: str) -> dict[str, Any]:
   init_rng, train_rng = jax.random.split(rng)
   state = steps.create_train_state(model_config, tx, init_rng)
 
-  ckpt = checkpoint_lib.Checkpointer(os.path.join(workdir, "checkpoints"),
-                                     max_to_keep=config.checkpoint_keep)
+  ckpt = checkpoint_lib.Checkpointer(os.path.join(workdir, "checkpoints"), max_to_keep=config.checkpoint_keep,
+                                     enable_async_checkpointing=config.get("async_checkpointing", True))
   start_step = 0
-  if ckpt.latest_step() is not None:
-    restored = ckpt.restore_latest_complete(state)
-    state, data_state, start_step = restored.state, restored.data_state, restored.step
-    data.train.set_state(data_state)
-    logging.info("Resumed from the checkpoint at step %d in %s", start_step, ckpt.directory)
+  restored = ckpt.restore_latest_complete(state) if ckpt.latest_step() is not None else None
+  if restored is not None:
+    state, start_step = restored.state, int(restored.step)
+    if restored.rng is not None:
+      train_rng = jax.random.wrap_key_data(restored.rng) if not jnp.issubdtype(
+          restored.rng.dtype, jax.dtypes.prng_key) else restored.rng
+    data.train.set_state(restored.data_state)
+    logging.info("Resumed from the checkpoint at step %d in %s (data position %s)", start_step,
+                 ckpt.directory, restored.data_state)
 
   train_step = steps.jit_train_step(model_config, config.label_smoothing, learning_rate_fn=learning_rate_fn)
   eval_step = steps.jit_eval_step(model_config, config.label_smoothing)
@@ -130,6 +201,8 @@ def train_and_evaluate(config: Any, workdir: str) -> dict[str, Any]:
   last_ckpt_time = time.time()
   train_start = time.time()
   summary: dict[str, Any] = {}
+  stop = _StopSignal()
+  step = start_step
   for step in range(start_step + 1, num_steps + 1):
     batch = next(data.train)
     state, metrics = train_step(state, batch, train_rng)
@@ -165,11 +238,20 @@ def train_and_evaluate(config: Any, workdir: str) -> dict[str, Any]:
     by_steps = config.checkpoint_every_steps and step % config.checkpoint_every_steps == 0
     by_time = (config.checkpoint_every_minutes
                and time.time() - last_ckpt_time >= 60 * config.checkpoint_every_minutes)
-    if by_steps or by_time or step == num_steps:
-      ckpt.save(step, state, data.train.get_state(), resolved)
+    stopping = stop.requested(step)
+    if by_steps or by_time or stopping or step == num_steps:
+      ckpt.save(step, state, train_rng, data.train.get_state(), resolved)
       last_ckpt_time = time.time()
+    if stopping:
+      logging.warning("Received %s: saved the checkpoint of step %d; stopping. Re-run to resume.",
+                      stop.signal_name, step)
+      summary["stopped_early"] = True
+      break
 
+  stop.restore()
   ckpt.wait()
+  ckpt.close()
+  summary["final_step"] = step
   summary["train_minutes"] = (time.time() - train_start) / 60
   writer.close()
   return {"state": state, "model_config": model_config, "datasets": data, "summary": summary}

@@ -1,0 +1,292 @@
+"""Numerical tests of the schedule, the optimizer, the loss and the train step."""
+
+import functools
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from transformer_jax.config import tiny
+from transformer_jax.model import Transformer
+from transformer_jax.training import (adam_with_schedule, eval_step, jit_train_step,
+                                      label_smoothed_cross_entropy, metrics_from_sums, normalized_loss,
+                                      rsqrt_schedule, train_step)
+from transformer_jax.training.steps import TrainState
+
+VOCAB = 32
+CFG = tiny(vocab_size=VOCAB, num_encoder_layers=2, num_decoder_layers=2, d_model=32, d_ff=64, num_heads=4,
+           dropout_rate=0.0, max_len=32)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Schedule and optimizer
+# ----------------------------------------------------------------------------------------------------------
+
+def _paper_lr(step, d_model=512, warmup=4000):
+  return d_model ** -0.5 * min(step ** -0.5, step * warmup ** -1.5)
+
+
+def test_rsqrt_schedule_values():
+  schedule = rsqrt_schedule(512, 4000)
+  for step in (1, 10, 4000, 16000, 100_000):
+    np.testing.assert_allclose(float(schedule(step)), _paper_lr(step), rtol=1e-6)
+  np.testing.assert_allclose(float(schedule(4000)), 512 ** -0.5 * 4000 ** -0.5, rtol=1e-6)
+  assert 6.98e-4 < float(schedule(4000)) < 6.99e-4
+  # 16000 = 4 * warmup: half the peak.
+  np.testing.assert_allclose(float(schedule(16000)), float(schedule(4000)) / 2, rtol=1e-6)
+  at_zero = float(schedule(0))
+  assert np.isfinite(at_zero) and at_zero == 0.0
+  steps = jnp.arange(0, 20001)
+  values = np.asarray(schedule(steps))
+  assert np.all(np.isfinite(values))
+  assert int(np.argmax(values)) == 4000
+  # Linear warm-up: lr(k) = k · lr(1) up to the peak.
+  np.testing.assert_allclose(values[1:4001], np.arange(1, 4001) * values[1], rtol=1e-5)
+  # The scale multiplies.
+  np.testing.assert_allclose(float(rsqrt_schedule(512, 4000, scale=2.0)(100)), 2 * _paper_lr(100), rtol=1e-6)
+  with pytest.raises(ValueError):
+    rsqrt_schedule(512, 0)
+
+
+def test_adam_with_schedule_update_k_uses_step_k():
+  """One parameter, constant gradient: Adam's bias-corrected m/√v is exactly 1, so update k is -lr(k)."""
+  d_model, warmup = 64, 5
+  tx = adam_with_schedule(d_model, warmup)
+  params = jnp.array([1.5])
+  grad = jnp.array([0.25])
+  state = tx.init(params)
+  schedule = rsqrt_schedule(d_model, warmup)
+  for k in range(1, 11):
+    updates, state = tx.update(grad, state, params)
+    lr_k = _paper_lr(k, d_model, warmup)
+    np.testing.assert_allclose(float(updates[0]), -lr_k, rtol=1e-5)
+    np.testing.assert_allclose(float(schedule(k)), lr_k, rtol=1e-6)
+    params = optax.apply_updates(params, updates)
+  # The first update is lr(1) (not lr(0) = 0) and the largest is at the warm-up step.
+  assert _paper_lr(1, d_model, warmup) > 0
+
+
+def test_adam_with_schedule_matches_numpy_adam():
+  """β1 0.9, β2 0.98, ε 1e-9 with bias correction, on a varying gradient."""
+  d_model, warmup = 128, 3
+  tx = adam_with_schedule(d_model, warmup)
+  rng = np.random.default_rng(0)
+  grads = rng.normal(size=(6, 4))
+  params = jnp.zeros(4)
+  state = tx.init(params)
+  m = np.zeros(4)
+  v = np.zeros(4)
+  for k in range(1, 7):
+    g = grads[k - 1]
+    updates, state = tx.update(jnp.asarray(g, jnp.float32), state, params)
+    m = 0.9 * m + 0.1 * g
+    v = 0.98 * v + 0.02 * g * g
+    m_hat, v_hat = m / (1 - 0.9 ** k), v / (1 - 0.98 ** k)
+    expected = -_paper_lr(k, d_model, warmup) * m_hat / (np.sqrt(v_hat) + 1e-9)
+    np.testing.assert_allclose(np.asarray(updates), expected, rtol=1e-4)
+    params = optax.apply_updates(params, updates)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Loss
+# ----------------------------------------------------------------------------------------------------------
+
+def _np_log_softmax(z):
+  z = np.asarray(z, np.float64)
+  z = z - z.max(-1, keepdims=True)
+  return z - np.log(np.exp(z).sum(-1, keepdims=True))
+
+
+@pytest.mark.parametrize("eps", [0.0, 0.1, 0.3])
+def test_label_smoothed_cross_entropy_matches_numpy(eps):
+  rng = np.random.default_rng(1)
+  vocab = 11
+  logits = (3 * rng.normal(size=(2, 5, vocab))).astype(np.float32)
+  targets = rng.integers(0, vocab, size=(2, 5))
+  logp = _np_log_softmax(logits)
+  smoothed = (1 - eps) * np.eye(vocab)[targets] + eps / vocab
+  np.testing.assert_allclose(smoothed.sum(-1), 1.0)
+  expected_loss = -(smoothed * logp).sum(-1)
+  expected_nll = -np.take_along_axis(logp, targets[..., None], -1)[..., 0]
+  loss, nll = label_smoothed_cross_entropy(jnp.asarray(logits), jnp.asarray(targets), eps)
+  np.testing.assert_allclose(np.asarray(loss), expected_loss, rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(np.asarray(nll), expected_nll, rtol=1e-5, atol=1e-5)
+  if eps > 0:
+    # Smoothing penalises confident predictions: the loss differs from the NLL.
+    assert np.abs(np.asarray(loss) - np.asarray(nll)).max() > 1e-2
+
+
+def test_label_smoothed_loss_is_minimised_by_the_smoothed_distribution():
+  eps, vocab = 0.1, 7
+  target = 3
+  q = np.full(vocab, eps / vocab)
+  q[target] += 1 - eps
+  best = jnp.asarray(np.log(q), jnp.float32)[None, None]
+  loss_best, _ = label_smoothed_cross_entropy(best, jnp.array([[target]]), eps)
+  entropy = -(q * np.log(q)).sum()
+  np.testing.assert_allclose(float(loss_best[0, 0]), entropy, rtol=1e-5)
+  rng = np.random.default_rng(0)
+  for _ in range(5):
+    other = best + jnp.asarray(rng.normal(size=best.shape), jnp.float32)
+    assert float(label_smoothed_cross_entropy(other, jnp.array([[target]]), eps)[0][0, 0]) > entropy
+
+
+def test_normalized_loss_is_mean_over_real_tokens():
+  rng = np.random.default_rng(2)
+  logits = rng.normal(size=(2, 6, VOCAB)).astype(np.float32)
+  targets = rng.integers(4, VOCAB, size=(2, 6))
+  targets[0, 4:] = 0
+  targets[1, 2:] = 0
+  per_token = -(((0.9 * np.eye(VOCAB)[targets]) + 0.1 / VOCAB) * _np_log_softmax(logits)).sum(-1)
+  real = targets != 0
+  expected = per_token[real].sum() / real.sum()
+  got = float(normalized_loss(jnp.asarray(logits), jnp.asarray(targets), 0.1))
+  np.testing.assert_allclose(got, expected, rtol=1e-5)
+  # More padding (with arbitrary logits there) does not change it.
+  logits_more = np.concatenate([logits, 100 * rng.normal(size=(2, 3, VOCAB)).astype(np.float32)], 1)
+  targets_more = np.concatenate([targets, np.zeros((2, 3), int)], 1)
+  np.testing.assert_allclose(
+      float(normalized_loss(jnp.asarray(logits_more), jnp.asarray(targets_more), 0.1)), expected, rtol=1e-5)
+  # A mean over tokens, not a mean of per-row means (the rows hold 4 and 2 tokens).
+  row_means = np.mean([per_token[0, :4].mean(), per_token[1, :2].mean()])
+  assert abs(got - row_means) > 1e-3
+  # All padding: 0, not NaN.
+  assert float(normalized_loss(jnp.asarray(logits), jnp.zeros((2, 6), jnp.int32))) == 0.0
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Train step
+# ----------------------------------------------------------------------------------------------------------
+
+def _batch(seed, rows, length=7):
+  """Random source/target rows with varied amounts of padding (so micro-batches differ in token count)."""
+  rng = np.random.default_rng(seed)
+  inputs = rng.integers(4, VOCAB, size=(rows, length))
+  targets = rng.integers(4, VOCAB, size=(rows, length))
+  for r in range(rows):
+    inputs[r, rng.integers(2, length + 1):] = 0
+    targets[r, rng.integers(1, length + 1):] = 0
+  return {"inputs": jnp.asarray(inputs, jnp.int32), "targets": jnp.asarray(targets, jnp.int32)}
+
+
+@functools.lru_cache(maxsize=None)
+def _params():
+  ids = jnp.ones((1, 4), jnp.int32)
+  return nn.unbox(jax.jit(Transformer(CFG).init)(jax.random.key(0), ids, ids)["params"])
+
+
+def test_train_step_grad_accumulation_equals_one_big_batch():
+  k, rows = 3, 4
+  batch = _batch(seed=0, rows=k * rows)
+  token_counts = np.asarray(batch["targets"] != 0).reshape(k, rows, -1).sum((1, 2))
+  assert len(set(token_counts.tolist())) > 1  # micro-batches hold different numbers of tokens
+  micro = jax.tree_util.tree_map(lambda x: x.reshape(k, rows, -1), batch)
+  # SGD with learning rate 1: the new parameters are params - gradient, so the comparison is sharp.
+  state = TrainState.create(apply_fn=Transformer(CFG).apply, params=_params(), tx=optax.sgd(1.0))
+  rng = jax.random.key(42)
+  step_big = jax.jit(functools.partial(train_step, config=CFG))
+  step_acc = jax.jit(functools.partial(train_step, config=CFG, grad_accum_steps=k))
+  new_big, metrics_big = step_big(state, batch, rng)
+  new_acc, metrics_acc = step_acc(state, micro, rng)
+
+  assert int(new_big.step) == int(new_acc.step) == 1
+  for name in ("loss", "nll", "accuracy", "token_count", "grad_norm"):
+    np.testing.assert_allclose(float(metrics_acc[name]), float(metrics_big[name]), rtol=1e-5, err_msg=name)
+  assert float(metrics_big["token_count"]) == float(np.asarray(batch["targets"] != 0).sum())
+  assert float(metrics_big["grad_norm"]) > 1e-2
+  for path, a, b in zip(jax.tree_util.tree_leaves_with_path(new_big.params),
+                        jax.tree_util.tree_leaves(new_big.params), jax.tree_util.tree_leaves(new_acc.params)):
+    np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-5, atol=1e-6,
+                               err_msg=jax.tree_util.keystr(path[0]))
+
+  # The metrics are the token-normalised loss of the model's logits.
+  logits = Transformer(CFG).apply({"params": _params()}, batch["inputs"], batch["targets"])
+  np.testing.assert_allclose(float(metrics_big["loss"]),
+                             float(normalized_loss(logits, batch["targets"], 0.1)), rtol=1e-5)
+  # And the update is the gradient of that normalised loss (divided by the token count once).
+  grads = jax.jit(jax.grad(lambda p: normalized_loss(
+      Transformer(CFG).apply({"params": p}, batch["inputs"], batch["targets"]), batch["targets"], 0.1)))(
+          _params())
+  expected = jax.tree_util.tree_map(lambda p, g: p - g, _params(), grads)
+  for a, b in zip(jax.tree_util.tree_leaves(expected), jax.tree_util.tree_leaves(new_big.params)):
+    np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-5, atol=1e-6)
+
+
+def test_eval_step_sums():
+  batch = _batch(seed=3, rows=4)
+  params = _params()
+  sums = eval_step(params, batch, config=CFG, label_smoothing=0.1)
+  logits = np.asarray(Transformer(CFG).apply({"params": params}, batch["inputs"], batch["targets"]))
+  targets = np.asarray(batch["targets"])
+  real = targets != 0
+  logp = _np_log_softmax(logits)
+  nll = -np.take_along_axis(logp, targets[..., None], -1)[..., 0]
+  loss = -(((0.9 * np.eye(VOCAB)[targets]) + 0.1 / VOCAB) * logp).sum(-1)
+  np.testing.assert_allclose(float(sums["token_count"]), real.sum())
+  np.testing.assert_allclose(float(sums["nll_sum"]), nll[real].sum(), rtol=1e-5)
+  np.testing.assert_allclose(float(sums["loss_sum"]), loss[real].sum(), rtol=1e-5)
+  np.testing.assert_allclose(float(sums["correct_sum"]), (logits.argmax(-1) == targets)[real].sum())
+  metrics = metrics_from_sums(sums)
+  np.testing.assert_allclose(float(metrics["nll"]), nll[real].mean(), rtol=1e-5)
+
+
+def test_packed_batch_equals_unpacked_examples():
+  """The packing keys of a batch reach the model: a packed row scores exactly like its examples alone."""
+  params = _params()
+  a_in, a_tg = np.array([5, 6, 7]), np.array([8, 9, 10, 11])
+  b_in, b_tg = np.array([12, 13, 14, 15]), np.array([16, 17, 18])
+  unpacked = {"inputs": jnp.asarray([np.pad(a_in, (0, 1)), b_in]),
+              "targets": jnp.asarray([a_tg, np.pad(b_tg, (0, 1))])}
+  packed = {
+      "inputs": jnp.asarray([[5, 6, 7, 12, 13, 14, 15, 0]]),
+      "targets": jnp.asarray([[8, 9, 10, 11, 16, 17, 18, 0]]),
+      "inputs_position": jnp.asarray([[0, 1, 2, 0, 1, 2, 3, 0]]),
+      "targets_position": jnp.asarray([[0, 1, 2, 3, 0, 1, 2, 0]]),
+      "inputs_segmentation": jnp.asarray([[1, 1, 1, 2, 2, 2, 2, 0]]),
+      "targets_segmentation": jnp.asarray([[1, 1, 1, 1, 2, 2, 2, 0]]),
+  }
+  expected = eval_step(params, unpacked, config=CFG)
+  got = eval_step(params, packed, config=CFG)
+  for name in ("loss_sum", "nll_sum", "correct_sum", "token_count"):
+    np.testing.assert_allclose(float(got[name]), float(expected[name]), rtol=1e-5, err_msg=name)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# A short training run
+# ----------------------------------------------------------------------------------------------------------
+
+def _reverse_task(seed, rows, length):
+  """Source: random tokens then EOS; target: the same tokens reversed, then EOS."""
+  rng = np.random.default_rng(seed)
+  tokens = rng.integers(4, VOCAB, size=(rows, length))
+  eos = np.full((rows, 1), CFG.eos_id)
+  inputs = np.concatenate([tokens, eos], 1)
+  targets = np.concatenate([tokens[:, ::-1], eos], 1)
+  return {"inputs": jnp.asarray(inputs, jnp.int32), "targets": jnp.asarray(targets, jnp.int32)}
+
+
+def test_short_training_run_reduces_loss():
+  """60 steps of the paper's Adam + schedule on a fixed set of 32 reversal examples (two batches of 16).
+
+  Measured: the loss goes from ~4.1 (≈ log 32) to ~0.85 and the token accuracy to ~1.0.
+  """
+  steps = 60
+  data = [_reverse_task(seed, rows=16, length=5) for seed in (0, 1)]
+  tx = adam_with_schedule(CFG.d_model, warmup_steps=10, scale=0.1)
+  state = TrainState.create(apply_fn=Transformer(CFG).apply, params=_params(), tx=tx)
+  step_fn = jit_train_step(CFG, label_smoothing=0.1)
+  rng = jax.random.key(1)
+  losses, accuracies = [], []
+  for i in range(steps):
+    state, metrics = step_fn(state, data[i % 2], rng)
+    losses.append(float(metrics["loss"]))
+    accuracies.append(float(metrics["accuracy"]))
+  assert int(state.step) == steps
+  assert np.all(np.isfinite(losses))
+  first, last = losses[0], np.mean(losses[-4:])
+  assert abs(first - np.log(VOCAB)) < 1.0, first
+  assert last < 0.5 * first, (first, last, losses)
+  assert np.mean(accuracies[-4:]) > 0.8, accuracies

@@ -1,0 +1,170 @@
+"""Host-side batched translation of token-id sequences with the searches of `transformer_jax.decode`.
+
+`translate_ids` sorts the sources by length, groups them into batches whose source length is padded to a
+bucket (8, 16, 24, 32, 48, 64, 96, 128, ...) and whose row count is fixed (a last, smaller batch of a bucket
+is padded to a power of two), so a file of mixed lengths compiles one search per (bucket, row count) and not
+one per batch. Results come back in input order. `compilation_count()` counts the traces (= compilations)
+of the search functions, so tests can assert that batches of one bucket reuse the compiled search.
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+import logging
+from typing import Callable, Optional, Sequence
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from transformer_jax import decode
+from transformer_jax.config import ModelConfig
+
+# Number of traces of each search function, keyed like `_search_fn` plus the traced shapes.
+_TRACES: collections.Counter = collections.Counter()
+
+
+def compilation_count() -> int:
+  """How many times `translate_ids` has traced (and so compiled) a search function in this process."""
+  return sum(_TRACES.values())
+
+
+def compilation_keys() -> dict:
+  """The traced (search, shape) keys and how often each was traced (more than once means a cache miss)."""
+  return dict(_TRACES)
+
+
+def _buckets():
+  """8, 16, then 24, 32, 48, 64, 96, 128, ...: at most 50% padding beyond 16 tokens."""
+  yield 8
+  yield 16
+  base = 16
+  while True:
+    yield base * 3 // 2
+    base *= 2
+    yield base
+
+
+def length_bucket(length: int) -> int:
+  """Smallest bucket >= length from 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, ... (x1.5 / x1.33 steps)."""
+  for b in _buckets():
+    if b >= length:
+      return b
+  raise AssertionError("unreachable")
+
+
+_bucket = length_bucket
+
+
+def _rows_bucket(n: int, rows: int) -> int:
+  """A full batch keeps `rows`; a smaller one is padded to the next power of two (at most `rows`)."""
+  return rows if n >= rows else min(rows, 1 << max(n - 1, 0).bit_length())
+
+
+@functools.lru_cache(maxsize=None)
+def _search_fn(config: ModelConfig, beam_size: int, alpha: float, max_decode_len: int) -> Callable:
+  """A jitted `(params, inputs, max_lengths) -> best tokens [rows, max_decode_len]`, one per static setting."""
+  def search(params, inputs, max_lengths):
+    _TRACES[(beam_size, alpha, max_decode_len) + tuple(inputs.shape)] += 1  # runs only while tracing
+    if beam_size == 1:
+      tokens, _ = decode.greedy_search(params, config, inputs, max_decode_len, max_lengths=max_lengths)
+      return tokens
+    tokens, _ = decode.beam_search(params, config, inputs, beam_size, alpha, max_decode_len,
+                                   max_lengths=max_lengths)
+    return tokens[:, 0]
+  return jax.jit(search)
+
+
+def _strip(tokens: np.ndarray, eos_id: int, pad_id: int) -> list[int]:
+  out = []
+  for tok in tokens.tolist():
+    if tok == eos_id or tok == pad_id:
+      break
+    out.append(tok)
+  return out
+
+
+def translate_ids(params, config: ModelConfig, sources: Sequence[Sequence[int]], *, beam_size: int = 4,
+                  alpha: float = 0.6, extra_len: int = 50, max_tokens_per_batch: int = 4096,
+                  batch_size: Optional[int] = None, append_eos: bool = True,
+                  progress: Optional[Callable[[int], None]] = None) -> list[list[int]]:
+  """Translates token-id sequences; returns the best hypothesis of each, without EOS, in input order.
+
+  Args:
+    params: the model's (unboxed) parameters.
+    config: the model's `ModelConfig`.
+    sources: source token ids. Training feeds sources as `ids + [EOS]`, so with `append_eos` EOS is appended
+      to each source that does not already end with it (`Tokenizer.encode` output, which ends with EOS, is
+      taken as it is). An empty source gives an empty output and is not run through the model.
+    beam_size: 1 runs greedy search; more runs beam search (the paper: 4).
+    alpha: GNMT length-penalty exponent (the paper: 0.6); unused by greedy search.
+    extra_len: each output has at most `len(source) + extra_len` tokens, EOS included (the paper: 50), where
+      `len(source)` counts the source ids before EOS is appended; also capped by `config.max_len`.
+    max_tokens_per_batch: rows per batch = this // the padded source length (ignored if `batch_size`).
+    batch_size: a fixed number of source rows per batch.
+    progress: called after each batch with the number of sources it finished (e.g. `tqdm.update`).
+
+  Sources longer than `config.max_len` (EOS included) are truncated, with a warning.
+  """
+  if beam_size < 1:
+    raise ValueError(f"beam_size={beam_size} must be >= 1")
+  params = jax.device_put(nn.unbox(params))
+  eos, pad = config.eos_id, config.pad_id
+  results: list[Optional[list[int]]] = [None] * len(sources)
+  prepared: list[tuple[int, list[int], int]] = []  # (input index, ids fed to the encoder, output limit)
+  for i, src in enumerate(sources):
+    ids = [int(x) for x in src]
+    if not ids:
+      results[i] = []
+      continue
+    given = len(ids) - 1 if ids[-1] == eos else len(ids)
+    if append_eos and ids[-1] != eos:
+      ids.append(eos)
+    if len(ids) > config.max_len:
+      logging.warning("source %d has %d tokens; truncated to config.max_len=%d", i, len(ids), config.max_len)
+      ids = ids[: config.max_len - 1] + [eos] if append_eos else ids[: config.max_len]
+    prepared.append((i, ids, given + extra_len))
+
+  # Longest first: memory problems show at once and the batches of a bucket are contiguous.
+  prepared.sort(key=lambda item: -len(item[1]))
+  batches: list[list[tuple[int, list[int], int]]] = []
+  for item in prepared:
+    bucket = min(_bucket(len(item[1])), config.max_len)
+    rows = batch_size or max(1, max_tokens_per_batch // bucket)
+    if batches:
+      last = batches[-1]
+      if min(_bucket(len(last[0][1])), config.max_len) == bucket and len(last) < rows:
+        last.append(item)
+        continue
+    batches.append([item])
+
+  def run(batch):
+    bucket = min(_bucket(len(batch[0][1])), config.max_len)
+    rows = batch_size or max(1, max_tokens_per_batch // bucket)
+    max_decode_len = max(1, min(bucket + extra_len, config.max_len))
+    n_rows = _rows_bucket(len(batch), rows)
+    inputs = np.full((n_rows, bucket), pad, np.int32)
+    inputs[:, 0] = eos  # filler rows: a bare EOS source that stops after one token
+    limits = np.ones((n_rows,), np.int32)
+    for r, (_, ids, limit) in enumerate(batch):
+      inputs[r, :] = pad
+      inputs[r, : len(ids)] = ids
+      limits[r] = min(limit, max_decode_len)
+    fn = _search_fn(config, beam_size, float(alpha), max_decode_len)
+    return fn(params, jnp.asarray(inputs), jnp.asarray(limits))
+
+  # Dispatch the next batch before reading the previous one back, so host work overlaps the device.
+  pending = None
+  for batch in batches + [None]:
+    future = run(batch) if batch is not None else None
+    if pending is not None:
+      done_batch, tokens = pending
+      tokens = np.asarray(tokens)
+      for r, (i, _, _) in enumerate(done_batch):
+        results[i] = _strip(tokens[r], eos, pad)
+      if progress is not None:
+        progress(len(done_batch))
+    pending = (batch, future) if batch is not None else None
+  return results  # type: ignore[return-value]
