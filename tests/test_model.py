@@ -364,8 +364,9 @@ def test_parameter_count_big():
 ALLOWED_NAMES = {"vocab", "embed", "mlp", "heads", "kv", None}
 
 
-@pytest.mark.parametrize("cfg", [CFG, small(position_embedding="learned", pre_ln=True, share_embeddings=False)],
-                         ids=["default", "learned_preln_unshared"])
+@pytest.mark.parametrize(
+    "cfg", [CFG, small(position_embedding="learned", pre_ln=True, share_embeddings=False)],
+    ids=["default", "learned_preln_unshared"])
 def test_every_parameter_has_logical_axis_names(cfg):
   params = _abstract_params(cfg)
   leaves = jax.tree_util.tree_leaves_with_path(

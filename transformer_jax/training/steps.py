@@ -101,7 +101,7 @@ def train_step(state: TrainState, batch: Batch, rng: jax.Array, *, config: Model
   grads = jax.tree_util.tree_map(lambda g: g / jnp.maximum(sums["token_count"], 1.0), grads)
   new_state = state.apply_gradients(grads=grads)
   metrics = _metrics_from_sums(sums)
-  metrics["grad_norm"] = optax.global_norm(grads)
+  metrics["grad_norm"] = optax.tree.norm(grads)
   if learning_rate_fn is not None:
     metrics["learning_rate"] = learning_rate_fn(state.step + 1)
   return new_state, metrics

@@ -1,0 +1,46 @@
+r"""Average the parameters of the last N checkpoints (the paper: last 5 for base, last 20 for big).
+
+    python -m experiments.average_checkpoints --workdir=DIR --last=5 --output=DIR/averaged
+    python -m experiments.translate --workdir=DIR --checkpoint=DIR/averaged < input.txt
+
+The output directory is a checkpoint directory like `<workdir>/checkpoints`, accepted by translate and
+evaluate through `--checkpoint`.
+"""
+
+import os
+
+from absl import app, flags
+
+from experiments import common
+
+FLAGS = flags.FLAGS
+flags.DEFINE_string("workdir", None, "The training run's --workdir.")
+flags.DEFINE_integer("last", 5, "Average the newest N checkpoints.")
+flags.DEFINE_list("steps", None, "Explicit steps to average instead of --last.")
+flags.DEFINE_string("output", None, "Output checkpoint directory (default: <workdir>/averaged).")
+flags.mark_flags_as_required(["workdir"])
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+  common.setup_logging()
+  from transformer_jax import checkpoint as checkpoint_lib
+  source = checkpoint_lib.checkpoint_dir(FLAGS.workdir)
+  output = FLAGS.output or os.path.join(FLAGS.workdir, "averaged")
+  try:
+    if not os.path.isdir(source):
+      raise FileNotFoundError(f"{source} not found: is {FLAGS.workdir} the --workdir of a training run?")
+    if os.path.abspath(output) == os.path.abspath(source):
+      raise ValueError("--output must not be the run's own checkpoint directory")
+    steps = [int(s) for s in FLAGS.steps] if FLAGS.steps else None
+    step = checkpoint_lib.average_checkpoints(source, steps, last_n=None if steps else FLAGS.last,
+                                              output_directory=output)
+  except common.USER_ERRORS as e:
+    common.fail(str(e))
+  print(f"wrote the average of {'steps ' + ','.join(map(str, steps)) if steps else f'the last {FLAGS.last} checkpoints'}"
+        f" as step {step} in {output}")
+
+
+if __name__ == "__main__":
+  app.run(main)
