@@ -1,7 +1,8 @@
 """Numerical tests of greedy, beam and sampled decoding (`decode.py`) and batched translation (`inference.py`).
 
-Random-weight models are made non-degenerate: untied output projection scaled up (peaked distributions) and
-a bias on EOS, so that hypotheses end at various lengths and beam search disagrees with greedy search.
+Random-weight models are edited to decode like trained ones (see `make_params`): peaked distributions, no pad
+or BOS, and EOS becoming likely after a few tokens, so that hypotheses end at various lengths, every source
+stops early, and beam search disagrees with greedy search (checked by `test_models_are_not_degenerate`).
 """
 
 import functools

@@ -21,14 +21,16 @@ Conventions (shared by every search here):
   source length + 50); the optional `max_lengths` `[batch]` (traced, each <= max_decode_len) caps each row's
   output length (EOS included), so sources of mixed lengths can share one compiled shape.
 
-Beam search keeps `beam_size` live hypotheses: at every step it takes the `beam_size` best extensions of the
-live beams; those ending in EOS move to the finished list (the `beam_size` best finished ones are kept), the
-others stay live. With `beam_size=1` this is exactly greedy search. A source stops (its results freeze) when
-no live beam can still beat its best finished hypothesis (`early_stop='best'`, tensor2tensor's stop_early),
-or its worst kept finished one (`early_stop='all'`, which makes the whole n-best list exact; `'none'` runs
-to the maximum length), using the bound
-`score <= log_probs(live) / max(lp(len + 1), lp(max_len))` (log-probs only fall as a hypothesis grows); the
-loop stops when every source has stopped or `max_decode_len` tokens are out.
+Beam search: at every step the `beam_size` best one-token extensions of the live beams are taken; those that
+end in EOS join the finished list (its `beam_size` best are kept) and the others are the new live beams (so an
+EOS pick leaves its slot empty for one step; unlike tensor2tensor's variant, which keeps `beam_size` live beams
+besides, this makes `beam_size=1` exactly greedy search). The encoder runs once per source, the cache is then
+tiled to the beams, and only the self-attention K/V rows are gathered when beams are reordered (cross-attention
+K/V are the same for every beam of a source). Early termination: a source stops (its results freeze) when no
+live beam can beat its best finished hypothesis (`early_stop='best'`, the default, as tensor2tensor's
+stop_early), or its worst kept one (`'all'`: the whole n-best list is then exact; `'none'` never stops early),
+using `score(any completion) <= log_probs(live) / max(lp(len + 1), lp(max_len))` (log-probs only fall as a
+hypothesis grows). The loop ends when every source has stopped or after `max_decode_len` tokens.
 
 The `cached=False` variants recompute the full teacher-forced decoder over the prefix (padded to
 `max_decode_len`) at every step: O(L^2) work instead of O(L); they are the reference for tests and the

@@ -65,7 +65,7 @@ def _rows_bucket(n: int, rows: int) -> int:
 
 @functools.lru_cache(maxsize=None)
 def _search_fn(config: ModelConfig, beam_size: int, alpha: float, max_decode_len: int) -> Callable:
-  """A jitted `(params, inputs, max_lengths) -> best tokens [rows, max_decode_len]`, one per static setting."""
+  """Jitted `(params, inputs, max_lengths) -> best tokens [rows, max_decode_len]`, one per static setting."""
   def search(params, inputs, max_lengths):
     _TRACES[(beam_size, alpha, max_decode_len) + tuple(inputs.shape)] += 1  # runs only while tracing
     if beam_size == 1:

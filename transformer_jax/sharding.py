@@ -1,0 +1,442 @@
+"""Data, FSDP and tensor parallelism with one `jax.sharding.Mesh` and Flax logical axis names.
+
+The model names every parameter axis (`vocab`, `embed`, `mlp`, `heads`, `kv`, None) and constrains its
+activations (`batch`, `length`, `embed`, `mlp`); this module maps those names onto a 3-axis device mesh
+
+    ('data', 'fsdp', 'tensor')      e.g. --config.mesh.data=-1 --config.mesh.fsdp=1 --config.mesh.tensor=1
+
+and provides everything the training loop needs to run sharded under `jax.jit` (no `pmap`):
+
+* `make_mesh` / `mesh_from_config`: the mesh (Auto axis types, which Flax logical partitioning needs; recent
+  `jax.make_mesh` defaults to Explicit), refusing a shape whose product is not the device count.
+* `LOGICAL_AXIS_RULES`: the default logical -> mesh table (see its comment), `validate_model_for_mesh`.
+* `create_sharded_train_state`: the `TrainState` born sharded (`jax.eval_shape` for the logical specs, then
+  `jax.jit(init, out_shardings=...)`; no full copy on one device first).
+* `shard_batch` / `batch_sharding`: host NumPy batches -> global `jax.Array`s split over the batch axes
+  (multi-process via `jax.make_array_from_process_local_data`).
+* `jit_sharded_train_step` / `jit_sharded_eval_step`: `steps.train_step` / `steps.eval_step` jitted with
+  in/out shardings and the state donated, traced under the mesh and the rules so that the model's
+  `nn.with_logical_constraint` calls resolve to real sharding constraints.
+* `mesh_context`: the same context for anything else (e.g. decoding on sharded params).
+* `maybe_initialize_distributed`, `per_device_bytes` (state memory per device, for benchmarks).
+
+Three parallelism styles, all from the same rule table:
+
+* data parallel (`data=N`): parameters and optimizer state replicated, batch rows split N ways, gradients
+  all-reduced by XLA.
+* FSDP / ZeRO-3 (`fsdp=N`): batch rows split N ways too, but every parameter and its Adam moments are split
+  along their `embed` dimension; XLA all-gathers a weight before use and reduce-scatters its gradient.
+* tensor parallel (`tensor=N`, Megatron style): attention heads, the FFN inner dimension and the vocabulary
+  are split N ways; activations `[batch, length, mlp]` stay split along `mlp`, the batch is replicated over
+  `tensor`.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import functools
+import logging
+import math
+from typing import Any, Iterator, Mapping, Optional, Sequence
+
+import flax.linen as nn
+import jax
+import numpy as np
+import optax
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
+
+from transformer_jax.config import ModelConfig
+from transformer_jax.model import Transformer
+from transformer_jax.training import steps
+
+MESH_AXES = ("data", "fsdp", "tensor")
+
+LogicalRules = Sequence[tuple[str, Any]]
+
+# Logical axis name -> mesh axis (or axes, or None = replicated). Flax applies the rules IN ORDER and never
+# uses one mesh axis twice within one array, which this table relies on:
+#   * `batch` comes first and takes ('data', 'fsdp'): FSDP is data parallelism with sharded weights, so the
+#     rows are split over both axes. For activations `[batch, length, embed]` the later `embed -> fsdp` rule
+#     then finds 'fsdp' taken and leaves `embed` unsharded (activations are split by rows, not features).
+#   * `embed -> fsdp`: every parameter has an `embed` (d_model) dimension except the FFN/attention biases
+#     over `mlp`/`heads` (small), so FSDP splits (almost) all weights and, through them, the Adam moments.
+#   * `mlp`, `heads`, `vocab -> tensor`: Megatron tensor parallelism: W1 by columns and W2 by rows, Q/K/V by
+#     heads and W^O by heads, the (shared) embedding and pre-softmax projection by vocabulary rows.
+#   * `kv` (head_dim) and `length` are never split.
+LOGICAL_AXIS_RULES: tuple[tuple[str, Any], ...] = (
+    ("batch", ("data", "fsdp")),
+    ("length", None),
+    ("vocab", "tensor"),
+    ("mlp", "tensor"),
+    ("heads", "tensor"),
+    ("kv", None),
+    ("embed", "fsdp"),
+)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Mesh
+# ----------------------------------------------------------------------------------------------------------
+
+def mesh_shape(data: int = -1, fsdp: int = 1, tensor: int = 1, num_devices: Optional[int] = None
+               ) -> tuple[int, int, int]:
+  """(data, fsdp, tensor) with a single -1 resolved to the rest of the devices; refuses impossible shapes."""
+  num_devices = jax.device_count() if num_devices is None else num_devices
+  sizes = {"data": data, "fsdp": fsdp, "tensor": tensor}
+  for name, size in sizes.items():
+    if not isinstance(size, (int, np.integer)) or isinstance(size, bool) or (size < 1 and size != -1):
+      raise ValueError(f"mesh.{name}={size!r}: each mesh axis must be a positive integer or -1 (the rest)")
+  free = [name for name, size in sizes.items() if size == -1]
+  if len(free) > 1:
+    raise ValueError(f"mesh {_describe(sizes)}: only one axis may be -1 (got {len(free)}: {', '.join(free)})")
+  fixed = math.prod(size for size in sizes.values() if size != -1)
+  if free:
+    if num_devices % fixed:
+      raise ValueError(f"mesh {_describe(sizes)}: the fixed axes multiply to {fixed}, which does not divide "
+                       f"the {num_devices} devices, so mesh.{free[0]}=-1 cannot take the rest")
+    sizes[free[0]] = num_devices // fixed
+  elif fixed != num_devices:
+    raise ValueError(f"mesh {_describe(sizes)}: the product {fixed} must equal the number of devices "
+                     f"({num_devices}); set one axis to -1 to use the rest")
+  return sizes["data"], sizes["fsdp"], sizes["tensor"]
+
+
+def _describe(sizes: Mapping[str, int]) -> str:
+  return " x ".join(f"{name}={size}" for name, size in sizes.items())
+
+
+def make_mesh(data: int = -1, fsdp: int = 1, tensor: int = 1,
+              devices: Optional[Sequence[jax.Device]] = None) -> Mesh:
+  """A ('data', 'fsdp', 'tensor') mesh over `devices` (default: all of them, every process) with Auto axes.
+
+  Flax's logical partitioning emits ordinary sharding constraints, which need Auto (GSPMD-propagated)
+  axes; `jax.make_mesh` now defaults to Explicit axes, so the types are set here.
+  """
+  devices = list(jax.devices() if devices is None else devices)
+  shape = mesh_shape(data, fsdp, tensor, num_devices=len(devices))
+  return jax.make_mesh(shape, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES), devices=devices)
+
+
+def mesh_from_config(mesh_config: Any = None, devices: Optional[Sequence[jax.Device]] = None) -> Mesh:
+  """`make_mesh` from a `config.mesh` ConfigDict / dict with `data`, `fsdp`, `tensor` (missing = -1, 1, 1)."""
+  if mesh_config is None:
+    values = {}
+  elif isinstance(mesh_config, Mapping):
+    values = dict(mesh_config)
+  else:  # ml_collections.ConfigDict
+    values = mesh_config.to_dict()
+  unknown = set(values) - set(MESH_AXES)
+  if unknown:
+    raise ValueError(f"config.mesh has unknown axes {sorted(unknown)}; expected {list(MESH_AXES)}")
+  return make_mesh(int(values.get("data", -1)), int(values.get("fsdp", 1)), int(values.get("tensor", 1)),
+                   devices=devices)
+
+
+def maybe_initialize_distributed(enabled: bool, **kwargs) -> bool:
+  """`jax.distributed.initialize(**kwargs)` when `enabled` (multi-host); call before any other JAX use.
+
+  With no kwargs JAX detects the cluster (SLURM, Open MPI, TPU pods, ...); otherwise pass
+  `coordinator_address`, `num_processes`, `process_id`. Returns whether JAX now runs distributed.
+  """
+  if not enabled:
+    return False
+  if jax.distributed.is_initialized():
+    return True
+  jax.distributed.initialize(**kwargs)
+  logging.info("jax.distributed initialised: process %d of %d, %d local / %d global devices",
+               jax.process_index(), jax.process_count(), jax.local_device_count(), jax.device_count())
+  return True
+
+
+@contextlib.contextmanager
+def mesh_context(mesh: Mesh, rules: LogicalRules = LOGICAL_AXIS_RULES) -> Iterator[None]:
+  """`jax.set_mesh(mesh)` and `nn.logical_axis_rules(rules)`: the model's logical constraints become real.
+
+  Trace (i.e. first call) jitted model code inside it; outside, `nn.with_logical_constraint` is a no-op.
+  """
+  with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
+    yield
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Rules and validation
+# ----------------------------------------------------------------------------------------------------------
+
+def _axis_size(mesh: Mesh, axes: Any) -> int:
+  if axes is None:
+    return 1
+  if isinstance(axes, str):
+    return mesh.shape[axes]
+  return math.prod(mesh.shape[a] for a in axes)
+
+
+def _mesh_axes_of(logical_name: str, rules: LogicalRules) -> Any:
+  for name, axes in rules:
+    if name == logical_name:
+      return axes
+  return None
+
+
+def validate_model_for_mesh(model_config: ModelConfig, mesh: Mesh,
+                            rules: LogicalRules = LOGICAL_AXIS_RULES) -> tuple[tuple[str, Any], ...]:
+  """Checks that `model_config` can be split as `rules` say on `mesh`; returns the rules to use.
+
+  Raises ValueError naming the numbers when heads, d_ff or d_model do not divide by the mesh axes they are
+  split over. A vocabulary that does not divide is not an error: its rule is dropped (the vocabulary
+  dimension is replicated) with a warning; pad the vocabulary to a multiple to split it.
+  """
+  rules = tuple((name, axes) for name, axes in rules)
+  unknown = {a for _, axes in rules for a in ((axes,) if isinstance(axes, str) else (axes or ()))
+             } - set(mesh.axis_names)
+  if unknown:
+    raise ValueError(f"logical axis rules name mesh axes {sorted(unknown)}, the mesh has {mesh.axis_names}")
+  checks = (("heads", "num_heads", model_config.num_heads),
+            ("mlp", "d_ff", model_config.d_ff),
+            ("embed", "d_model", model_config.d_model))
+  errors = []
+  for logical, field, size in checks:
+    axes = _mesh_axes_of(logical, rules)
+    ways = _axis_size(mesh, axes)
+    if size % ways:
+      errors.append(f"{field}={size} is not divisible by the {ways} devices of mesh axis {axes!r} that "
+                    f"'{logical}' is split over")
+  if errors:
+    raise ValueError(f"model does not fit mesh {dict(mesh.shape)}: " + "; ".join(errors))
+  vocab_axes = _mesh_axes_of("vocab", rules)
+  vocab_ways = _axis_size(mesh, vocab_axes)
+  if model_config.vocab_size % vocab_ways:
+    logging.warning("vocab_size=%d is not divisible by the %d devices of mesh axis %r: the vocabulary "
+                    "dimension is replicated instead (pad the vocabulary to a multiple of %d to split it)",
+                    model_config.vocab_size, vocab_ways, vocab_axes, vocab_ways)
+    rules = tuple((name, None if name == "vocab" else axes) for name, axes in rules)
+  return rules
+
+
+def batch_mesh_axes(rules: LogicalRules = LOGICAL_AXIS_RULES) -> Any:
+  """The mesh axes the batch rows are split over (('data', 'fsdp') by default)."""
+  return _mesh_axes_of("batch", rules)
+
+
+def batch_sharding(mesh: Mesh, rules: LogicalRules = LOGICAL_AXIS_RULES, *, accum: bool = False
+                   ) -> NamedSharding:
+  """Sharding of batch arrays `[rows, length]` (or `[accum, rows, length]`): rows over the batch axes."""
+  axes = batch_mesh_axes(rules)
+  return NamedSharding(mesh, P(None, axes) if accum else P(axes))
+
+
+def replicated(mesh: Mesh) -> NamedSharding:
+  return NamedSharding(mesh, P())
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Train state, born sharded
+# ----------------------------------------------------------------------------------------------------------
+
+def _path_name(path) -> str:
+  return "/".join(str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path)
+
+
+def _check_divisible(abstract_tree: Any, shardings: Any) -> None:
+  """Every sharded dimension must divide by its mesh axes (jit refuses uneven in/out shardings)."""
+  problems = []
+
+  def check(path, leaf, sharding):
+    for dim, (size, axes) in enumerate(zip(leaf.shape, tuple(sharding.spec) + (None,) * leaf.ndim)):
+      ways = _axis_size(sharding.mesh, axes)
+      if size % ways:
+        problems.append(f"{_path_name(path)} {tuple(leaf.shape)}: dimension {dim} ({size}) over mesh axis "
+                        f"{axes!r} ({ways} devices)")
+
+  jax.tree_util.tree_map_with_path(check, abstract_tree, shardings)
+  if problems:
+    raise ValueError("parameters cannot be split evenly as the rules say: " + "; ".join(problems[:5]) +
+                     (f" (and {len(problems) - 5} more)" if len(problems) > 5 else ""))
+
+
+def create_sharded_train_state(model_config: ModelConfig, tx: optax.GradientTransformation, rng: jax.Array,
+                               mesh: Mesh, rules: LogicalRules = LOGICAL_AXIS_RULES
+                               ) -> tuple[steps.TrainState, Any]:
+  """A fresh `TrainState` created directly in its sharded layout, and its shardings (a matching tree).
+
+  `jax.eval_shape` of the initialisation gives the boxed (logically named) abstract state; its partition
+  specs, mapped through `rules`, give the `NamedSharding` of every parameter. The optimizer state follows
+  the parameters (Adam's mu/nu are built from the boxed parameters, so they carry the same names); leaves
+  without names (step, Adam's count) are replicated. Initialisation is then jitted with those
+  `out_shardings`, so each device only ever materialises its own shards. The parameters are equal to
+  `steps.create_train_state(model_config, tx, rng)`'s (threefry random bits do not depend on sharding).
+  """
+  rules = validate_model_for_mesh(model_config, mesh, rules)
+  apply_fn = Transformer(model_config).apply
+
+  def boxed_state(key):
+    params = steps.init_params(model_config, key)
+    return steps.TrainState.create(apply_fn=apply_fn, params=params, tx=tx)
+
+  def init_state(key):
+    return nn.unbox(boxed_state(key))
+
+  abstract = jax.eval_shape(boxed_state, rng)
+  specs = nn.get_partition_spec(abstract)
+  shardings = nn.logical_to_mesh_sharding(specs, mesh, rules)
+  _check_divisible(nn.unbox(abstract), shardings)
+  with nn.logical_axis_rules(rules):
+    state = jax.jit(init_state, out_shardings=shardings)(rng)
+  # `shardings` was built from the boxed tree; re-derive it from the real state so the two trees match
+  # exactly (same treedef, same static fields), as jit's in/out_shardings and checkpoint restore want.
+  return state, jax.tree_util.tree_map(lambda x: x.sharding, state)
+
+
+def abstract_state(state: Any) -> Any:
+  """`jax.ShapeDtypeStruct`s with shardings for `state` (a restore target that reads straight into shards)."""
+  return jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Batches
+# ----------------------------------------------------------------------------------------------------------
+
+def _rows_axis(array: np.ndarray, key: str) -> int:
+  if array.ndim == 2:
+    return 0
+  if array.ndim == 3:
+    return 1
+  raise ValueError(f"batch[{key!r}] has shape {array.shape}; expected [rows, length] or "
+                   "[accum, rows, length]")
+
+
+def _local_batch_ways(mesh: Mesh, axes: Any) -> int:
+  """How many distinct row blocks of the batch split this process's devices hold."""
+  names = (axes,) if isinstance(axes, str) else tuple(axes or ())
+  positions = [mesh.axis_names.index(a) for a in names]
+  local = np.vectorize(lambda d: d.process_index == jax.process_index(), otypes=[bool])(mesh.devices)
+  return max(len({tuple(int(c[i]) for i in positions) for c in np.argwhere(local)}), 1)
+
+
+def shard_batch(batch: Mapping[str, Any], mesh: Mesh, rules: LogicalRules = LOGICAL_AXIS_RULES, *,
+                process_local: bool = True, pad_rows: bool = False) -> dict[str, jax.Array]:
+  """Host NumPy batch -> global `jax.Array`s with rows split over the batch mesh axes.
+
+  Arrays are `[rows, length]` or, with gradient accumulation, `[accum, rows, length]` (split along rows).
+
+  process_local=True (training): each process passes ITS OWN rows (the data pipeline's per-host slice,
+    `process_index`/`process_count`); the global batch is their concatenation
+    (`jax.make_array_from_process_local_data`). With one process this is the whole batch.
+  process_local=False (evaluation, decoding): every process passes the same, whole batch.
+  pad_rows: append all-padding rows (zeros = pad id) up to a multiple of the batch split; padding rows
+    carry no target tokens, so summed eval metrics are unchanged. Without it an uneven row count is refused.
+  """
+  axes = batch_mesh_axes(rules)
+  ways = _axis_size(mesh, axes)
+  out = {}
+  for key, value in batch.items():
+    array = np.asarray(value)
+    axis = _rows_axis(array, key)
+    spec = P(*([None] * axis), axes)
+    sharding = NamedSharding(mesh, spec)
+    # A process provides the rows of the distinct row blocks its own devices hold.
+    multiple = _local_batch_ways(mesh, axes) if process_local else ways
+    rows = array.shape[axis]
+    if rows % multiple:
+      if not pad_rows:
+        what = "this process's rows" if process_local and jax.process_count() > 1 else "rows"
+        raise ValueError(f"batch[{key!r}] has {rows} {what}, not divisible by the {multiple}-way batch split "
+                         f"over mesh axes {axes!r} {dict(mesh.shape)}; make the rows per batch a multiple "
+                         f"or pass pad_rows=True")
+      pad = [(0, 0)] * array.ndim
+      pad[axis] = (0, -rows % multiple)
+      array = np.pad(array, pad)
+    if process_local:
+      out[key] = jax.make_array_from_process_local_data(sharding, array)
+    else:
+      out[key] = jax.make_array_from_callback(array.shape, sharding, lambda index, a=array: a[index])
+  return out
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Jitted steps
+# ----------------------------------------------------------------------------------------------------------
+
+class MeshBoundFunction:
+  """A jitted function that is traced and run under `mesh_context(mesh, rules)`."""
+
+  def __init__(self, jitted, mesh: Mesh, rules: LogicalRules):
+    self.jitted, self.mesh, self.rules = jitted, mesh, tuple(rules)
+    functools.update_wrapper(self, jitted)
+
+  def __call__(self, *args, **kwargs):
+    with mesh_context(self.mesh, self.rules):
+      return self.jitted(*args, **kwargs)
+
+  def lower(self, *args, **kwargs):
+    with mesh_context(self.mesh, self.rules):
+      return self.jitted.lower(*args, **kwargs)
+
+
+def param_shardings(state_shardings: Any) -> Any:
+  """The `params` part of the shardings returned by `create_sharded_train_state`."""
+  return state_shardings.params
+
+
+def jit_sharded_train_step(model_config: ModelConfig, mesh: Mesh, state_shardings: Any,
+                           rules: LogicalRules = LOGICAL_AXIS_RULES, *, label_smoothing: float = 0.1,
+                           grad_accum_steps: int = 1, learning_rate_fn=None) -> MeshBoundFunction:
+  """`steps.train_step` jitted for `mesh`: `(state, batch, rng) -> (state, metrics)`, the state donated.
+
+  The state keeps `state_shardings`; the batch (from `shard_batch`) is split along its rows (axis 1 with
+  `grad_accum_steps > 1`); the rng and the metrics are replicated.
+  """
+  rules = validate_model_for_mesh(model_config, mesh, rules)
+  fn = functools.partial(steps.train_step, config=model_config, label_smoothing=label_smoothing,
+                         grad_accum_steps=grad_accum_steps, learning_rate_fn=learning_rate_fn)
+  jitted = jax.jit(fn, donate_argnums=(0,),
+                   in_shardings=(state_shardings, batch_sharding(mesh, rules, accum=grad_accum_steps > 1),
+                                 replicated(mesh)),
+                   out_shardings=(state_shardings, replicated(mesh)))
+  return MeshBoundFunction(jitted, mesh, rules)
+
+
+def jit_sharded_eval_step(model_config: ModelConfig, mesh: Mesh, params_shardings: Any,
+                          rules: LogicalRules = LOGICAL_AXIS_RULES, *, label_smoothing: float = 0.1
+                          ) -> MeshBoundFunction:
+  """`steps.eval_step` jitted for `mesh`: `(params, batch) -> sums` (replicated scalars).
+
+  Batches come from `shard_batch(batch, mesh, process_local=False, pad_rows=True)`.
+  """
+  rules = validate_model_for_mesh(model_config, mesh, rules)
+  fn = functools.partial(steps.eval_step, config=model_config, label_smoothing=label_smoothing)
+  jitted = jax.jit(fn, in_shardings=(params_shardings, batch_sharding(mesh, rules)),
+                   out_shardings=replicated(mesh))
+  return MeshBoundFunction(jitted, mesh, rules)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Inspection
+# ----------------------------------------------------------------------------------------------------------
+
+def per_device_bytes(tree: Any) -> dict[jax.Device, int]:
+  """Bytes of the addressable shards of every array in `tree`, per device (this process's devices)."""
+  totals: dict[jax.Device, int] = collections.defaultdict(int)
+  for leaf in jax.tree_util.tree_leaves(tree):
+    if not isinstance(leaf, jax.Array):
+      continue
+    itemsize = np.dtype(leaf.dtype).itemsize if not jax.dtypes.issubdtype(
+        leaf.dtype, jax.dtypes.prng_key) else 8
+    for shard in leaf.addressable_shards:
+      totals[shard.device] += math.prod(shard.data.shape) * itemsize
+  return dict(sorted(totals.items(), key=lambda kv: kv[0].id))
+
+
+def sharding_summary(tree: Any, max_lines: Optional[int] = None) -> str:
+  """One line per array: path, global shape, partition spec (for logs)."""
+  lines = []
+
+  def describe(path, leaf):
+    if isinstance(leaf, jax.Array):
+      spec = getattr(leaf.sharding, "spec", leaf.sharding)
+      lines.append(f"{_path_name(path)} {tuple(leaf.shape)} {spec}")
+
+  jax.tree_util.tree_map_with_path(describe, tree)
+  if max_lines is not None and len(lines) > max_lines:
+    lines = lines[:max_lines] + [f"... ({len(lines) - max_lines} more)"]
+  return "\n".join(lines)
