@@ -38,6 +38,7 @@ import contextlib
 import functools
 import logging
 import math
+import threading
 from typing import Any, Iterator, Mapping, Optional, Sequence
 
 import flax.linen as nn
@@ -149,13 +150,50 @@ def maybe_initialize_distributed(enabled: bool, **kwargs) -> bool:
   return True
 
 
+# flax#3676 (open in flax 0.12.8): `nn.DenseGeneral` initialises a multi-dimensional kernel in its flattened
+# 2-D shape and calls `.unbox()` on the boxed result BEFORE reshaping it. With a mesh set, `unbox` applies
+# the 3-name logical constraint (e.g. ('embed', 'heads', 'kv') of the Q/K/V and output projections in
+# attention.py) to the 2-D array and jax raises "is only valid for values of rank at least 3". Flax runs that
+# initialiser inside every `apply` too (an eval_shape that validates the parameter shapes), so no model
+# with such a kernel can be traced under a mesh. While `mesh_context` is active, `unbox` therefore skips the
+# constraint when the value's rank differs from the number of names: that value is the temporary flat kernel
+# (replaced by its reshaped copy right away, or only shape-checked), so nothing that is computed changes.
+# Every other unbox, and every activation constraint, is applied as usual.
+_original_unbox = nn.LogicallyPartitioned.unbox
+_unbox_patch_depth = 0
+_unbox_patch_lock = threading.Lock()
+
+
+def _rank_safe_unbox(self, apply_constraint=True):
+  if apply_constraint and getattr(self.value, "ndim", len(self.names)) != len(self.names):
+    return self.value
+  return _original_unbox(self, apply_constraint)
+
+
+@contextlib.contextmanager
+def _flax_3676_workaround() -> Iterator[None]:
+  global _unbox_patch_depth
+  with _unbox_patch_lock:
+    if _unbox_patch_depth == 0:
+      nn.LogicallyPartitioned.unbox = _rank_safe_unbox
+    _unbox_patch_depth += 1
+  try:
+    yield
+  finally:
+    with _unbox_patch_lock:
+      _unbox_patch_depth -= 1
+      if _unbox_patch_depth == 0:
+        nn.LogicallyPartitioned.unbox = _original_unbox
+
+
 @contextlib.contextmanager
 def mesh_context(mesh: Mesh, rules: LogicalRules = LOGICAL_AXIS_RULES) -> Iterator[None]:
   """`jax.set_mesh(mesh)` and `nn.logical_axis_rules(rules)`: the model's logical constraints become real.
 
   Trace (i.e. first call) jitted model code inside it; outside, `nn.with_logical_constraint` is a no-op.
+  `jax.set_mesh` cannot be entered inside `jax.jit`: wrap the call, not the function body.
   """
-  with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
+  with jax.set_mesh(mesh), nn.logical_axis_rules(rules), _flax_3676_workaround():
     yield
 
 
@@ -263,8 +301,9 @@ def create_sharded_train_state(model_config: ModelConfig, tx: optax.GradientTran
   specs, mapped through `rules`, give the `NamedSharding` of every parameter. The optimizer state follows
   the parameters (Adam's mu/nu are built from the boxed parameters, so they carry the same names); leaves
   without names (step, Adam's count) are replicated. Initialisation is then jitted with those
-  `out_shardings`, so each device only ever materialises its own shards. The parameters are equal to
-  `steps.create_train_state(model_config, tx, rng)`'s (threefry random bits do not depend on sharding).
+  `out_shardings`, so each device only ever materialises its own shards. The parameters equal
+  `steps.create_train_state(model_config, tx, rng)`'s up to float rounding (threefry random bits do not
+  depend on the sharding; the jitted normal initialiser may differ from the eager one in the last bit).
   """
   rules = validate_model_for_mesh(model_config, mesh, rules)
   apply_fn = Transformer(model_config).apply
@@ -378,22 +417,72 @@ def param_shardings(state_shardings: Any) -> Any:
   return state_shardings.params
 
 
+def shardings_like(tree: Any, shardings: Any) -> Any:
+  """`shardings` (e.g. a state's) re-attached to the structure of `tree`, leaf for leaf.
+
+  A `TrainState`'s tree structure includes its static fields (`apply_fn`, `tx`), so the shardings of one
+  state are not a valid jit/device_put specification for another state built elsewhere (say, a reference
+  state or one from `steps.create_train_state`) even when every array matches; this fixes that.
+  """
+  leaves, treedef = jax.tree_util.tree_flatten(tree)
+  sharding_leaves = jax.tree_util.tree_leaves(shardings)
+  if len(leaves) != len(sharding_leaves):
+    raise ValueError(f"tree has {len(leaves)} arrays but the shardings have {len(sharding_leaves)}; "
+                     "they describe different states")
+  return jax.tree_util.tree_unflatten(treedef, sharding_leaves)
+
+
+def device_put_sharded(tree: Any, shardings: Any) -> Any:
+  """`jax.device_put(tree, shardings)` leaf for leaf (see `shardings_like`); single-process host data."""
+  return jax.device_put(tree, shardings_like(tree, shardings))
+
+
+class ShardedTrainStep:
+  """`steps.train_step` jitted for a mesh: `(state, batch, rng) -> (state, metrics)`, the state donated.
+
+  The jitted program is built per state tree structure (normally once), so any state whose arrays match
+  `state_shardings` leaf for leaf is accepted (see `shardings_like`).
+  """
+
+  def __init__(self, fn, mesh: Mesh, rules: LogicalRules, state_shardings: Any, batch_spec: NamedSharding):
+    self.fn, self.mesh, self.rules = fn, mesh, tuple(rules)
+    self.state_shardings, self.batch_sharding = state_shardings, batch_spec
+    self._jitted: list[tuple[Any, Any]] = []
+
+  def jitted_for(self, state: Any):
+    treedef = jax.tree_util.tree_structure(state)
+    for known, jitted in self._jitted:
+      if known == treedef:
+        return jitted
+    shardings = shardings_like(state, self.state_shardings)
+    jitted = jax.jit(self.fn, donate_argnums=(0,),
+                     in_shardings=(shardings, self.batch_sharding, replicated(self.mesh)),
+                     out_shardings=(shardings, replicated(self.mesh)))
+    self._jitted.append((treedef, jitted))
+    return jitted
+
+  def __call__(self, state, batch, rng):
+    with mesh_context(self.mesh, self.rules):
+      return self.jitted_for(state)(state, batch, rng)
+
+  def lower(self, state, batch, rng):
+    with mesh_context(self.mesh, self.rules):
+      return self.jitted_for(state).lower(state, batch, rng)
+
+
 def jit_sharded_train_step(model_config: ModelConfig, mesh: Mesh, state_shardings: Any,
                            rules: LogicalRules = LOGICAL_AXIS_RULES, *, label_smoothing: float = 0.1,
-                           grad_accum_steps: int = 1, learning_rate_fn=None) -> MeshBoundFunction:
+                           grad_accum_steps: int = 1, learning_rate_fn=None) -> ShardedTrainStep:
   """`steps.train_step` jitted for `mesh`: `(state, batch, rng) -> (state, metrics)`, the state donated.
 
   The state keeps `state_shardings`; the batch (from `shard_batch`) is split along its rows (axis 1 with
-  `grad_accum_steps > 1`); the rng and the metrics are replicated.
+  `grad_accum_steps > 1`); the rng and the metrics are replicated. Traced under `mesh_context`.
   """
   rules = validate_model_for_mesh(model_config, mesh, rules)
   fn = functools.partial(steps.train_step, config=model_config, label_smoothing=label_smoothing,
                          grad_accum_steps=grad_accum_steps, learning_rate_fn=learning_rate_fn)
-  jitted = jax.jit(fn, donate_argnums=(0,),
-                   in_shardings=(state_shardings, batch_sharding(mesh, rules, accum=grad_accum_steps > 1),
-                                 replicated(mesh)),
-                   out_shardings=(state_shardings, replicated(mesh)))
-  return MeshBoundFunction(jitted, mesh, rules)
+  return ShardedTrainStep(fn, mesh, rules, state_shardings,
+                          batch_sharding(mesh, rules, accum=grad_accum_steps > 1))
 
 
 def jit_sharded_eval_step(model_config: ModelConfig, mesh: Mesh, params_shardings: Any,

@@ -37,9 +37,9 @@ def get_config() -> ml_collections.ConfigDict:
   config.data.tokens_per_batch = 2048     # slots per side per batch
 
   # Optimisation (section 5.3-5.4): Adam + the rsqrt schedule, label smoothing 0.1.
-  config.num_train_steps = 3000
-  config.warmup_steps = 400
-  config.learning_rate = 2.0              # multiplies d_model^-0.5 * min(step^-0.5, step * warmup^-1.5)
+  config.num_train_steps = 1500
+  config.warmup_steps = 300
+  config.learning_rate = 1.0              # multiplies d_model^-0.5 * min(step^-0.5, step * warmup^-1.5)
   config.adam_b1 = 0.9
   config.adam_b2 = 0.98
   config.adam_eps = 1e-9
@@ -47,9 +47,9 @@ def get_config() -> ml_collections.ConfigDict:
   config.grad_accum_steps = 1
 
   config.log_every_steps = 100
-  config.eval_every_steps = 1000
+  config.eval_every_steps = 500
   config.eval_tokens_per_batch = 8192
-  config.checkpoint_every_steps = 1000
+  config.checkpoint_every_steps = 500
   config.checkpoint_every_minutes = 0.0
   config.checkpoint_keep = 3
 

@@ -1,0 +1,127 @@
+r"""Per-device train-state memory and step time of the base Transformer under data parallelism vs FSDP.
+
+    python -m experiments.benchmarks.sharding_bench                      # 8 forced host CPU devices
+    python -m experiments.benchmarks.sharding_bench --meshes=data=8 --meshes=fsdp=8,data=1 --rows=8 --length=128
+
+Every mesh trains the same model (`config.base(vocab_size=32000)`, float32, dropout as the preset) on the
+same fixed batch (`rows` x `length` tokens per side), a few timed steps after the compiling one. Reported per
+mesh: the train state's bytes on each device (params + Adam moments: the addressable shards), XLA's temporary
+buffer estimate for the step (per device, where the backend reports it), the compile time and the median
+step time. On CPU the devices are forced host devices sharing the machine's cores: step times are only
+indicative (FSDP's all-gathers are memory copies here, and all "devices" compete for the same cores).
+"""
+
+import os
+import sys
+
+if "jax" not in sys.modules and "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+  _devices = next((a.split("=", 1)[1] for a in sys.argv if a.startswith("--devices=")), "8")
+  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                             f" --xla_force_host_platform_device_count={_devices}").strip()
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import argparse  # noqa: E402
+import gc  # noqa: E402
+import statistics  # noqa: E402
+import time  # noqa: E402
+import warnings  # noqa: E402
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+
+from transformer_jax import config as presets  # noqa: E402
+from transformer_jax import sharding  # noqa: E402
+from transformer_jax.training.schedule import adam_with_schedule, rsqrt_schedule  # noqa: E402
+
+
+def parse_mesh(text: str) -> dict[str, int]:
+  """'fsdp=8,data=1' -> {'fsdp': 8, 'data': 1} (unnamed axes keep make_mesh's defaults)."""
+  values = {}
+  for part in text.split(","):
+    name, _, size = part.partition("=")
+    values[name.strip()] = int(size)
+  return values
+
+
+def random_batch(rows: int, length: int, vocab_size: int, seed: int = 0) -> dict[str, np.ndarray]:
+  """Full rows of random ids (no padding): exactly rows * length tokens per side."""
+  rng = np.random.default_rng(seed)
+  return {side: rng.integers(4, vocab_size, (rows, length), dtype=np.int32) for side in ("inputs", "targets")}
+
+
+def measure(mesh_values: dict[str, int], model_config, rows: int, length: int, steps: int) -> dict:
+  mesh = sharding.make_mesh(**mesh_values)
+  tx = adam_with_schedule(model_config.d_model, warmup_steps=4000)
+  start = time.perf_counter()
+  state, shardings = sharding.create_sharded_train_state(model_config, tx, jax.random.key(0), mesh)
+  jax.block_until_ready(state)
+  init_s = time.perf_counter() - start
+  state_bytes = sharding.per_device_bytes(state)
+
+  step = sharding.jit_sharded_train_step(model_config, mesh, shardings,
+                                         learning_rate_fn=rsqrt_schedule(model_config.d_model, 4000))
+  batch = sharding.shard_batch(random_batch(rows, length, model_config.vocab_size), mesh)
+  rng = jax.random.key(1)
+  start = time.perf_counter()
+  compiled = step.lower(state, batch, rng).compile()
+  compile_s = time.perf_counter() - start
+  temp_bytes = None
+  try:
+    analysis = compiled.memory_analysis()
+    temp_bytes = getattr(analysis, "temp_size_in_bytes", None)
+  except Exception:  # not every backend reports it
+    pass
+
+  state, metrics = step(state, batch, rng)  # first call (cached executable after compile())
+  jax.block_until_ready(metrics)
+  times = []
+  for _ in range(steps):
+    start = time.perf_counter()
+    state, metrics = step(state, batch, rng)
+    jax.block_until_ready(metrics)
+    times.append(time.perf_counter() - start)
+  result = dict(mesh=dict(mesh.shape), state_bytes_max=max(state_bytes.values()),
+                state_bytes_min=min(state_bytes.values()), temp_bytes=temp_bytes, init_s=init_s,
+                compile_s=compile_s, step_s=statistics.median(times), loss=float(metrics["loss"]),
+                params=sum(x.size for x in jax.tree_util.tree_leaves(state.params)))
+  del state, metrics, batch, compiled, step
+  gc.collect()
+  return result
+
+
+def main(argv=None):
+  parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser.add_argument("--meshes", action="append", default=None,
+                      help="mesh to measure, e.g. 'data=8' or 'fsdp=8,data=1' (repeatable)")
+  parser.add_argument("--devices", type=int, default=8, help="forced host devices (CPU only)")
+  parser.add_argument("--vocab_size", type=int, default=32000)
+  parser.add_argument("--rows", type=int, default=8)
+  parser.add_argument("--length", type=int, default=128)
+  parser.add_argument("--steps", type=int, default=5, help="timed steps after the first")
+  args = parser.parse_args(argv)
+  meshes = [parse_mesh(m) for m in (args.meshes or ["data=8", "fsdp=8,data=1"])]
+  model_config = presets.base(vocab_size=args.vocab_size)
+  warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
+
+  print(f"{jax.device_count()} {jax.devices()[0].platform} devices; base model, vocab {args.vocab_size}, "
+        f"float32; batch {args.rows} rows x {args.length} tokens per side; median of {args.steps} steps")
+  results = []
+  for values in meshes:
+    result = measure(values, model_config, args.rows, args.length, args.steps)
+    results.append(result)
+    print(f"  done {result['mesh']}", flush=True)
+
+  mib = 1 / 2 ** 20
+  header = (f"{'mesh (data x fsdp x tensor)':<28} {'state MiB/device':>17} {'XLA temp MiB/dev':>17} "
+            f"{'compile s':>10} {'step s (median)':>16} {'loss':>8}")
+  print(f"\n{results[0]['params'] / 1e6:.1f}M parameters\n{header}\n{'-' * len(header)}")
+  for r in results:
+    shape = " x ".join(str(r["mesh"][a]) for a in sharding.MESH_AXES)
+    temp = f"{r['temp_bytes'] * mib:.1f}" if r["temp_bytes"] is not None else "n/a"
+    print(f"{shape:<28} {r['state_bytes_max'] * mib:>17.1f} {temp:>17} {r['compile_s']:>10.1f} "
+          f"{r['step_s']:>16.3f} {r['loss']:>8.4f}")
+  return results
+
+
+if __name__ == "__main__":
+  main()

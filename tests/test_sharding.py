@@ -1,0 +1,336 @@
+"""Sharded training on 8 forced host CPU devices (see conftest.py): data, FSDP and tensor parallelism.
+
+Every mesh must reproduce the single-device train step: in float32 the loss and gradient norm agree to
+rtol 1e-5, and every parameter and Adam moment after the step to rtol 1e-5 / atol 1e-6 (the sharded programs
+only reorder float reductions).
+
+The optimizer is the paper's Adam + rsqrt schedule with eps raised from 1e-9 to 1e-3. With eps 1e-9 Adam's
+first update is lr * sign(g) for every gradient above 1e-9, which turns rounding noise into full ±lr steps
+wherever the exact gradient is zero: the key biases (softmax ignores a shift shared by all keys, so their
+gradient is exactly zero in real arithmetic and ~1e-9 noise in float32), embedding rows of rare tokens.
+That would test Adam's conditioning, not the sharding; with eps 1e-3 the update is smooth in g.
+"""
+
+import functools
+
+import jax
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+from transformer_jax import sharding
+from transformer_jax.config import tiny
+from transformer_jax.training import steps
+from transformer_jax.training.schedule import adam_with_schedule, rsqrt_schedule
+
+pytestmark = pytest.mark.filterwarnings("ignore:Some donated buffers were not usable")
+
+RTOL, ATOL = 1e-5, 1e-6
+CFG = tiny(vocab_size=64, num_encoder_layers=1, num_decoder_layers=1, d_model=32, d_ff=64, num_heads=4,
+           dropout_rate=0.0, max_len=32)
+ROWS, LENGTH = 16, 12
+MESHES = {"data8": dict(data=8), "fsdp8": dict(data=1, fsdp=8), "data4_tensor2": dict(data=4, tensor=2)}
+
+
+# One optimizer object: it is a static field of TrainState, and jit's in_shardings (a TrainState tree)
+# must match the state's tree structure, static fields included.
+TX = adam_with_schedule(CFG.d_model, warmup_steps=4, scale=2.0, eps=1e-3)
+
+
+def _lr():
+  return rsqrt_schedule(CFG.d_model, 4, 2.0)
+
+
+def _batch(rows=ROWS, seed=0):
+  """Packed rows (two examples per row, then padding) of random ids; some rows are all padding."""
+  rng = np.random.default_rng(seed)
+  out = {k: np.zeros((rows, LENGTH), np.int32) for k in ("inputs", "targets", "inputs_position",
+                                                          "targets_position", "inputs_segmentation",
+                                                          "targets_segmentation")}
+  for r in range(rows - 1):  # the last row stays padding
+    for side in ("inputs", "targets"):
+      first, second = rng.integers(1, 6), rng.integers(1, 6)
+      ids = rng.integers(4, CFG.vocab_size, first + second)
+      out[side][r, :first + second] = ids
+      out[f"{side}_position"][r, :first + second] = np.r_[np.arange(first), np.arange(second)]
+      out[f"{side}_segmentation"][r, :first + second] = np.r_[np.ones(first), 2 * np.ones(second)]
+  return out
+
+
+def _host(tree):
+  return jax.tree_util.tree_map(np.asarray, jax.device_get(tree))
+
+
+def _assert_trees_close(actual, expected, rtol=RTOL, atol=ATOL):
+  actual, expected = _host(actual), _host(expected)
+  assert jax.tree_util.tree_structure(actual) == jax.tree_util.tree_structure(expected)
+  for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(actual), jax.tree_util.tree_leaves(expected)):
+    np.testing.assert_allclose(a, b, rtol=rtol, atol=atol, err_msg=jax.tree_util.keystr(path))
+
+
+def _param(tree, *names):
+  for name in names:
+    tree = tree[name]
+  return tree
+
+
+WI = ("encoder", "layer_0", "ffn", "wi", "kernel")
+QUERY = ("decoder", "layer_0", "self_attention", "query", "kernel")
+OUT = ("decoder", "layer_0", "cross_attention", "out", "kernel")
+EMBEDDING = ("shared_embedding", "embedding")
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Single-device reference (device 0, no mesh)
+# ----------------------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def reference():
+  """The initial state (host copy) and the single-device results of one step, one accumulated step, eval."""
+  state = steps.create_train_state(CFG, TX, jax.random.key(0))
+  initial = _host(state)
+  rng = jax.random.key(1)
+  batch = _batch()
+  step = steps.jit_train_step(CFG, 0.1, learning_rate_fn=_lr())
+  new_state, metrics = step(jax.device_put(initial, jax.devices()[0]), batch, rng)
+  accum_batch = {k: v.reshape(2, ROWS // 2, LENGTH) for k, v in batch.items()}
+  accum_step = steps.jit_train_step(CFG, 0.1, grad_accum_steps=2, learning_rate_fn=_lr())
+  accum_state, accum_metrics = accum_step(jax.device_put(initial, jax.devices()[0]), accum_batch, rng)
+  eval_batch = {k: v[:10] for k, v in _batch(seed=3).items() if k in ("inputs", "targets")}
+  eval_sums = steps.jit_eval_step(CFG, 0.1)(initial.params, eval_batch)
+  return dict(initial=initial, rng=rng, batch=batch, state=_host(new_state), metrics=_host(metrics),
+              accum_batch=accum_batch, accum_state=_host(accum_state), accum_metrics=_host(accum_metrics),
+              eval_batch=eval_batch, eval_sums=_host(eval_sums))
+
+
+@functools.lru_cache(maxsize=None)
+def _sharded(name):
+  mesh = sharding.make_mesh(**MESHES[name])
+  state, shardings = sharding.create_sharded_train_state(CFG, TX, jax.random.key(0), mesh)
+  return mesh, state, shardings
+
+
+# ----------------------------------------------------------------------------------------------------------
+# One train step on every mesh == one step on one device
+# ----------------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name", list(MESHES))
+def test_train_step_matches_single_device(reference, name):
+  mesh, born, shardings = _sharded(name)
+  # Born sharded, with the single-device initial values (the jitted initialiser may differ in the last bit).
+  _assert_trees_close(born.params, reference["initial"].params, rtol=0, atol=1e-6)
+  state = sharding.device_put_sharded(reference["initial"], shardings)  # identical start for an exact comparison
+  step = sharding.jit_sharded_train_step(CFG, mesh, shardings, label_smoothing=0.1, learning_rate_fn=_lr())
+  batch = sharding.shard_batch(reference["batch"], mesh)
+  new_state, metrics = step(state, batch, reference["rng"])
+
+  np.testing.assert_allclose(metrics["loss"], reference["metrics"]["loss"], rtol=RTOL)
+  np.testing.assert_allclose(metrics["grad_norm"], reference["metrics"]["grad_norm"], rtol=RTOL)
+  assert float(metrics["token_count"]) == float(reference["metrics"]["token_count"])
+  _assert_trees_close(new_state.params, reference["state"].params)
+  _assert_trees_close(new_state.opt_state, reference["state"].opt_state)
+  assert int(new_state.step) == 1
+  # The state keeps its layout across steps (in == out shardings), metrics are replicated.
+  assert all(x.sharding == s for x, s in zip(jax.tree_util.tree_leaves(new_state),
+                                             jax.tree_util.tree_leaves(shardings)))
+  assert metrics["loss"].sharding.is_fully_replicated
+
+
+def test_grad_accumulation_matches_single_device(reference):
+  mesh, _, shardings = _sharded("data4_tensor2")
+  state = sharding.device_put_sharded(reference["initial"], shardings)
+  step = sharding.jit_sharded_train_step(CFG, mesh, shardings, label_smoothing=0.1, grad_accum_steps=2,
+                                         learning_rate_fn=_lr())
+  batch = sharding.shard_batch(reference["accum_batch"], mesh)
+  assert batch["inputs"].shape == (2, ROWS // 2, LENGTH)
+  assert batch["inputs"].sharding.spec == P(None, ("data", "fsdp"))
+  assert {s.data.shape for s in batch["inputs"].addressable_shards} == {(2, ROWS // 2 // 4, LENGTH)}
+  new_state, metrics = step(state, batch, reference["rng"])
+  np.testing.assert_allclose(metrics["loss"], reference["accum_metrics"]["loss"], rtol=RTOL)
+  _assert_trees_close(new_state.params, reference["accum_state"].params)
+  # Accumulating 2 x 8 rows is the same update as 16 rows at once.
+  _assert_trees_close(reference["accum_state"].params, reference["state"].params)
+
+
+def test_dropout_masks_do_not_depend_on_the_mesh():
+  """threefry is partitionable: a sharded step draws the same dropout masks as the single-device one."""
+  cfg = CFG.replace(dropout_rate=0.1, relu_dropout_rate=0.1)
+  initial = _host(steps.create_train_state(cfg, TX, jax.random.key(0)))
+  rng, batch = jax.random.key(5), _batch()
+  expected_state, expected = steps.jit_train_step(cfg)(jax.device_put(initial, jax.devices()[0]), batch, rng)
+  mesh, _, shardings = _sharded("data4_tensor2")
+  step = sharding.jit_sharded_train_step(cfg, mesh, shardings)
+  new_state, metrics = step(sharding.device_put_sharded(initial, shardings), sharding.shard_batch(batch, mesh),
+                            rng)
+  np.testing.assert_allclose(metrics["loss"], expected["loss"], rtol=RTOL)
+  _assert_trees_close(new_state.params, expected_state.params)
+
+
+def test_model_activation_constraints_resolve_under_the_mesh(reference):
+  """The traced step carries the model's `with_logical_constraint`s as real sharding constraints."""
+  mesh, state, shardings = _sharded("data4_tensor2")
+  step = sharding.jit_sharded_train_step(CFG, mesh, shardings, learning_rate_fn=_lr())
+  text = step.lower(state, sharding.shard_batch(reference["batch"], mesh), reference["rng"]).as_text()
+  # [batch, length, mlp] -> (('data', 'fsdp'), None, 'tensor'); [batch, length, embed] -> rows only.
+  assert '[{"data", "fsdp"}, {}, {"tensor"}]> : tensor<16x12x64xf32>' in text
+  assert '[{"data", "fsdp"}, {}, {}]> : tensor<16x12x32xf32>' in text
+  # The flax#3676 workaround is scoped to the context.
+  assert sharding.nn.LogicallyPartitioned.unbox is sharding._original_unbox
+
+
+def test_eval_step_with_padded_uneven_batch_matches_single_device(reference):
+  mesh, state, shardings = _sharded("data4_tensor2")
+  params = jax.device_put(reference["initial"].params, shardings.params)
+  eval_fn = sharding.jit_sharded_eval_step(CFG, mesh, shardings.params, label_smoothing=0.1)
+  with pytest.raises(ValueError, match="10 rows, not divisible by the 4-way batch split"):
+    sharding.shard_batch(reference["eval_batch"], mesh, process_local=False)
+  batch = sharding.shard_batch(reference["eval_batch"], mesh, process_local=False, pad_rows=True)
+  assert batch["inputs"].shape == (12, LENGTH)  # 10 rows + 2 padding rows
+  sums = eval_fn(params, batch)
+  for key, value in reference["eval_sums"].items():
+    np.testing.assert_allclose(sums[key], value, rtol=RTOL, err_msg=key)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Parameters really are split as the rules say
+# ----------------------------------------------------------------------------------------------------------
+
+def _shard_shapes(x):
+  return {s.data.shape for s in x.addressable_shards}
+
+
+def test_data_parallel_replicates_parameters():
+  _, state, _ = _sharded("data8")
+  for leaf in jax.tree_util.tree_leaves(state):
+    assert leaf.sharding.is_fully_replicated
+    assert _shard_shapes(leaf) == {leaf.shape}
+    assert len(leaf.addressable_shards) == 8
+
+
+def test_fsdp_splits_parameters_and_adam_moments_along_embed():
+  _, state, _ = _sharded("fsdp8")
+  wi = _param(state.params, *WI)
+  assert wi.shape == (32, 64) and wi.sharding.spec == P("fsdp", "tensor")
+  assert _shard_shapes(wi) == {(4, 64)}
+  embedding = _param(state.params, *EMBEDDING)
+  assert embedding.sharding.spec == P("tensor", "fsdp") and _shard_shapes(embedding) == {(64, 4)}
+  query = _param(state.params, *QUERY)
+  assert query.sharding.spec == P("fsdp", "tensor", None) and _shard_shapes(query) == {(4, 4, 8)}
+  out = _param(state.params, *OUT)
+  assert out.sharding.spec == P("tensor", None, "fsdp") and _shard_shapes(out) == {(4, 8, 4)}
+  adam = state.opt_state[0]  # scale_by_adam: count, mu, nu
+  for moments in (adam.mu, adam.nu):
+    assert _param(moments, *WI).sharding == wi.sharding
+    assert _shard_shapes(_param(moments, *WI)) == {(4, 64)}
+  assert adam.count.sharding.is_fully_replicated and state.step.sharding.is_fully_replicated
+
+
+def test_tensor_parallel_splits_heads_mlp_and_vocab():
+  _, state, _ = _sharded("data4_tensor2")
+  wi = _param(state.params, *WI)
+  assert wi.sharding.spec == P("fsdp", "tensor") and _shard_shapes(wi) == {(32, 32)}
+  wo = _param(state.params, "encoder", "layer_0", "ffn", "wo", "kernel")
+  assert wo.sharding.spec == P("tensor", "fsdp") and _shard_shapes(wo) == {(32, 32)}
+  query = _param(state.params, *QUERY)
+  assert _shard_shapes(query) == {(32, 2, 8)}  # 4 heads over 2 devices
+  assert _shard_shapes(_param(state.params, *EMBEDDING)) == {(32, 32)}  # 64 vocabulary rows over 2
+  # Each device holds one of the two halves: devices of the same tensor index hold equal data.
+  halves = {tuple(idx[1].indices(64)) for idx in wi.sharding.devices_indices_map(wi.shape).values()}
+  assert halves == {(0, 32, 1), (32, 64, 1)}
+
+
+def test_fsdp_state_memory_per_device_is_an_eighth():
+  data_bytes = sharding.per_device_bytes(_sharded("data8")[1])
+  fsdp_bytes = sharding.per_device_bytes(_sharded("fsdp8")[1])
+  assert len(data_bytes) == len(fsdp_bytes) == 8
+  total = sum(x.nbytes for x in jax.tree_util.tree_leaves(_sharded("data8")[1]))
+  assert set(data_bytes.values()) == {total}
+  # Everything with an `embed` dimension is split 8 ways; only the mlp/heads biases stay whole.
+  assert max(fsdp_bytes.values()) < 0.15 * total
+
+
+def test_batch_is_split_along_the_data_axes():
+  for name, ways in (("data8", 8), ("fsdp8", 8), ("data4_tensor2", 4)):
+    mesh = _sharded(name)[0]
+    batch = sharding.shard_batch(_batch(), mesh)
+    assert batch["targets"].sharding.spec == P(("data", "fsdp"))
+    assert _shard_shapes(batch["targets"]) == {(ROWS // ways, LENGTH)}
+    np.testing.assert_array_equal(np.asarray(batch["targets"]), _batch()["targets"])
+  assert sharding.batch_sharding(mesh, accum=True).spec == P(None, ("data", "fsdp"))
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Refusals
+# ----------------------------------------------------------------------------------------------------------
+
+def test_mesh_shape_errors():
+  assert jax.device_count() == 8
+  assert sharding.make_mesh().shape == {"data": 8, "fsdp": 1, "tensor": 1}
+  assert dict(sharding.make_mesh(data=2, fsdp=-1, tensor=2).shape) == {"data": 2, "fsdp": 2, "tensor": 2}
+  assert all(t == jax.sharding.AxisType.Auto for t in sharding.make_mesh().axis_types)
+  with pytest.raises(ValueError, match=r"product 3 must equal the number of devices \(8\)"):
+    sharding.make_mesh(data=3)
+  with pytest.raises(ValueError, match=r"product 16 must equal the number of devices \(8\)"):
+    sharding.make_mesh(data=4, fsdp=2, tensor=2)
+  with pytest.raises(ValueError, match="only one axis may be -1"):
+    sharding.make_mesh(data=-1, fsdp=-1)
+  with pytest.raises(ValueError, match="multiply to 3, which does not divide the 8 devices"):
+    sharding.make_mesh(data=-1, tensor=3)
+  with pytest.raises(ValueError, match="positive integer or -1"):
+    sharding.make_mesh(data=0)
+  with pytest.raises(ValueError, match="unknown axes"):
+    sharding.mesh_from_config({"data": -1, "model": 2})
+  assert dict(sharding.mesh_from_config({"tensor": 2}).shape) == {"data": 4, "fsdp": 1, "tensor": 2}
+
+
+def test_model_that_does_not_fit_the_mesh_is_refused():
+  mesh = sharding.make_mesh(data=1, tensor=8)
+  with pytest.raises(ValueError, match=r"num_heads=4 is not divisible by the 8 devices of mesh axis 'tensor'"):
+    sharding.create_sharded_train_state(CFG, TX, jax.random.key(0), mesh)
+  with pytest.raises(ValueError, match="num_heads=4"):
+    sharding.jit_sharded_train_step(CFG, mesh, None)
+  fsdp = sharding.make_mesh(data=1, fsdp=8)
+  with pytest.raises(ValueError, match=r"d_model=36 is not divisible by the 8 devices of mesh axis 'fsdp'"):
+    sharding.validate_model_for_mesh(CFG.replace(d_model=36), fsdp)
+  with pytest.raises(ValueError, match=r"d_ff=62 is not divisible by the 4 devices"):
+    sharding.validate_model_for_mesh(CFG.replace(d_ff=62), sharding.make_mesh(data=2, tensor=4))
+
+
+def test_vocabulary_that_does_not_divide_is_replicated_with_a_warning(caplog):
+  mesh = sharding.make_mesh(data=4, tensor=2)
+  rules = sharding.validate_model_for_mesh(CFG.replace(vocab_size=65), mesh)
+  assert dict(rules)["vocab"] is None and dict(rules)["mlp"] == "tensor"
+  assert "vocab_size=65 is not divisible" in caplog.text
+  assert dict(sharding.validate_model_for_mesh(CFG, mesh))["vocab"] == "tensor"
+
+
+def test_uneven_training_batch_is_refused():
+  mesh = _sharded("data8")[0]
+  with pytest.raises(ValueError, match="12 rows, not divisible by the 8-way batch split"):
+    sharding.shard_batch(_batch(12), mesh)
+
+
+def test_distributed_initialisation_only_when_asked():
+  assert sharding.maybe_initialize_distributed(False) is False
+  assert not jax.distributed.is_initialized()
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Decoding on sharded parameters
+# ----------------------------------------------------------------------------------------------------------
+
+def test_greedy_decoding_on_sharded_params_matches_single_device(reference):
+  decode = pytest.importorskip("transformer_jax.decode")
+  if not hasattr(decode, "greedy_search"):
+    pytest.skip("transformer_jax.decode has no greedy_search yet")
+  params = reference["state"].params  # after one step
+  inputs = reference["batch"]["inputs"][:8]
+  tokens, log_probs = decode.greedy_search(jax.device_put(params, jax.devices()[0]), CFG, inputs, 8)
+
+  mesh, _, shardings = _sharded("data4_tensor2")
+  sharded_params = jax.device_put(params, shardings.params)
+  sharded_inputs = sharding.shard_batch({"inputs": inputs}, mesh, process_local=False)["inputs"]
+  with sharding.mesh_context(mesh):  # the model's activation constraints apply while decoding
+    sharded_tokens, sharded_log_probs = decode.greedy_search(sharded_params, CFG, sharded_inputs, 8)
+  np.testing.assert_array_equal(np.asarray(sharded_tokens), np.asarray(tokens))
+  np.testing.assert_allclose(np.asarray(sharded_log_probs), np.asarray(log_probs), rtol=1e-5, atol=1e-5)
