@@ -71,14 +71,10 @@ def load_for_inference(workdir: str, checkpoint: str | None = None):
   return model_config, params, tokenizer
 
 
-def translate_texts(model_config, params, tokenizer: Tokenizer, texts: Sequence[str], *, beam_size: int = 1,
-                    alpha: float = 0.6, extra_len: int = 50, progress=None) -> list[str]:
-  """Detokenised translations of `texts`, in input order; empty/blank lines give empty lines."""
+def translate_texts(model_config, params, tokenizer: Tokenizer, texts: Sequence[str], **kwargs) -> list[str]:
+  """`transformer_jax.inference.translate_texts` (input order; empty lines stay empty)."""
   from transformer_jax import inference
-  ids = [tokenizer.encode(t) if t.strip() else [] for t in texts]
-  outputs = inference.translate_ids(params, model_config, ids, beam_size=beam_size, alpha=alpha,
-                                    extra_len=extra_len, progress=progress)
-  return [tokenizer.decode(o) if src else "" for o, src in zip(outputs, ids)]
+  return inference.translate_texts(params, model_config, tokenizer, texts, **kwargs)
 
 
 def report_final_eval(config: Any, workdir: str, result: dict) -> dict:

@@ -168,3 +168,16 @@ def translate_ids(params, config: ModelConfig, sources: Sequence[Sequence[int]],
         progress(len(done_batch))
     pending = (batch, future) if batch is not None else None
   return results  # type: ignore[return-value]
+
+
+def translate_texts(params, config: ModelConfig, tokenizer, texts: Sequence[str], *, beam_size: int = 1,
+                    alpha: float = 0.6, extra_len: int = 50, progress: Callable[[int], None] | None = None,
+                    **kwargs) -> list[str]:
+  """Detokenised translations of `texts` in input order; empty or blank lines give empty lines.
+
+  `tokenizer` is a `transformer_jax.data.tokenizer.Tokenizer` (encode appends EOS; decode stops at EOS).
+  """
+  ids = [tokenizer.encode(t) if t.strip() else [] for t in texts]
+  outputs = translate_ids(params, config, ids, beam_size=beam_size, alpha=alpha, extra_len=extra_len,
+                          progress=progress, **kwargs)
+  return [tokenizer.decode(o) if src else "" for o, src in zip(outputs, ids)]

@@ -52,6 +52,14 @@ def get_config() -> ml_collections.ConfigDict:
   config.checkpoint_every_steps = 500
   config.checkpoint_every_minutes = 0.0
   config.checkpoint_keep = 3
+  config.checkpoint_best_metric = ""     # e.g. "validation/bleu" or "validation/loss": also keep the best
+  config.async_checkpointing = True
+
+  # Periodic validation BLEU (sacreBLEU on translations of the eval splits); 0 = off.
+  config.bleu_every_steps = 0
+  config.bleu_max_examples = 500
+  config.bleu_beam_size = 1
+  config.bleu_alpha = 0.6
 
   # After training: exact-match accuracy of greedy translations on the test split.
   config.final_eval = ml_collections.ConfigDict()

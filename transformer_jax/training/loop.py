@@ -144,6 +144,23 @@ class _StopSignal:
       signal.signal(sig, handler)
 
 
+def next_batch(batches, accum: int) -> dict:
+  """One batch, or `accum` consecutive batches stacked to `[accum, rows, length]` for accumulation."""
+  if accum == 1:
+    return next(batches)
+  parts = [next(batches) for _ in range(accum)]
+  return {k: np.stack([p[k] for p in parts]) for k in parts[0]}
+
+
+def evaluate_bleu(params, model_config: ModelConfig, tokenizer, eval_set, config: Any) -> dict:
+  """sacreBLEU of greedy/beam translations of (the first `bleu_max_examples` of) an eval set."""
+  from transformer_jax import inference, metrics
+  pairs = eval_set.pairs[: config.get("bleu_max_examples") or None]
+  hyps = inference.translate_texts(params, model_config, tokenizer, [s for s, _ in pairs],
+                                   beam_size=config.get("bleu_beam_size", 1), alpha=config.get("bleu_alpha", 0.6))
+  return metrics.sacrebleu_scores(hyps, [t for _, t in pairs])
+
+
 def train_and_evaluate(config: Any, workdir: str) -> dict[str, Any]:
   """Trains `config` in `workdir` (resuming from its latest checkpoint) and returns the final metrics."""
   from transformer_jax import checkpoint as checkpoint_lib
@@ -176,7 +193,10 @@ def train_and_evaluate(config: Any, workdir: str) -> dict[str, Any]:
   init_rng, train_rng = jax.random.split(rng)
   state = steps.create_train_state(model_config, tx, init_rng)
 
+  best_metric = config.get("checkpoint_best_metric") or None
   ckpt = checkpoint_lib.Checkpointer(os.path.join(workdir, "checkpoints"), max_to_keep=config.checkpoint_keep,
+                                     best_metric=best_metric,
+                                     best_mode="min" if best_metric and best_metric.endswith("loss") else "max",
                                      enable_async_checkpointing=config.get("async_checkpointing", True))
   start_step = 0
   restored = ckpt.restore_latest_complete(state) if ckpt.latest_step() is not None else None
@@ -189,7 +209,9 @@ def train_and_evaluate(config: Any, workdir: str) -> dict[str, Any]:
     logging.info("Resumed from the checkpoint at step %d in %s (data position %s)", start_step,
                  ckpt.directory, restored.data_state)
 
-  train_step = steps.jit_train_step(model_config, config.label_smoothing, learning_rate_fn=learning_rate_fn)
+  accum = config.get("grad_accum_steps", 1)
+  train_step = steps.jit_train_step(model_config, config.label_smoothing, grad_accum_steps=accum,
+                                    learning_rate_fn=learning_rate_fn)
   eval_step = steps.jit_eval_step(model_config, config.label_smoothing)
   writer = MetricWriter(workdir, enabled=is_chief)
   num_steps = config.num_train_steps
@@ -204,7 +226,7 @@ def train_and_evaluate(config: Any, workdir: str) -> dict[str, Any]:
   stop = _StopSignal()
   step = start_step
   for step in range(start_step + 1, num_steps + 1):
-    batch = next(data.train)
+    batch = next_batch(data.train, accum)
     state, metrics = train_step(state, batch, train_rng)
     pending.append((step, metrics))
 
@@ -227,20 +249,31 @@ def train_and_evaluate(config: Any, workdir: str) -> dict[str, Any]:
       summary["train"] = scalars
       pending, last_log_time, last_log_step = [], now, step
 
+    eval_metrics = {}
     if config.eval_every_steps and (step % config.eval_every_steps == 0 or step == num_steps):
       for name, eval_set in data.eval_sets.items():
         metrics = evaluate_loss(eval_step, state.params, eval_set, config.eval_tokens_per_batch)
-        writer.write(step, {f"{name}/{k}": v for k, v in metrics.items()})
         logging.info("eval %s at step %d: loss %.3f | nll %.3f | ppl %.2f | acc %.3f", name, step,
                      metrics["loss"], metrics["nll"], metrics["perplexity"], metrics["accuracy"])
-        summary[name] = metrics
+        eval_metrics.update({f"{name}/{k}": v for k, v in metrics.items()})
+    bleu_every = config.get("bleu_every_steps", 0)
+    if bleu_every and (step % bleu_every == 0 or step == num_steps):
+      for name, eval_set in data.eval_sets.items():
+        scores = evaluate_bleu(state.params, model_config, data.tokenizer, eval_set, config)
+        logging.info("BLEU %s at step %d: %.2f (chrF %.2f) %s", name, step, scores["bleu"], scores["chrf"],
+                     scores["bleu_signature"])
+        eval_metrics.update({f"{name}/bleu": scores["bleu"], f"{name}/chrf": scores["chrf"]})
+    if eval_metrics:
+      writer.write(step, eval_metrics)
+      summary.setdefault("eval", {}).update(eval_metrics)
 
     by_steps = config.checkpoint_every_steps and step % config.checkpoint_every_steps == 0
     by_time = (config.checkpoint_every_minutes
                and time.time() - last_ckpt_time >= 60 * config.checkpoint_every_minutes)
     stopping = stop.requested(step)
     if by_steps or by_time or stopping or step == num_steps:
-      ckpt.save(step, state, train_rng, data.train.get_state(), resolved)
+      ckpt.save(step, state, train_rng, data.train.get_state(), resolved,
+                metrics=eval_metrics if best_metric and best_metric in eval_metrics else None)
       last_ckpt_time = time.time()
     if stopping:
       logging.warning("Received %s: saved the checkpoint of step %d; stopping. Re-run to resume.",
