@@ -11,15 +11,56 @@ from typing import Optional
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from transformer_jax.config import ModelConfig
 
 Array = jax.Array
 
-# Xavier/Glorot-uniform. `nn.DenseGeneral` initialises its kernel in the flattened 2-D shape, so the fused
-# [d_model, heads, head_dim] projection gets fan_in = d_model and fan_out = heads * head_dim: exactly the
-# d_model x d_model matrix of the reference implementations.
-_xavier = nn.initializers.xavier_uniform()
+def _xavier_fused(fan_in_axes: int):
+  """Xavier/Glorot-uniform over a fused kernel, with fans taken from its 2-D (matrix) view.
+
+  The [d_model, heads, head_dim] projection has fan_in = d_model and fan_out = heads * head_dim: exactly the
+  d_model x d_model matrix of the reference implementations.
+  """
+  def init(key, shape, dtype=jnp.float32):
+    rows = int(np.prod(shape[:fan_in_axes]))
+    return nn.initializers.xavier_uniform()(key, (rows, int(np.prod(shape[fan_in_axes:]))), dtype).reshape(shape)
+  return init
+
+
+class HeadProjection(nn.Module):
+  """x `[batch, length, d_model]` -> `[batch, length, heads, head_dim]` (W^Q, W^K or W^V of all heads)."""
+
+  num_heads: int
+  head_dim: int
+  dtype: jnp.dtype = jnp.float32
+
+  @nn.compact
+  def __call__(self, x: Array) -> Array:
+    kernel = self.param("kernel", nn.with_logical_partitioning(_xavier_fused(1), ("embed", "heads", "kv")),
+                        (x.shape[-1], self.num_heads, self.head_dim), jnp.float32)
+    bias = self.param("bias", nn.with_logical_partitioning(nn.initializers.zeros, ("heads", "kv")),
+                      (self.num_heads, self.head_dim), jnp.float32)
+    y = jnp.einsum("bld,dhk->blhk", x.astype(self.dtype), kernel.astype(self.dtype))
+    return y + bias.astype(self.dtype)
+
+
+class OutputProjection(nn.Module):
+  """Concatenated heads `[batch, length, heads, head_dim]` -> `[batch, length, d_model]` (W^O)."""
+
+  d_model: int
+  dtype: jnp.dtype = jnp.float32
+
+  @nn.compact
+  def __call__(self, x: Array) -> Array:
+    heads, head_dim = x.shape[-2:]
+    kernel = self.param("kernel", nn.with_logical_partitioning(_xavier_fused(2), ("heads", "kv", "embed")),
+                        (heads, head_dim, self.d_model), jnp.float32)
+    bias = self.param("bias", nn.with_logical_partitioning(nn.initializers.zeros, ("embed",)),
+                      (self.d_model,), jnp.float32)
+    y = jnp.einsum("blhk,hkd->bld", x.astype(self.dtype), kernel.astype(self.dtype))
+    return y + bias.astype(self.dtype)
 
 
 def dot_product_attention(query: Array, key: Array, value: Array, mask: Optional[Array] = None, *,
@@ -75,12 +116,9 @@ class MultiHeadAttention(nn.Module):
   config: ModelConfig
   is_cross: bool = False
 
-  def _projection(self, name: str) -> nn.DenseGeneral:
+  def _projection(self, name: str) -> HeadProjection:
     cfg = self.config
-    return nn.DenseGeneral(
-        features=(cfg.num_heads, cfg.head_dim), axis=-1, dtype=cfg.compute_dtype, name=name,
-        kernel_init=nn.with_logical_partitioning(_xavier, ("embed", "heads", "kv")),
-        bias_init=nn.with_logical_partitioning(nn.initializers.zeros, ("heads", "kv")))
+    return HeadProjection(cfg.num_heads, cfg.head_dim, dtype=cfg.compute_dtype, name=name)
 
   @nn.compact
   def __call__(self, inputs_q: Array, inputs_kv: Array, mask: Optional[Array], *,
@@ -109,10 +147,7 @@ class MultiHeadAttention(nn.Module):
       result, weights = result
       self.sow("intermediates", "attention_weights", weights)
 
-    return nn.DenseGeneral(
-        features=cfg.d_model, axis=(-2, -1), dtype=cfg.compute_dtype, name="out",
-        kernel_init=nn.with_logical_partitioning(_xavier, ("heads", "kv", "embed")),
-        bias_init=nn.with_logical_partitioning(nn.initializers.zeros, ("embed",)))(result)
+    return OutputProjection(cfg.d_model, dtype=cfg.compute_dtype, name="out")(result)
 
   def _cached_memory(self, key_proj, value_proj, memory: Array):
     """Cross-attention keys/values `[batch, src_len, heads, head_dim]`, projected once per sentence."""

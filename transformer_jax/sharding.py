@@ -38,7 +38,6 @@ import contextlib
 import functools
 import logging
 import math
-import threading
 from typing import Any, Iterator, Mapping, Optional, Sequence
 
 import flax.linen as nn
@@ -150,42 +149,6 @@ def maybe_initialize_distributed(enabled: bool, **kwargs) -> bool:
   return True
 
 
-# flax#3676 (open in flax 0.12.8): `nn.DenseGeneral` initialises a multi-dimensional kernel in its flattened
-# 2-D shape and calls `.unbox()` on the boxed result BEFORE reshaping it. With a mesh set, `unbox` applies
-# the 3-name logical constraint (e.g. ('embed', 'heads', 'kv') of the Q/K/V and output projections in
-# attention.py) to the 2-D array and jax raises "is only valid for values of rank at least 3". Flax runs that
-# initialiser inside every `apply` too (an eval_shape that validates the parameter shapes), so no model
-# with such a kernel can be traced under a mesh. While `mesh_context` is active, `unbox` therefore skips the
-# constraint when the value's rank differs from the number of names: that value is the temporary flat kernel
-# (replaced by its reshaped copy right away, or only shape-checked), so nothing that is computed changes.
-# Every other unbox, and every activation constraint, is applied as usual.
-_original_unbox = nn.LogicallyPartitioned.unbox
-_unbox_patch_depth = 0
-_unbox_patch_lock = threading.Lock()
-
-
-def _rank_safe_unbox(self, apply_constraint=True):
-  if apply_constraint and getattr(self.value, "ndim", len(self.names)) != len(self.names):
-    return self.value
-  return _original_unbox(self, apply_constraint)
-
-
-@contextlib.contextmanager
-def _flax_3676_workaround() -> Iterator[None]:
-  global _unbox_patch_depth
-  with _unbox_patch_lock:
-    if _unbox_patch_depth == 0:
-      nn.LogicallyPartitioned.unbox = _rank_safe_unbox
-    _unbox_patch_depth += 1
-  try:
-    yield
-  finally:
-    with _unbox_patch_lock:
-      _unbox_patch_depth -= 1
-      if _unbox_patch_depth == 0:
-        nn.LogicallyPartitioned.unbox = _original_unbox
-
-
 @contextlib.contextmanager
 def mesh_context(mesh: Mesh, rules: LogicalRules = LOGICAL_AXIS_RULES) -> Iterator[None]:
   """`jax.set_mesh(mesh)` and `nn.logical_axis_rules(rules)`: the model's logical constraints become real.
@@ -193,7 +156,7 @@ def mesh_context(mesh: Mesh, rules: LogicalRules = LOGICAL_AXIS_RULES) -> Iterat
   Trace (i.e. first call) jitted model code inside it; outside, `nn.with_logical_constraint` is a no-op.
   `jax.set_mesh` cannot be entered inside `jax.jit`: wrap the call, not the function body.
   """
-  with jax.set_mesh(mesh), nn.logical_axis_rules(rules), _flax_3676_workaround():
+  with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
     yield
 
 
@@ -214,6 +177,9 @@ def _mesh_axes_of(logical_name: str, rules: LogicalRules) -> Any:
     if name == logical_name:
       return axes
   return None
+
+
+_warned_vocab: set[tuple[int, int]] = set()
 
 
 def validate_model_for_mesh(model_config: ModelConfig, mesh: Mesh,
@@ -244,9 +210,11 @@ def validate_model_for_mesh(model_config: ModelConfig, mesh: Mesh,
   vocab_axes = _mesh_axes_of("vocab", rules)
   vocab_ways = _axis_size(mesh, vocab_axes)
   if model_config.vocab_size % vocab_ways:
-    logging.warning("vocab_size=%d is not divisible by the %d devices of mesh axis %r: the vocabulary "
-                    "dimension is replicated instead (pad the vocabulary to a multiple of %d to split it)",
-                    model_config.vocab_size, vocab_ways, vocab_axes, vocab_ways)
+    if (model_config.vocab_size, vocab_ways) not in _warned_vocab:
+      _warned_vocab.add((model_config.vocab_size, vocab_ways))
+      logging.warning("vocab_size=%d is not divisible by the %d devices of mesh axis %r: the vocabulary "
+                      "dimension is replicated instead (pad the vocabulary to a multiple of %d to split it)",
+                      model_config.vocab_size, vocab_ways, vocab_axes, vocab_ways)
     rules = tuple((name, None if name == "vocab" else axes) for name, axes in rules)
   return rules
 

@@ -49,6 +49,10 @@ def get_config() -> ml_collections.ConfigDict:
   config.label_smoothing = 0.1
   config.grad_accum_steps = 1
 
+  # Devices: a (data, fsdp, tensor) mesh, -1 = the remaining devices; multi-host via jax.distributed.
+  config.mesh = ml_collections.ConfigDict(dict(data=-1, fsdp=1, tensor=1))
+  config.distributed = False
+
   config.log_every_steps = 100
   config.eval_every_steps = 250
   config.eval_tokens_per_batch = 8192

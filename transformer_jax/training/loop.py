@@ -164,7 +164,9 @@ def evaluate_bleu(params, model_config: ModelConfig, tokenizer, eval_set, config
 def train_and_evaluate(config: Any, workdir: str) -> dict[str, Any]:
   """Trains `config` in `workdir` (resuming from its latest checkpoint) and returns the final metrics."""
   from transformer_jax import checkpoint as checkpoint_lib
+  from transformer_jax import sharding
 
+  sharding.maybe_initialize_distributed(config.get("distributed", False))
   os.makedirs(workdir, exist_ok=True)
   is_chief = jax.process_index() == 0
   saved_config = _read_json(os.path.join(workdir, "config.json"))
@@ -191,7 +193,11 @@ def train_and_evaluate(config: Any, workdir: str) -> dict[str, Any]:
                                        b1=config.adam_b1, b2=config.adam_b2, eps=config.adam_eps)
   rng = jax.random.key(config.seed)
   init_rng, train_rng = jax.random.split(rng)
-  state = steps.create_train_state(model_config, tx, init_rng)
+  mesh = sharding.mesh_from_config(config.get("mesh"))
+  rules = sharding.LOGICAL_AXIS_RULES
+  state, state_shardings = sharding.create_sharded_train_state(model_config, tx, init_rng, mesh, rules)
+  logging.info("Mesh %s over %d devices; train state %.1f MiB per device", dict(mesh.shape), mesh.size,
+               max(sharding.per_device_bytes(state).values()) / 2**20)
 
   best_metric = config.get("checkpoint_best_metric") or None
   ckpt = checkpoint_lib.Checkpointer(os.path.join(workdir, "checkpoints"), max_to_keep=config.checkpoint_keep,
@@ -210,9 +216,13 @@ def train_and_evaluate(config: Any, workdir: str) -> dict[str, Any]:
                  ckpt.directory, restored.data_state)
 
   accum = config.get("grad_accum_steps", 1)
-  train_step = steps.jit_train_step(model_config, config.label_smoothing, grad_accum_steps=accum,
-                                    learning_rate_fn=learning_rate_fn)
-  eval_step = steps.jit_eval_step(model_config, config.label_smoothing)
+  train_step = sharding.jit_sharded_train_step(model_config, mesh, state_shardings, rules,
+                                               label_smoothing=config.label_smoothing, grad_accum_steps=accum,
+                                               learning_rate_fn=learning_rate_fn)
+  eval_sharded = sharding.jit_sharded_eval_step(model_config, mesh, state_shardings.params, rules,
+                                                label_smoothing=config.label_smoothing)
+  eval_step = lambda params, batch: eval_sharded(
+      params, sharding.shard_batch(batch, mesh, rules, process_local=False, pad_rows=True))
   writer = MetricWriter(workdir, enabled=is_chief)
   num_steps = config.num_train_steps
   logging.info("Training %d parameters for %d steps (from step %d)",
@@ -226,7 +236,7 @@ def train_and_evaluate(config: Any, workdir: str) -> dict[str, Any]:
   stop = _StopSignal()
   step = start_step
   for step in range(start_step + 1, num_steps + 1):
-    batch = next_batch(data.train, accum)
+    batch = sharding.shard_batch(next_batch(data.train, accum), mesh, rules)
     state, metrics = train_step(state, batch, train_rng)
     pending.append((step, metrics))
 

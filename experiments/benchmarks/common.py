@@ -1,0 +1,210 @@
+"""Shared pieces of the benchmark suite: corpus, analytic FLOPs, matmul probe, memory, machine facts.
+
+Everything here is host-side and cheap; the sections in `sections.py` do the measuring.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import json
+import os
+import platform
+import re
+import subprocess
+import time
+from pathlib import Path
+from typing import Optional, Sequence
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parents[2]
+MULTI30K = Path(os.environ.get("BENCH_MULTI30K", REPO.parent / "shared" / "data" / "multi30k"))
+CACHE = Path(os.environ.get("BENCH_CACHE", REPO / "runs" / "benchmarks" / "cache"))
+VOCAB_SIZE = 8000  # shared SentencePiece BPE trained on multi30k train.en + train.de
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Corpus: multi30k EN->DE tokenised with a SentencePiece model trained by the library, or number words
+# ----------------------------------------------------------------------------------------------------------
+
+@dataclasses.dataclass
+class Corpus:
+  name: str
+  sources: list  # int32 arrays, EOS included
+  targets: list
+  test_sources: list  # held-out sources for decoding
+  vocab_size: int
+  tokenizer_path: Optional[str]
+  tokenize_s: float  # SentencePiece encode time of the training pairs (both sides)
+
+
+def load_corpus(max_len: int = 512) -> Corpus:
+  """multi30k train (29k pairs) tokenised with an 8k shared BPE (trained once, cached); number words if absent."""
+  from transformer_jax.data import tokenizer as tok_lib
+  from transformer_jax.data.pipeline import filter_by_length
+  if (MULTI30K / "train.en").exists():
+    read = lambda name: [l.rstrip("\n") for l in open(MULTI30K / name, encoding="utf-8")]  # noqa: E731
+    en, de, test_en = read("train.en"), read("train.de"), read("test2016.en")
+    name = "multi30k en-de"
+  else:  # number words, built in-process (no tfds): the library's own toy task
+    from transformer_jax.data import number_words as nw
+    splits = nw.split_numbers(0, {"train": 29_000, "test": 1_000})
+    en, de = [nw.english(int(n)) for n in splits["train"]], [nw.german(int(n)) for n in splits["train"]]
+    test_en = [nw.english(int(n)) for n in splits["test"]]
+    name = "number words"
+  CACHE.mkdir(parents=True, exist_ok=True)
+  path = CACHE / f"spm{VOCAB_SIZE}_{name.split()[0]}.model"
+  tokenizer = (tok_lib.Tokenizer(str(path)) if path.exists()
+               else tok_lib.train_tokenizer(en + de, str(path), VOCAB_SIZE))
+  start = time.perf_counter()
+  src = [np.asarray(x, np.int32) for x in tokenizer.encode_batch(en)]
+  tgt = [np.asarray(x, np.int32) for x in tokenizer.encode_batch(de)]
+  tokenize_s = time.perf_counter() - start
+  src, tgt, _ = filter_by_length(src, tgt, max_len)
+  test = [np.asarray(x, np.int32) for x in tokenizer.encode_batch(test_en)]
+  return Corpus(name, src, tgt, test, tokenizer.vocab_size, str(path), tokenize_s)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Analytic model FLOPs
+# ----------------------------------------------------------------------------------------------------------
+
+FLOPS_FORMULA = (
+    "train FLOPs/step = 3 x forward (backward = 2 x forward); forward = 2 x MACs of the matmuls over every "
+    "row slot (pad slots are computed too): per source slot N_enc(4d^2 + 2d d_ff + 2Ld) + N_dec 2d^2 (cross K,V); "
+    "per target slot N_dec(4d^2 + 2Td + 2d^2 + 2Ld + 2d d_ff) + d V (tied logits). L, T = padded row "
+    "lengths (full L x T score matrices, as computed). Embedding gathers, LayerNorm, softmax, loss, "
+    "optimizer are not counted.")
+
+
+def model_flops(cfg, rows: int, src_len: int, tgt_len: int, train: bool = True) -> dict:
+  """Analytic FLOPs of one step on a `[rows, src_len]` / `[rows, tgt_len]` batch (see FLOPS_FORMULA)."""
+  d, f, v = cfg.d_model, cfg.d_ff, cfg.vocab_size
+  ne, nd = cfg.num_encoder_layers, cfg.num_decoder_layers
+  s_tok, t_tok = rows * src_len, rows * tgt_len
+  dense = (s_tok * ne * (4 * d * d + 2 * d * f) + s_tok * nd * 2 * d * d
+           + t_tok * nd * (4 * d * d + 2 * d * d + 2 * d * f))
+  attention = s_tok * ne * 2 * src_len * d + t_tok * nd * (2 * tgt_len * d + 2 * src_len * d)
+  logits = t_tok * d * v
+  mult = 3 if train else 1
+  total = 2 * mult * (dense + attention + logits)
+  return {"total": total, "dense": 2 * mult * dense, "attention": 2 * mult * attention,
+          "logits": 2 * mult * logits, "attention_share": attention / (dense + attention + logits)}
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Machine limit: the fp32 matmul rate XLA reaches
+# ----------------------------------------------------------------------------------------------------------
+
+class MatmulProbe:
+  """A jitted n x n fp32 matmul; `rate(reps)` is its median FLOP/s over `reps` timed calls."""
+
+  def __init__(self, n: int = 2048):
+    import jax
+    import jax.numpy as jnp
+    rng = np.random.default_rng(0)
+    self.n = n
+    self.a = jnp.asarray(rng.standard_normal((n, n), np.float32))
+    self.b = jnp.asarray(rng.standard_normal((n, n), np.float32))
+    self.fn = jax.jit(lambda a, b: a @ b)
+    self.fn(self.a, self.b).block_until_ready()
+    self.samples: list[float] = []
+
+  def rate(self, reps: int = 3) -> float:
+    times = []
+    for _ in range(reps):
+      start = time.perf_counter()
+      self.fn(self.a, self.b).block_until_ready()
+      times.append(time.perf_counter() - start)
+    rate = 2 * self.n ** 3 / float(np.median(times))
+    self.samples.append(rate)
+    return rate
+
+  def median(self) -> float:
+    return float(np.median(self.samples)) if self.samples else float("nan")
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Memory
+# ----------------------------------------------------------------------------------------------------------
+
+def _status_kb(field: str) -> Optional[int]:
+  try:
+    with open("/proc/self/status") as f:
+      for line in f:
+        if line.startswith(field + ":"):
+          return int(line.split()[1])
+  except OSError:
+    pass
+  return None
+
+
+def peak_rss_mb() -> float:
+  """This process's peak resident set (VmHWM; ru_maxrss where /proc is unavailable), MiB."""
+  kb = _status_kb("VmHWM")
+  if kb is None:
+    import resource
+    kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+  return kb / 1024
+
+
+def rss_mb() -> float:
+  kb = _status_kb("VmRSS")
+  return (kb or 0) / 1024
+
+
+def reset_peak_rss() -> bool:
+  """Resets VmHWM to the current RSS (Linux >= 4.0: `echo 5 > /proc/self/clear_refs`)."""
+  try:
+    with open("/proc/self/clear_refs", "w") as f:
+      f.write("5")
+    return True
+  except OSError:
+    return False
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Machine facts
+# ----------------------------------------------------------------------------------------------------------
+
+def machine_info() -> dict:
+  info = {"date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+          "platform": platform.platform(), "python": platform.python_version(),
+          "logical_cpus": os.cpu_count()}
+  try:
+    lscpu = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10).stdout
+    for key, name in (("Model name", "cpu_model"), ("Core(s) per socket", "cores_per_socket"),
+                      ("Socket(s)", "sockets"), ("Thread(s) per core", "threads_per_core"),
+                      ("Flags", "flags")):
+      m = re.search(rf"^{re.escape(key)}:\s*(.+)$", lscpu, re.M)
+      if m:
+        info[name] = m.group(1).strip()
+    flags = info.pop("flags", "")
+    info["simd"] = " ".join(f for f in ("avx2", "fma", "avx512f", "avx512_bf16", "amx_tile")
+                            if f in flags.split())
+  except (OSError, subprocess.SubprocessError):
+    pass
+  try:
+    info["load_average_at_start"] = [round(x, 2) for x in os.getloadavg()]
+  except OSError:
+    pass
+  try:
+    import jax
+    import flax
+    info["jax"], info["flax"] = jax.__version__, flax.__version__
+  except ImportError:
+    pass
+  return info
+
+
+def median(xs: Sequence[float]) -> float:
+  return float(np.median(xs)) if len(xs) else float("nan")
+
+
+def dump_json(value, path: str) -> None:
+  Path(path).parent.mkdir(parents=True, exist_ok=True)
+  tmp = f"{path}.tmp"
+  with open(tmp, "w") as f:
+    json.dump(value, f, indent=1, default=float)
+  os.replace(tmp, path)

@@ -1,0 +1,218 @@
+"""Proposed library patches, applied as monkeypatches so the benchmark can A/B them in one process.
+
+Nothing here changes the library's files. Each variant is a context manager that swaps the patched function
+in while the train step is *traced* (the first call of a fresh `jit_train_step`); the compiled step keeps it.
+
+* `no_argmax`   - accuracy from `z_y >= max_v z_v` (a max-reduce XLA fuses with logsumexp's) instead of
+                  `argmax(logits) == y` (a variadic (value, index) reduce over `[batch, length, vocab]`
+                  that XLA:CPU does not vectorise). Ties count as correct (measure-zero for float logits).
+* `fused_xent`  - `no_argmax` plus a `jax.custom_vjp` label-smoothed cross-entropy whose backward pass is
+                  one fused elementwise pass `g·softmax(z) - g_y·[v == y] - g·ε/V` (an iota compare, no
+                  scatter): autodiff of `take_along_axis` builds the target-logit gradient with a scatter into
+                  a zero `[batch, length, vocab]` buffer and XLA then transposes that buffer for the weight
+                  gradient; `logsumexp`'s backward adds two more full passes.
+* `dropout_u16` - dropout masks from 16-bit uniform integers: one threefry draw (uint32) serves two
+                  activations (`bits & 0xffff`, `bits >> 16`), keep iff `u16 >= round(rate · 2^16)`
+                  (keep probability 0.9000 for rate 0.1, off by < 1e-5). flax's `nn.Dropout` draws a float32
+                  uniform per activation: threefry-2x32 (20 rounds, lowered as a rolled loop on CPU) is
+                  ~15% of a CPU-preset step.
+* `patched`     - all of the above.
+* `no_dropout`  - reference only (not a patch): P_drop = 0, the cost of dropout altogether.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from transformer_jax import model as model_lib
+from transformer_jax.model import Transformer
+from transformer_jax.training import steps
+
+# ----------------------------------------------------------------------------------------------------------
+# Loss: custom-vjp label-smoothed cross-entropy (+ accuracy without argmax)
+# ----------------------------------------------------------------------------------------------------------
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def smoothed_xent(logits, targets, label_smoothing: float):
+  """`(loss, nll, correct)` per token, as `label_smoothed_cross_entropy` + `argmax == y` (ties count)."""
+  return _xent_fwd(logits, targets, label_smoothing)[0]
+
+
+def _xent_fwd(logits, targets, eps):
+  logits = logits.astype(jnp.float32)
+  top = jnp.max(logits, axis=-1)
+  log_z = top + jnp.log(jnp.sum(jnp.exp(logits - top[..., None]), axis=-1))
+  target_logit = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
+  nll = log_z - target_logit
+  loss = nll if eps == 0.0 else log_z - (1.0 - eps) * target_logit - eps * jnp.mean(logits, axis=-1)
+  correct = (target_logit >= top).astype(jnp.float32)
+  return (loss, nll, correct), (logits, log_z, targets)
+
+
+def _xent_bwd(eps, residuals, cotangents):
+  logits, log_z, targets = residuals
+  g_loss, g_nll, _ = cotangents
+  vocab = logits.shape[-1]
+  is_target = jax.lax.broadcasted_iota(jnp.int32, logits.shape, logits.ndim - 1) == targets[..., None]
+  g_all = (g_loss + g_nll)[..., None]
+  g_target = (g_loss * (1.0 - eps) + g_nll)[..., None]
+  grad = (g_all * jnp.exp(logits - log_z[..., None]) - jnp.where(is_target, g_target, 0.0)
+          - (g_loss * (eps / vocab))[..., None])
+  return grad, None
+
+
+smoothed_xent.defvjp(_xent_fwd, _xent_bwd)
+
+
+def _logits(params, batch, config, dropout_rng):
+  deterministic = dropout_rng is None
+  rngs = None if deterministic else {"dropout": dropout_rng}
+  return Transformer(config).apply({"params": params}, batch["inputs"], batch["targets"],
+                                   **steps._model_kwargs(batch), deterministic=deterministic, rngs=rngs)
+
+
+def forward_sums_fused(params, batch, *, config, label_smoothing, dropout_rng):
+  """Drop-in for `steps._forward_sums` with `smoothed_xent`."""
+  logits = _logits(params, batch, config, dropout_rng)
+  targets = batch["targets"]
+  weights = steps.token_weights(targets, config.pad_id)
+  loss, nll, correct = smoothed_xent(logits, targets, label_smoothing)
+  return {"loss_sum": jnp.sum(loss * weights), "nll_sum": jnp.sum(nll * weights),
+          "correct_sum": jnp.sum(correct * weights), "token_count": jnp.sum(weights)}
+
+
+def forward_sums_no_argmax(params, batch, *, config, label_smoothing, dropout_rng):
+  """Drop-in for `steps._forward_sums`: the library's loss, accuracy by comparison with the max logit."""
+  logits = _logits(params, batch, config, dropout_rng)
+  targets = batch["targets"]
+  weights = steps.token_weights(targets, config.pad_id)
+  loss, nll = steps.label_smoothed_cross_entropy(logits, targets, label_smoothing)
+  target_logit = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
+  correct = (target_logit >= jnp.max(logits, axis=-1)).astype(jnp.float32)
+  return {"loss_sum": jnp.sum(loss * weights), "nll_sum": jnp.sum(nll * weights),
+          "correct_sum": jnp.sum(correct * weights), "token_count": jnp.sum(weights)}
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Dropout from 16-bit uniforms
+# ----------------------------------------------------------------------------------------------------------
+
+
+class Dropout16(nn.Dropout):
+  """`nn.Dropout` with masks from 16-bit uniforms (two per threefry draw). Needs an even last dimension."""
+
+  @nn.compact
+  def __call__(self, inputs, deterministic=None, rng=None):
+    deterministic = nn.merge_param("deterministic", self.deterministic, deterministic)
+    if self.rate == 0.0 or deterministic:
+      return inputs
+    if rng is None:
+      rng = self.make_rng(self.rng_collection)
+    *lead, last = inputs.shape
+    if last % 2:
+      return super().__call__(inputs, deterministic, rng)
+    bits = jax.random.bits(rng, (*lead, last // 2), jnp.uint32)
+    uniform16 = jnp.concatenate([bits & 0xFFFF, bits >> 16], axis=-1)
+    keep = uniform16 >= jnp.uint32(round(self.rate * 65536))
+    return jnp.where(keep, inputs / (1.0 - self.rate), jnp.zeros_like(inputs))
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Variants
+# ----------------------------------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def _swap(obj, name, value):
+  old = getattr(obj, name)
+  setattr(obj, name, value)
+  try:
+    yield
+  finally:
+    setattr(obj, name, old)
+
+
+@contextlib.contextmanager
+def variant(name: str):
+  """Applies variant `name` ('baseline', 'no_argmax', 'fused_xent', 'dropout_u16', 'patched', 'no_dropout'
+  - the last changes the config instead, see `variant_config`) for the duration of the block."""
+  with contextlib.ExitStack() as stack:
+    if name in ("no_argmax",):
+      stack.enter_context(_swap(steps, "_forward_sums", forward_sums_no_argmax))
+    if name in ("fused_xent", "patched"):
+      stack.enter_context(_swap(steps, "_forward_sums", forward_sums_fused))
+    if name in ("dropout_u16", "patched"):
+      stack.enter_context(_swap(model_lib.nn, "Dropout", Dropout16))
+    yield
+
+
+def variant_config(name: str, config):
+  return config.replace(dropout_rate=0.0) if name == "no_dropout" else config
+
+
+VARIANTS = ("baseline", "no_argmax", "fused_xent", "dropout_u16", "patched", "no_dropout")
+
+
+def patched_step(config, name: str, **kwargs):
+  """A jitted train step of variant `name`: call it like `jit_train_step(config)`'s result."""
+  fn = steps.jit_train_step(variant_config(name, config), **kwargs)
+
+  def call(*args):
+    with variant(name):  # only the first call traces; later calls hit the compiled cache
+      return fn(*args)
+  call.lower = lambda *args: _lower(fn, name, *args)
+  return call
+
+
+def _lower(fn, name, *args):
+  with variant(name):
+    return fn.lower(*args)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Decoding: the self-attention KV cache kept heads-major, `[batch, heads, cache_len, head_dim]`
+# ----------------------------------------------------------------------------------------------------------
+
+
+def _update_self_cache_heads_major(self, key, value, mask, max_decode_len):
+  """`MultiHeadAttention._update_self_cache` with the cache stored `[batch, heads, cache_len, head_dim]`.
+
+  The attention dots contract over head_dim with heads as a batch dimension; with the library's
+  `[batch, cache_len, heads, head_dim]` cache XLA:CPU transposes the whole cache (K and V, every layer) at
+  every decoding step. Stored heads-major, the `swapaxes` below cancels against the dot's own transpose and
+  only the new position is written.
+  """
+  batch, q_len, heads, head_dim = key.shape
+  is_initialized = self.has_variable("cache", "cached_key")
+  cache_len = max_decode_len or q_len
+  cached_key = self.variable("cache", "cached_key", jnp.zeros, (batch, heads, cache_len, head_dim), key.dtype)
+  cached_value = self.variable("cache", "cached_value", jnp.zeros, (batch, heads, cache_len, head_dim),
+                               value.dtype)
+  cache_index = self.variable("cache", "cache_index", lambda: jnp.array(0, dtype=jnp.int32))
+  if not is_initialized:
+    return key, value, mask
+  if q_len != 1:
+    raise ValueError(f"decode mode takes one target position per call, got q_len={q_len}")
+  index = cache_index.value
+  cached_key.value = jax.lax.dynamic_update_slice(
+      cached_key.value, jnp.swapaxes(key, 1, 2).astype(cached_key.value.dtype), (0, 0, index, 0))
+  cached_value.value = jax.lax.dynamic_update_slice(
+      cached_value.value, jnp.swapaxes(value, 1, 2).astype(cached_value.value.dtype), (0, 0, index, 0))
+  cache_index.value = index + 1
+  step_mask = (jnp.arange(cached_key.value.shape[2]) <= index)[None, None, None, :]
+  mask = step_mask if mask is None else jnp.logical_and(mask, step_mask)
+  return jnp.swapaxes(cached_key.value, 1, 2), jnp.swapaxes(cached_value.value, 1, 2), mask
+
+
+@contextlib.contextmanager
+def heads_major_cache():
+  """Traces decoding with the heads-major KV cache (use around the first call of a fresh jit)."""
+  from transformer_jax.attention import MultiHeadAttention
+  with _swap(MultiHeadAttention, "_update_self_cache", _update_self_cache_heads_major):
+    yield

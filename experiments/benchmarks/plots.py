@@ -1,0 +1,130 @@
+"""PNG plots of the benchmark results (training, decoding, scaling) for docs/benchmarks/."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+
+def _save(fig, path: Path) -> str:
+  path.parent.mkdir(parents=True, exist_ok=True)
+  fig.tight_layout()
+  fig.savefig(path, dpi=110)
+  plt.close(fig)
+  return str(path)
+
+
+def training(results: dict, path: Path):
+  trains = [(k, v) for k, v in results.items() if k.startswith("train_") and "jax" in v]
+  if not trains:
+    return None
+  fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
+  width = 0.25
+  for i, (_, t) in enumerate(trains):
+    bars = [("ours", t["jax"]["baseline"].get("target_tokens_per_s"), "tab:blue"),
+            ("ours + patches", t["jax"].get("patched", {}).get("target_tokens_per_s"), "tab:cyan"),
+            ("torch nn.Transformer", t.get("torch", {}).get("target_tokens_per_s"), "tab:orange")]
+    for j, (label, value, color) in enumerate(bars):
+      if value:
+        axes[0].bar(i + (j - 1) * width, value, width, color=color, label=label if i == 0 else None)
+    for j, (label, value, color) in enumerate(
+        [("ours", t["jax"]["baseline"]["mfu_vs_matmul"], "tab:blue"),
+         ("ours + patches", t["jax"].get("patched", {}).get("mfu_vs_matmul"), "tab:cyan"),
+         ("torch", t.get("torch", {}).get("mfu_vs_matmul"), "tab:orange")]):
+      if value:
+        axes[1].bar(i + (j - 1) * width, 100 * value, width, color=color, label=label if i == 0 else None)
+  names = [t["preset"] for _, t in trains]
+  for ax, title in ((axes[0], "real target tokens/s (same rounds)"),
+                    (axes[1], "model FLOP/s as % of the 2048² matmul rate")):
+    ax.set_xticks(range(len(names)), names)
+    ax.set_title(title)
+    ax.legend(fontsize=8)
+  for goal, preset in ((60, "base"), (40, "tiny")):
+    if preset in names:
+      k = names.index(preset)
+      axes[1].hlines(goal, k - 0.45, k + 0.45, colors="k", linestyles="--")
+  axes[0].set_yscale("log")
+  # Proposed patches: speedup per variant and preset.
+  variants = []
+  for _, t in trains:
+    variants += [n for n in t["jax"] if n != "baseline" and n not in variants]
+  w = 0.8 / max(len(trains), 1)
+  for i, (_, t) in enumerate(trains):
+    xs = [k + i * w for k, n in enumerate(variants) if n in t["jax"]]
+    ys = [t["jax"][n]["speedup_vs_baseline"] for n in variants if n in t["jax"]]
+    axes[2].bar(xs, ys, w, label=t["preset"])
+  axes[2].axhline(1.0, color="k", lw=0.8)
+  axes[2].set_xticks([k + w * (len(trains) - 1) / 2 for k in range(len(variants))], variants, rotation=20,
+                     fontsize=8)
+  axes[2].set_title("step speedup vs the library's step")
+  axes[2].legend(fontsize=8)
+  return _save(fig, path)
+
+
+def decoding(results: dict, path: Path):
+  d = results.get("decode", {})
+  if "beam4" not in d:
+    return None
+  fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+  n = d["sources"]
+  labels, values, colors = [], [], []
+  for key in ("greedy", "beam4"):
+    labels += [f"{key}\ncached", f"{key}\nuncached*"]
+    values += [d[key]["sentences_per_s"], n / d["cache"][key]["file_uncached_s_extrapolated"]]
+    colors += ["tab:blue", "tab:gray"]
+  labels.append("encoder\nalone")
+  values.append(d["encoder"]["sentences_per_s"])
+  colors.append("tab:green")
+  axes[0].bar(labels, values, color=colors)
+  axes[0].set_yscale("log")
+  axes[0].set_title(f"sentences/s, {n} sources (*uncached extrapolated from a subset)", fontsize=9)
+  c = d["cache"]
+  keys = ("greedy", "beam4")
+  x = range(len(keys))
+  axes[1].bar([i - 0.2 for i in x], [c[k]["speedup"] for k in keys], 0.4, label="cached / uncached")
+  axes[1].bar([i + 0.2 for i in x], [c[k]["heads_major_speedup"] for k in keys], 0.4,
+              label="heads-major cache patch / cached")
+  axes[1].axhline(5, color="k", ls="--", lw=0.8)
+  axes[1].set_xticks(list(x), keys)
+  axes[1].set_title(f"speedups, {c['output_len']}-token outputs, {c['subset_sources']} sources", fontsize=9)
+  axes[1].legend(fontsize=8)
+  return _save(fig, path)
+
+
+def scaling(results: dict, path: Path):
+  s = results.get("scaling", {})
+  if "points" not in s:
+    return None
+  fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+  pts = [p for p in s["points"] if p["kind"] == "length"]
+  L = [p["row_length"] for p in pts]
+  axes[0].plot(L, [p["step_s_rel"] for p in pts], "o-", label="measured step time")
+  axes[0].plot(L, [p["flops_rel"] for p in pts], "s--", label="analytic FLOPs")
+  ax2 = axes[0].twinx()
+  ax2.bar(L, [100 * p["attention_share_flops"] for p in pts], width=[0.3 * x for x in L], alpha=0.25,
+          color="tab:red")
+  ax2.set_ylabel("attention share of FLOPs (%)", color="tab:red")
+  axes[0].set_xscale("log", base=2)
+  axes[0].set_xlabel("row length (tokens/batch fixed)")
+  axes[0].set_ylabel(f"relative to L={L[0]}")
+  axes[0].legend(fontsize=8, loc="upper left")
+  axes[0].set_title(f"{s['preset']} preset: O(n²) attention")
+  row = pts[0]["row_length"]
+  tok = sorted([p for p in s["points"] if p["row_length"] == row], key=lambda p: p["tokens_per_batch"])
+  axes[1].plot([p["tokens_per_batch"] for p in tok], [p["target_tokens_per_s"] for p in tok], "o-")
+  axes[1].set_xscale("log", base=2)
+  axes[1].set_xlabel(f"tokens per batch (row length {row})")
+  axes[1].set_ylabel("real target tokens/s")
+  axes[1].set_title("batch size")
+  return _save(fig, path)
+
+
+def write_all(results: dict, directory: Path) -> list[str]:
+  directory = Path(directory)
+  written = [training(results, directory / "training.png"), decoding(results, directory / "decoding.png"),
+             scaling(results, directory / "scaling.png")]
+  return [p for p in written if p]

@@ -1,0 +1,295 @@
+r"""The benchmark suite: one command, a table on stdout, JSON, plots and the table in docs/performance.md.
+
+    python -m experiments.benchmarks.run            # full suite (~15 min on 2 cores)
+    python -m experiments.benchmarks.run --quick    # smoke run (~2-3 min): CPU preset only, few steps
+    python -m experiments.benchmarks.run --sections=machine,train_tiny --no-torch
+    make bench
+
+Sections (each in its own process, so peak memory is per configuration):
+  machine       the fp32 matmul rate XLA reaches (1024^2, 2048^2, 4096^2), measured first
+  train_tiny    CPU preset (`config.tiny`), and
+  train_base    base preset (`config.base`, 37k vocabulary): 4096 target slots/batch packed from multi30k
+                (rows of 64), real tokens/s, step time (median of >= 20 steps), compile time, peak RSS,
+                analytic model FLOP/s vs the matmul rate of the same rounds, the PyTorch peer
+                (`torch.nn.Transformer`, same batch) and the proposed patches (experiments/benchmarks/patches.py),
+                plus the host data pipeline's tokens/s on the same config
+  decode        greedy and beam 4 over 500 multi30k test sources (CPU preset), cached vs uncached, the
+                encoder alone, compilations per file
+  scaling       step time vs row length 64..512 (fixed 4096 tokens/batch) and vs tokens/batch
+
+Needs `pip install -e '.[bench]'` for the PyTorch peer (skipped with a note otherwise). Not part of the tests.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from experiments.benchmarks import common
+
+DOC = common.REPO / "docs" / "performance.md"
+PLOTS = common.REPO / "docs" / "benchmarks"
+DEFAULT_JSON = common.REPO / "runs" / "benchmarks" / "results.json"
+TABLE_START, TABLE_END = "<!-- bench:table:start -->", "<!-- bench:table:end -->"
+
+TINY_VARIANTS = "no_argmax,fused_xent,dropout_u16,patched,no_dropout"
+
+
+def section_args(name: str, quick: bool, torch: bool) -> list[str]:
+  t = ["--torch"] if torch else []
+  if name == "machine":
+    return ["machine", "--reps=3", "--quick"] if quick else ["machine", "--reps=10"]
+  if name == "train_tiny":
+    if quick:
+      return ["train", "--preset=tiny", "--steps=4", "--block=2", "--variants=patched"] + t
+    return ["train", "--preset=tiny", "--steps=20", "--block=2", f"--variants={TINY_VARIANTS}"] + t
+  if name == "train_base":
+    return (["train", "--preset=base", "--vocab=37000", "--steps=4" if quick else "--steps=20", "--block=2",
+             "--variants=patched"] + t)
+  if name == "decode":
+    if quick:
+      return ["decode", "--sources=48", "--rounds=1", "--subset=8"]
+    return ["decode", "--sources=500", "--rounds=2", "--subset=32"]
+  if name == "scaling":
+    if quick:
+      return ["scaling", "--lengths=64,256", "--batch_tokens=2048", "--rounds=1", "--block=2"]
+    return ["scaling", "--lengths=64,128,256,512", "--batch_tokens=1024,2048,4096,8192", "--rounds=3",
+            "--block=2"]
+  raise ValueError(name)
+
+
+def run_section(name: str, quick: bool, torch: bool, tmp: str) -> dict:
+  out = os.path.join(tmp, f"{name}.json")
+  cmd = [sys.executable, "-m", "experiments.benchmarks.sections"] + section_args(name, quick, torch)
+  cmd.append(f"--out={out}")
+  print(f"== {name}: {' '.join(cmd[2:])}", file=sys.stderr, flush=True)
+  start = time.perf_counter()
+  proc = subprocess.run(cmd, cwd=common.REPO)
+  if proc.returncode != 0 or not os.path.exists(out):
+    return {"error": f"exit code {proc.returncode}", "wall_s": time.perf_counter() - start}
+  with open(out) as f:
+    result = json.load(f)
+  result["wall_s"] = time.perf_counter() - start
+  return result
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Table
+# ----------------------------------------------------------------------------------------------------------
+
+def _g(x, digits=0):
+  return "n/a" if x is None or x != x else f"{x:,.{digits}f}"
+
+
+def _pct(x):
+  return "n/a" if x is None or x != x else f"{100 * x:.0f}%"
+
+
+def _x(x, digits=2):
+  return "n/a" if x is None or x != x else f"{x:.{digits}f}x"
+
+
+def render(results: dict) -> str:
+  lines = []
+  m = results.get("machine", {})
+  info = m.get("machine", {})
+  if info:
+    lines += [f"Machine: {info.get('cpu_model', '?')}, {info.get('logical_cpus', '?')} logical CPUs "
+              f"({info.get('sockets', '?')} socket x {info.get('cores_per_socket', '?')} cores x "
+              f"{info.get('threads_per_core', '?')} threads), SIMD: {info.get('simd', '?')}; "
+              f"jax {info.get('jax', '?')}, flax {info.get('flax', '?')}; {info.get('date', '?')}; "
+              f"load average at start {info.get('load_average_at_start', '?')}", ""]
+  if "matmul" in m:
+    lines += ["**1. Machine limit** (jitted fp32 `a @ b`, median of the timed calls)", "",
+              "| matmul | GFLOP/s (median) | GFLOP/s (best) |", "|---|---|---|"]
+    for n, v in m["matmul"].items():
+      lines.append(f"| {n}x{n} | {_g(v['median_flops'] / 1e9)} | {_g(v['max_flops'] / 1e9)} |")
+    lines.append("")
+
+  trains = [(k, v) for k, v in results.items() if k.startswith("train_") and "jax" in v]
+  if trains:
+    lines += ["**2./3. Training** (packed multi30k batches; each row's numbers come from interleaved rounds: "
+              "ours, the patched variants, PyTorch and a 2048² matmul probe take turns, so the load of the "
+              "shared machine cancels out of the ratios)", "",
+              "| preset | params | batch (real src/tgt tokens) | step (median, n) | compile | peak RSS | "
+              "real tgt tok/s | model GFLOP/s | matmul GFLOP/s (same rounds) | MFU | torch tok/s | "
+              "ours/torch | patched | patched/torch | pipeline tok/s (x training) |",
+              "|" + "---|" * 15]
+    for name, t in trains:
+      b, c = t["jax"]["baseline"], t["config"]
+      params = t.get("params") or _params(c)
+      torch = t.get("torch", {})
+      patched = t["jax"].get("patched", {})
+      lines.append(
+          f"| {t['preset']} (d={c['d_model']}, V={c['vocab_size']}) | {params / 1e6:.1f}M | "
+          f"{t['rows']}x{t['row_length']} ({_g(t['real_tokens_per_batch']['source'])}/"
+          f"{_g(t['real_tokens_per_batch']['target'])}) | {b['step_s']:.3f}s ({b['steps']}) | "
+          f"{b['lower_s'] + b['compile_s']:.1f}s | {_g(t['peak_rss_mb'])} MB | "
+          f"{_g(b['target_tokens_per_s'])} | {_g(b['model_flops_per_s'] / 1e9, 1)} | "
+          f"{_g(t['matmul_flops'] / 1e9)} | {_pct(b['mfu_vs_matmul'])} | "
+          f"{_g(torch.get('target_tokens_per_s'))} | {_x(b.get('speedup_vs_torch'))} | "
+          f"{_x(patched.get('speedup_vs_baseline'))} ({_pct(patched.get('mfu_vs_matmul'))} MFU) | "
+          f"{_x(patched.get('speedup_vs_torch'))} | "
+          f"{_g(t['pipeline']['target_tokens_per_s'])} ({_x(t['pipeline']['ratio_vs_training'], 0)}) |")
+      if "torch_error" in t:
+        lines.append(f"\n(torch peer skipped: {t['torch_error']})")
+    lines += ["", "Proposed patches (experiments/benchmarks/patches.py), step-time speedup vs the library's "
+              "step, same rounds:", "", "| variant | " + " | ".join(t["preset"] for _, t in trains) + " |",
+              "|---|" + "---|" * len(trains)]
+    names = []
+    for _, t in trains:
+      names += [n for n in t["jax"] if n not in names and n != "baseline"]
+    for n in names:
+      cells = [_x(t["jax"][n]["speedup_vs_baseline"]) if n in t["jax"] else "-" for _, t in trains]
+      lines.append(f"| {n} | " + " | ".join(cells) + " |")
+    lines.append("")
+
+  d = results.get("decode", {})
+  if "beam4" in d:
+    lines += [f"**4. Decoding** ({d['preset']} preset, random init, {d['sources']} multi30k test2016 sources, "
+              f"length {d['source_len']['min']}-{d['source_len']['max']} (mean {d['source_len']['mean']:.1f}), "
+              f"outputs capped at len(source)+{d['extra_len']}; `translate_ids`, {d['max_tokens_per_batch']} "
+              "source tokens/batch)", "",
+              "| search | sentences/s | output tokens/s | mean output len | file time | compilations "
+              "(1st pass / later) | encoder share | uncached file time (extrapolated) |", "|" + "---|" * 8]
+    for key in ("greedy", "beam4"):
+      s, c = d[key], d["cache"][key]
+      lines.append(f"| {key} | {s['sentences_per_s']:.1f} | {_g(s['tokens_per_s'])} | "
+                   f"{s['mean_output_len']:.1f} | {s['file_s']:.1f}s | {s['compilations_first_pass']} / "
+                   f"{s['compilations_later_passes']} ({s['batches']} batches) | {_pct(s['encoder_share'])} | "
+                   f"{c['file_uncached_s_extrapolated']:.0f}s |")
+    c = d["cache"]
+    lines += ["", f"Encoder alone over the file: {d['encoder']['file_s']:.3f}s "
+              f"({_g(d['encoder']['sentences_per_s'])} sentences/s).", "",
+              f"Cached vs uncached, measured on {c['subset_sources']} sources (bucket {c['bucket']}), exactly "
+              f"{c['output_len']} output tokens each (early_stop='none'):", "",
+              "| search | cached | uncached | cached/uncached speedup | heads-major cache (patch) |",
+              "|---|---|---|---|---|"]
+    for key in ("greedy", "beam4"):
+      e = c[key]
+      lines.append(f"| {key} | {e['cached_s']:.3f}s ({_g(e['cached_tokens_per_s'])} tok/s) | "
+                   f"{e['uncached_s']:.3f}s ({_g(e['uncached_tokens_per_s'])} tok/s) | {_x(e['speedup'], 1)} | "
+                   f"{_x(e['heads_major_speedup'])} faster, same tokens: "
+                   f"{d.get('heads_major_same_tokens', {}).get(key)} |")
+    lines.append("")
+
+  s = results.get("scaling", {})
+  if "points" in s:
+    lines += [f"**5. Scaling** ({s['preset']} preset, packed multi30k, step time relative to the first row)", "",
+              "| sweep | row length | tokens/batch | rows | step | step rel. | analytic FLOPs rel. | "
+              "attention share of FLOPs | real tgt tok/s | MFU |", "|" + "---|" * 10]
+    for p in s["points"]:
+      lines.append(f"| {p['kind']} | {p['row_length']} | {p['tokens_per_batch']} | {p['rows']} | "
+                   f"{p['step_s']:.3f}s | {p['step_s_rel']:.2f} | {p['flops_rel']:.2f} | "
+                   f"{_pct(p['attention_share_flops'])} | {_g(p['target_tokens_per_s'])} | "
+                   f"{_pct(p['mfu_vs_matmul'])} |")
+    lines.append("")
+
+  lines += targets(results)
+  return "\n".join(lines)
+
+
+def _params(c: dict) -> int:
+  d, f, v = c["d_model"], c["d_ff"], c["vocab_size"]
+  enc = c["num_encoder_layers"] * (4 * (d * d + d) + 2 * d * f + f + d + 4 * d)
+  dec = c["num_decoder_layers"] * (8 * (d * d + d) + 2 * d * f + f + d + 6 * d)
+  return v * d + enc + dec
+
+
+def targets(results: dict) -> list[str]:
+  rows = []
+  for preset, goal in (("base", 0.60), ("tiny", 0.40)):
+    t = results.get(f"train_{preset}", {})
+    if "jax" in t:
+      b, p = t["jax"]["baseline"], t["jax"].get("patched", {})
+      rows.append((f"training step {preset} preset >= {goal:.0%} of matmul rate", _pct(b["mfu_vs_matmul"]),
+                   b["mfu_vs_matmul"] >= goal, _pct(p.get("mfu_vs_matmul"))))
+  for preset in ("tiny", "base"):
+    t = results.get(f"train_{preset}", {})
+    if "jax" in t and "speedup_vs_torch" in t["jax"]["baseline"]:
+      b, p = t["jax"]["baseline"], t["jax"].get("patched", {})
+      rows.append((f">= 1.2x PyTorch real tokens/s ({preset})", _x(b["speedup_vs_torch"]),
+                   b["speedup_vs_torch"] >= 1.2, _x(p.get("speedup_vs_torch"))))
+    if "pipeline" in t:
+      r = t["pipeline"]["ratio_vs_training"]
+      rows.append((f"data pipeline >= 3x training tokens/s ({preset})", _x(r, 0), r >= 3, ""))
+  d = results.get("decode", {})
+  if "cache" in d:
+    r = d["cache"]["beam4"]["speedup"]
+    rows.append(("beam-4 cached >= 5x uncached (50-token outputs)", _x(r, 1), r >= 5, ""))
+  if not rows:
+    return []
+  out = ["**Targets**", "", "| target | measured | met | with the proposed patches |", "|---|---|---|---|"]
+  out += [f"| {name} | {value} | {'yes' if ok else 'NO'} | {patched} |" for name, value, ok, patched in rows]
+  return out + [""]
+
+
+def update_doc(table: str) -> bool:
+  if not DOC.exists():
+    return False
+  text = DOC.read_text()
+  if TABLE_START not in text or TABLE_END not in text:
+    return False
+  head, rest = text.split(TABLE_START, 1)
+  _, tail = rest.split(TABLE_END, 1)
+  DOC.write_text(f"{head}{TABLE_START}\n{table}\n{TABLE_END}{tail}")
+  return True
+
+
+def main(argv=None):
+  parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser.add_argument("--quick", action="store_true", help="smoke run: CPU preset only, few steps (~2-3 min)")
+  parser.add_argument("--sections", default="",
+                      help="comma-separated subset of machine,train_tiny,train_base,decode,scaling")
+  parser.add_argument("--json", default=str(DEFAULT_JSON), help="where to write the results")
+  parser.add_argument("--no-torch", action="store_true", help="skip the PyTorch peer")
+  parser.add_argument("--no-plots", action="store_true")
+  parser.add_argument("--update-doc", choices=("auto", "yes", "no"), default="auto",
+                      help="rewrite the table block of docs/performance.md (auto: full runs of every section)")
+  args = parser.parse_args(argv)
+
+  all_sections = ["machine", "train_tiny", "train_base", "decode", "scaling"]
+  if args.sections:
+    sections = [s for s in args.sections.split(",") if s]
+  else:
+    sections = [s for s in all_sections if not (args.quick and s == "train_base")]
+  unknown = set(sections) - set(all_sections)
+  if unknown:
+    parser.error(f"unknown sections {sorted(unknown)}")
+
+  start = time.perf_counter()
+  results = {"quick": args.quick, "flops_formula": common.FLOPS_FORMULA}
+  with tempfile.TemporaryDirectory() as tmp:
+    for name in sections:
+      results[name] = run_section(name, args.quick, not args.no_torch, tmp)
+      common.dump_json(results, args.json)  # partial results survive an interrupted run
+  results["total_wall_s"] = time.perf_counter() - start
+  common.dump_json(results, args.json)
+
+  table = render(results)
+  print()
+  print(table)
+  print(f"\nTotal {results['total_wall_s'] / 60:.1f} min. JSON: {args.json}")
+  if not args.no_plots:
+    from experiments.benchmarks import plots
+    written = plots.write_all(results, PLOTS)
+    print("Plots: " + ", ".join(str(Path(p).relative_to(common.REPO)) for p in written))
+  full = not args.quick and set(sections) == set(all_sections)
+  if args.update_doc == "yes" or (args.update_doc == "auto" and full):
+    if update_doc(table):
+      print(f"Updated the table in {DOC.relative_to(common.REPO)}")
+  failed = [n for n in sections if "error" in results[n]]
+  if failed:
+    print(f"Sections that failed: {failed}", file=sys.stderr)
+    return 1
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
