@@ -41,6 +41,20 @@ def fail(message: str) -> None:
   sys.exit(1)
 
 
+def read_lines(path: str | None) -> list[str]:
+  """Lines of `path` (stdin when None) without line endings; invalid UTF-8 names the file and line."""
+  stream = open(path, "rb") if path else sys.stdin.buffer
+  name = path or "<stdin>"
+  lines = []
+  with stream:
+    for number, raw in enumerate(stream, start=1):
+      try:
+        lines.append(raw.decode("utf-8").rstrip("\r\n"))
+      except UnicodeDecodeError as e:
+        raise ValueError(f"{name}:{number}: invalid UTF-8 ({e.reason} at byte {e.start})") from None
+  return lines
+
+
 def load_workdir_config(workdir: str) -> dict:
   path = os.path.join(workdir, "config.json")
   if not os.path.exists(path):

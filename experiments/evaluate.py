@@ -16,7 +16,6 @@ import time
 from absl import app, flags
 
 from experiments import common
-from experiments.translate import read_lines
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("workdir", None, "The training run's --workdir.")
@@ -40,11 +39,11 @@ def main(argv):
   common.setup_logging()
   from transformer_jax import metrics
   try:
-    sources, references = read_lines(FLAGS.source), read_lines(FLAGS.reference)
+    sources, references = common.read_lines(FLAGS.source), common.read_lines(FLAGS.reference)
     if len(sources) != len(references):
       raise ValueError(f"{FLAGS.source} has {len(sources)} lines but {FLAGS.reference} has "
                        f"{len(references)} lines")
-    lc_refs = read_lines(FLAGS.lc_tok_reference) if FLAGS.lc_tok_reference else None
+    lc_refs = common.read_lines(FLAGS.lc_tok_reference) if FLAGS.lc_tok_reference else None
     if lc_refs is not None and len(lc_refs) != len(sources):
       raise ValueError(f"{FLAGS.lc_tok_reference} has {len(lc_refs)} lines, expected {len(sources)}")
     model_config, params, tokenizer = common.load_for_inference(FLAGS.workdir, FLAGS.checkpoint)

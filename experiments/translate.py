@@ -24,26 +24,12 @@ flags.DEFINE_string("checkpoint", None, "A step, or a checkpoint directory (defa
 flags.mark_flags_as_required(["workdir"])
 
 
-def read_lines(path):
-  """Lines of `path` (or stdin) without their newline; invalid UTF-8 is reported with file and line."""
-  stream = open(path, "rb") if path else sys.stdin.buffer
-  name = path or "<stdin>"
-  lines = []
-  with stream:
-    for number, raw in enumerate(stream, start=1):
-      try:
-        lines.append(raw.decode("utf-8").rstrip("\r\n"))
-      except UnicodeDecodeError as e:
-        raise ValueError(f"{name}:{number}: invalid UTF-8 ({e.reason} at byte {e.start})") from None
-  return lines
-
-
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
   common.setup_logging()
   try:
-    lines = read_lines(FLAGS.input)
+    lines = common.read_lines(FLAGS.input)
     model_config, params, tokenizer = common.load_for_inference(FLAGS.workdir, FLAGS.checkpoint)
   except common.USER_ERRORS as e:
     common.fail(str(e))
@@ -56,10 +42,9 @@ def main(argv):
                                    alpha=FLAGS.alpha, extra_len=FLAGS.extra_len, progress=progress)
   if FLAGS.input:
     bar.close()
-  out = open(FLAGS.output, "w", encoding="utf-8") if FLAGS.output else sys.stdout
-  with out if FLAGS.output else open(1, "w", encoding="utf-8", closefd=False) as stream:
-    for line in outputs:
-      stream.write(line + "\n")
+  with (open(FLAGS.output, "w", encoding="utf-8") if FLAGS.output
+        else open(sys.stdout.fileno(), "w", encoding="utf-8", closefd=False)) as stream:
+    stream.writelines(line + "\n" for line in outputs)
 
 
 if __name__ == "__main__":
