@@ -110,6 +110,7 @@ def test_recipe_matches_the_paper(name):
   assert config.bleu_alpha == ALPHA
   # The mesh: data parallel over every device.
   assert (config.mesh.data, config.mesh.fsdp, config.mesh.tensor) == (-1, 1, 1)
+  assert config.distributed is False
   # The model config is accepted by the library.
   assert loop.model_config_from(config, paper["vocab"]).head_dim == paper["d_k"]
 

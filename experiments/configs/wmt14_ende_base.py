@@ -101,11 +101,14 @@ def get_config() -> ml_collections.ConfigDict:
   config.decode.extra_len = 50
   config.decode.average_last = 5
 
-  # Device mesh ('data', 'fsdp', 'tensor'): plain data parallelism over every device by default.
+  # Device mesh ('data', 'fsdp', 'tensor'): plain data parallelism over every device by default. The rows of a
+  # micro-batch (tokens_per_batch / max_len) must divide over data x fsdp. distributed=True initialises
+  # jax.distributed for multi-host runs (TPU pods, SLURM, ...).
   config.mesh = ml_collections.ConfigDict()
   config.mesh.data = -1
   config.mesh.fsdp = 1
   config.mesh.tensor = 1
+  config.distributed = False
 
   # After training (experiments/train.py): translate newstest2014 with the paper's beam. For the paper's
   # number, average checkpoints and run experiments/evaluate.py (docs/reproducing.md).
