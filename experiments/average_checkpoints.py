@@ -15,7 +15,8 @@ from experiments import common
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("workdir", None, "The training run's --workdir.")
-flags.DEFINE_integer("last", 5, "Average the newest N checkpoints.")
+flags.DEFINE_integer("last", None, "Average the newest N checkpoints (default: the run's "
+                     "config.decode.average_last, else 5).")
 flags.DEFINE_list("steps", None, "Explicit steps to average instead of --last.")
 flags.DEFINE_string("output", None, "Output checkpoint directory (default: <workdir>/averaged).")
 flags.mark_flags_as_required(["workdir"])
@@ -34,11 +35,12 @@ def main(argv):
     if os.path.abspath(output) == os.path.abspath(source):
       raise ValueError("--output must not be the run's own checkpoint directory")
     steps = [int(s) for s in FLAGS.steps] if FLAGS.steps else None
-    step = checkpoint_lib.average_checkpoints(source, steps, last_n=None if steps else FLAGS.last,
+    last = FLAGS.last or (common.load_workdir_config(FLAGS.workdir).get("decode") or {}).get("average_last", 5)
+    step = checkpoint_lib.average_checkpoints(source, steps, last_n=None if steps else last,
                                               output_directory=output)
   except common.USER_ERRORS as e:
     common.fail(str(e))
-  print(f"wrote the average of {'steps ' + ','.join(map(str, steps)) if steps else f'the last {FLAGS.last} checkpoints'}"
+  print(f"wrote the average of {'steps ' + ','.join(map(str, steps)) if steps else f'the last {last} checkpoints'}"
         f" as step {step} in {output}")
 
 

@@ -100,17 +100,23 @@ def report_final_eval(config: Any, workdir: str, result: dict) -> dict:
   pairs = sources.load_pairs(config.data, final.split, workdir)
   if final.get("max_examples"):
     pairs = pairs[: final.max_examples]
+  from transformer_jax import metrics
+  decode = config.get("decode") or {}
   start = time.time()
   hyps = translate_texts(result["model_config"], result["state"].params, result["datasets"].tokenizer,
-                         [s for s, _ in pairs], beam_size=final.get("beam_size", 1))
+                         [s for s, _ in pairs], beam_size=final.get("beam_size", 1),
+                         alpha=decode.get("alpha", 0.6), extra_len=decode.get("extra_len", 50))
   seconds = time.time() - start
   exact = sum(h == t for h, (_, t) in zip(hyps, pairs)) / max(len(pairs), 1)
+  scores = metrics.sacrebleu_scores(hyps, [t for _, t in pairs])
   for (src, ref), hyp in list(zip(pairs, hyps))[:5]:
     print(f"  {src}\n    -> {hyp}   [{'ok' if hyp == ref else 'reference: ' + ref}]")
-  report = {"split": final.split, "examples": len(pairs), "exact_match": exact,
-            "translate_seconds": seconds, "train_minutes": result["summary"].get("train_minutes")}
-  print(f"Exact match on {len(pairs)} {final.split} examples: {100 * exact:.2f}% "
-        f"(translated in {seconds:.1f}s; training took {report['train_minutes']:.1f} min)")
+  report = {"split": final.split, "examples": len(pairs), "exact_match": exact, "bleu": scores["bleu"],
+            "bleu_signature": scores["bleu_signature"], "translate_seconds": seconds,
+            "train_minutes": result["summary"].get("train_minutes")}
+  print(f"Exact match on {len(pairs)} {final.split} examples: {100 * exact:.2f}%; BLEU {scores['bleu']:.2f} "
+        f"({scores['bleu_signature']}) (translated in {seconds:.1f}s; training took "
+        f"{report['train_minutes']:.1f} min)")
   with open(os.path.join(workdir, "final_eval.json"), "w", encoding="utf-8") as f:
     json.dump(report, f, indent=2)
   return report

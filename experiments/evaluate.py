@@ -59,7 +59,9 @@ def main(argv):
   seconds = time.time() - start
   scores = metrics.sacrebleu_scores(hypotheses, references)
   if FLAGS.tokenized_bleu:
-    scores["tokenized_bleu"] = metrics.tokenized_bleu(hypotheses, references, lang=target_lang)
+    # Compound splitting is tensor2tensor's German-specific step (get_ende_bleu.sh).
+    scores["tokenized_bleu"] = metrics.tokenized_bleu(hypotheses, references, lang=target_lang,
+                                                      compound_split=target_lang == "de")
   if lc_refs is not None:
     scores["lc_tok_bleu"] = metrics.lowercased_tokenized_bleu(hypotheses, lc_refs, lang=target_lang)
   scores.update(sentences=len(sources), seconds=seconds, beam_size=FLAGS.beam_size, alpha=FLAGS.alpha,

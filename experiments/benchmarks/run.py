@@ -48,9 +48,13 @@ def section_args(name: str, quick: bool, torch: bool) -> list[str]:
   if name == "train_tiny":
     if quick:
       return ["train", "--preset=tiny", "--steps=4", "--block=2", "--variants=patched"] + t
-    return ["train", "--preset=tiny", "--steps=20", "--block=2", f"--variants={TINY_VARIANTS}"] + t
+    # 20 library steps (2 per round); each patched variant and each torch setting take 1 step per round.
+    return (["train", "--preset=tiny", "--steps=20", "--block=2", "--variant_block=1", "--torch_block=1",
+             f"--variants={TINY_VARIANTS}"] + t + (["--torch_threads=0,1"] if torch else []))
   if name == "train_base":
-    return (["train", "--preset=base", "--vocab=37000", "--steps=4" if quick else "--steps=20", "--block=2",
+    # 20 library steps (4 per round); the patched variant and the (slow) peer take 1 step per round.
+    return (["train", "--preset=base", "--vocab=37000", "--steps=4" if quick else "--steps=20",
+             "--block=2" if quick else "--block=4", "--variant_block=1", "--torch_block=1", "--warmup=1",
              "--variants=patched"] + t)
   if name == "decode":
     if quick:
@@ -137,8 +141,20 @@ def render(results: dict) -> str:
           f"{_x(patched.get('speedup_vs_baseline'))} ({_pct(patched.get('mfu_vs_matmul'))} MFU) | "
           f"{_x(patched.get('speedup_vs_torch'))} | "
           f"{_g(t['pipeline']['target_tokens_per_s'])} ({_x(t['pipeline']['ratio_vs_training'], 0)}) |")
+    for name, t in trains:
+      b, torch = t["jax"]["baseline"], t.get("torch", {})
       if "torch_error" in t:
-        lines.append(f"\n(torch peer skipped: {t['torch_error']})")
+        lines.append(f"\n{t['preset']}: torch peer skipped ({t['torch_error']})")
+      elif torch:
+        note = (f"\n{t['preset']}: torch {torch['version']}, {torch['threads']} threads, {torch['steps']} steps "
+                f"(median {torch['step_s']:.3f}s); torch's own 2048² matmul (MKL) in the same rounds: "
+                f"{_g(torch.get('torch_matmul_flops', float('nan')) / 1e9)} GFLOP/s vs XLA's "
+                f"{_g(t['matmul_flops'] / 1e9)}.")
+        one = t.get("torch_1thread")
+        if one:
+          note += (f" torch with 1 thread: {_g(one['target_tokens_per_s'])} tok/s (ours/that "
+                   f"{_x(b.get('speedup_vs_torch_1thread'))}).")
+        lines.append(note)
     lines += ["", "Proposed patches (experiments/benchmarks/patches.py), step-time speedup vs the library's "
               "step, same rounds:", "", "| variant | " + " | ".join(t["preset"] for _, t in trains) + " |",
               "|---|" + "---|" * len(trains)]

@@ -156,7 +156,7 @@ def train(args) -> dict:
     _log(f"[train {args.preset}] {name}: lower {lower_s:.1f}s compile {compile_s:.1f}s loss {losses}")
     gc.collect()
 
-  torch_runner = None
+  torch_runners = {}
   if args.torch:
     try:
       import torch
@@ -164,25 +164,38 @@ def train(args) -> dict:
     except ImportError as e:
       out["torch_error"] = f"torch not installed ({e}); pip install -e '.[bench]'"
     else:
-      torch.set_num_threads(os.cpu_count() or 1)
+      default_threads = torch.get_num_threads()
       trainer = torch_peer.TorchTrainer(cfg)
       torch_batches = [torch_peer.to_torch_batch(b, cfg.num_heads) for b in host_batches]
       losses = [trainer.step(torch_batches[i % len(torch_batches)]) for i in range(args.warmup)]
-      torch_runner = {"trainer": trainer, "batches": torch_batches, "times": [], "losses": losses}
-      out["torch"] = {"version": torch.__version__, "threads": torch.get_num_threads(),
-                      "params": trainer.num_params()}
+      for threads in args.torch_threads:
+        name = "torch" if threads == 0 else f"torch_{threads}thread"
+        torch_runners[name] = {"threads": threads or default_threads, "times": []}
+      torch_mm = (torch.randn(2048, 2048), torch.randn(2048, 2048))
+      out["torch"] = {"version": torch.__version__, "threads": default_threads,
+                      "params": trainer.num_params(), "warmup_losses": losses}
       _log(f"[train {args.preset}] torch warm-up losses {losses}")
 
-  # Timed rounds: matmul probe, each JAX variant, torch, pipeline - `block` steps each per round.
+  def torch_matmul_rate():
+    torch.set_num_threads(default_threads)
+    times = []
+    for _ in range(2):
+      start = time.perf_counter()
+      torch.mm(*torch_mm)
+      times.append(time.perf_counter() - start)
+    return 2 * 2048 ** 3 / common.median(times)
+
+  # Timed rounds: matmul probe, each JAX variant, torch, pipeline - `block` steps each per round (the
+  # patched variants and the torch peer may take fewer per round: --variant_block, --torch_block).
   rounds = -(-args.steps // args.block)
-  per_round = {name: [] for name in runners}
-  per_round["torch"], per_round["matmul"] = [], []
+  per_round = {name: [] for name in list(runners) + list(torch_runners)}
+  per_round["matmul"], per_round["torch_matmul"] = [], []
   k = 0
   for r in range(rounds):
     per_round["matmul"].append(probe.rate(2))
     for name, run in runners.items():
       times = []
-      for _ in range(args.block):
+      for _ in range(args.block if name == "baseline" else (args.variant_block or args.block)):
         batch = dev_batches[k % len(dev_batches)]
         k += 1
         start = time.perf_counter()
@@ -192,19 +205,22 @@ def train(args) -> dict:
         times.append(time.perf_counter() - start)
       run["times"] += times
       per_round[name].append(common.median(times))
-    if torch_runner is not None:
+    if torch_runners:
+      per_round["torch_matmul"].append(torch_matmul_rate())
+    for name, run in torch_runners.items():
+      torch.set_num_threads(run["threads"])
       times = []
-      for _ in range(args.block):
-        batch = torch_runner["batches"][k % len(torch_runner["batches"])]
+      for _ in range(args.torch_block or args.block):
+        batch = torch_batches[k % len(torch_batches)]
         k += 1
         start = time.perf_counter()
-        torch_runner["trainer"].step(batch)
+        trainer.step(batch)
         times.append(time.perf_counter() - start)
-      torch_runner["times"] += times
-      per_round["torch"].append(common.median(times))
+      run["times"] += times
+      per_round[name].append(common.median(times))
     pipeline.build(args.block)
     _log(f"[train {args.preset}] round {r + 1}/{rounds}: " + " ".join(
-        f"{n}={v[-1]:.3f}s" for n, v in per_round.items() if v and n != "matmul")
+        f"{n}={v[-1]:.3f}s" for n, v in per_round.items() if v and "matmul" not in n)
         + f" matmul={per_round['matmul'][-1] / 1e9:.0f}GF/s")
 
   matmul = common.median(per_round["matmul"])
@@ -224,15 +240,19 @@ def train(args) -> dict:
         "speedup_vs_baseline": common.median(
             [b / v for b, v in zip(per_round["baseline"], per_round[name])])}
   out["jax"] = res
-  if torch_runner is not None:
-    step_s = common.median(torch_runner["times"])
-    out["torch"].update({
-        "step_s": step_s, "step_s_all": torch_runner["times"], "steps": len(torch_runner["times"]),
-        "target_tokens_per_s": target_tokens / step_s, "model_flops_per_s": flops["total"] / step_s,
-        "mfu_vs_matmul": flops["total"] / step_s / matmul, "warmup_losses": torch_runner["losses"]})
+  for tname, trun in torch_runners.items():
+    step_s = common.median(trun["times"])
+    entry = {"threads": trun["threads"], "step_s": step_s, "step_s_all": trun["times"],
+             "steps": len(trun["times"]), "target_tokens_per_s": target_tokens / step_s,
+             "model_flops_per_s": flops["total"] / step_s, "mfu_vs_matmul": flops["total"] / step_s / matmul}
+    if tname == "torch":
+      out["torch"].update(entry)
+      out["torch"]["torch_matmul_flops"] = common.median(per_round["torch_matmul"])
+    else:
+      out[tname] = entry
+    key = "speedup_vs_torch" if tname == "torch" else f"speedup_vs_{tname}"
     for name in runners:
-      res[name]["speedup_vs_torch"] = common.median(
-          [t / v for t, v in zip(per_round["torch"], per_round[name])])
+      res[name][key] = common.median([t / v for t, v in zip(per_round[tname], per_round[name])])
   out["pipeline"]["ratio_vs_training"] = (out["pipeline"]["target_tokens_per_s"]
                                           / res["baseline"]["target_tokens_per_s"])
   return out
@@ -462,6 +482,10 @@ def main(argv=None):
   parser.add_argument("--num_batches", type=int, default=8)
   parser.add_argument("--variants", default="")
   parser.add_argument("--torch", action="store_true")
+  parser.add_argument("--torch_threads", type=lambda s: [int(x) for x in s.split(",")], default=[0],
+                      help="torch intra-op threads per torch runner; 0 = torch's default (one per core)")
+  parser.add_argument("--torch_block", type=int, default=0, help="torch steps per round (0: --block)")
+  parser.add_argument("--variant_block", type=int, default=0, help="patched-variant steps per round")
   parser.add_argument("--reps", type=int, default=10)
   parser.add_argument("--rounds", type=int, default=3)
   parser.add_argument("--sources", type=int, default=500)
@@ -474,7 +498,9 @@ def main(argv=None):
                       default=[1024, 2048, 4096, 8192])
   args = parser.parse_args(argv)
   start = time.perf_counter()
+  load_start = os.getloadavg()
   result = globals()[args.section](args)
+  result["load_average"] = {"start": list(load_start), "end": list(os.getloadavg())}
   result["section_wall_s"] = time.perf_counter() - start
   result["process_peak_rss_mb"] = common.peak_rss_mb()
   common.dump_json(result, args.out)

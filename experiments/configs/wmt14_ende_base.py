@@ -74,7 +74,7 @@ def get_config() -> ml_collections.ConfigDict:
   config.adam_eps = 1e-9
   config.label_smoothing = 0.1
   # Micro-batches per step: tokens_per_batch x grad_accum_steps is the batch of one optimizer step. The default
-  # (1) is for 8 accelerators; on fewer, divide tokens_per_batch and multiply this (see the docstring).
+  # (1) is for 8 accelerators; on fewer, divide tokens_per_batch and multiply this (see the module docstring).
   config.grad_accum_steps = 1
 
   config.log_every_steps = 100
