@@ -235,65 +235,67 @@ def train_and_evaluate(config: Any, workdir: str) -> dict[str, Any]:
   summary: dict[str, Any] = {}
   stop = _StopSignal()
   step = start_step
-  for step in range(start_step + 1, num_steps + 1):
-    batch = sharding.shard_batch(next_batch(data.train, accum), mesh, rules)
-    state, metrics = train_step(state, batch, train_rng)
-    pending.append((step, metrics))
+  try:
+    for step in range(start_step + 1, num_steps + 1):
+      batch = sharding.shard_batch(next_batch(data.train, accum), mesh, rules)
+      state, metrics = train_step(state, batch, train_rng)
+      pending.append((step, metrics))
 
-    if step % config.log_every_steps == 0 or step == num_steps:
-      fetched = jax.device_get([m for _, m in pending])
-      for (s, _), m in zip(pending, fetched):
-        if not np.isfinite(m["loss"]):
-          raise NonFiniteLossError(f"training loss is {m['loss']} at step {s}; stopping "
-                                   f"(last checkpoint: step {ckpt.latest_step()})")
-      now = time.time()
-      tokens = sum(float(m["token_count"]) for m in fetched)
-      steps_per_s = (step - last_log_step) / (now - last_log_time)
-      scalars = {k: float(np.mean([m[k] for m in fetched])) for k in ("loss", "nll", "accuracy", "grad_norm")}
-      scalars.update(learning_rate=float(fetched[-1]["learning_rate"]),
-                     tokens_per_s=tokens / (now - last_log_time), steps_per_s=steps_per_s)
-      writer.write(step, {f"train/{k}": v for k, v in scalars.items()})
-      logging.info("step %d/%d | loss %.3f | acc %.3f | lr %.2e | %.0f tok/s | %.2f steps/s | eta %s",
-                   step, num_steps, scalars["loss"], scalars["accuracy"], scalars["learning_rate"],
-                   scalars["tokens_per_s"], steps_per_s, _format_eta((num_steps - step) / steps_per_s))
-      summary["train"] = scalars
-      pending, last_log_time, last_log_step = [], now, step
+      if step % config.log_every_steps == 0 or step == num_steps:
+        fetched = jax.device_get([m for _, m in pending])
+        for (s, _), m in zip(pending, fetched):
+          if not np.isfinite(m["loss"]):
+            raise NonFiniteLossError(f"training loss is {m['loss']} at step {s}; stopping "
+                                     f"(last checkpoint: step {ckpt.latest_step()})")
+        now = time.time()
+        tokens = sum(float(m["token_count"]) for m in fetched)
+        steps_per_s = (step - last_log_step) / (now - last_log_time)
+        scalars = {k: float(np.mean([m[k] for m in fetched])) for k in ("loss", "nll", "accuracy", "grad_norm")}
+        scalars.update(learning_rate=float(fetched[-1]["learning_rate"]),
+                       tokens_per_s=tokens / (now - last_log_time), steps_per_s=steps_per_s)
+        writer.write(step, {f"train/{k}": v for k, v in scalars.items()})
+        logging.info("step %d/%d | loss %.3f | acc %.3f | lr %.2e | %.0f tok/s | %.2f steps/s | eta %s",
+                     step, num_steps, scalars["loss"], scalars["accuracy"], scalars["learning_rate"],
+                     scalars["tokens_per_s"], steps_per_s, _format_eta((num_steps - step) / steps_per_s))
+        summary["train"] = scalars
+        pending, last_log_time, last_log_step = [], now, step
 
-    eval_metrics = {}
-    if config.eval_every_steps and (step % config.eval_every_steps == 0 or step == num_steps):
-      for name, eval_set in data.eval_sets.items():
-        metrics = evaluate_loss(eval_step, state.params, eval_set, config.eval_tokens_per_batch)
-        logging.info("eval %s at step %d: loss %.3f | nll %.3f | ppl %.2f | acc %.3f", name, step,
-                     metrics["loss"], metrics["nll"], metrics["perplexity"], metrics["accuracy"])
-        eval_metrics.update({f"{name}/{k}": v for k, v in metrics.items()})
-    bleu_every = config.get("bleu_every_steps", 0)
-    if bleu_every and (step % bleu_every == 0 or step == num_steps):
-      for name, eval_set in data.eval_sets.items():
-        scores = evaluate_bleu(state.params, model_config, data.tokenizer, eval_set, config)
-        logging.info("BLEU %s at step %d: %.2f (chrF %.2f) %s", name, step, scores["bleu"], scores["chrf"],
-                     scores["bleu_signature"])
-        eval_metrics.update({f"{name}/bleu": scores["bleu"], f"{name}/chrf": scores["chrf"]})
-    if eval_metrics:
-      writer.write(step, eval_metrics)
-      summary.setdefault("eval", {}).update(eval_metrics)
+      eval_metrics = {}
+      if config.eval_every_steps and (step % config.eval_every_steps == 0 or step == num_steps):
+        for name, eval_set in data.eval_sets.items():
+          metrics = evaluate_loss(eval_step, state.params, eval_set, config.eval_tokens_per_batch)
+          logging.info("eval %s at step %d: loss %.3f | nll %.3f | ppl %.2f | acc %.3f", name, step,
+                       metrics["loss"], metrics["nll"], metrics["perplexity"], metrics["accuracy"])
+          eval_metrics.update({f"{name}/{k}": v for k, v in metrics.items()})
+      bleu_every = config.get("bleu_every_steps", 0)
+      if bleu_every and (step % bleu_every == 0 or step == num_steps):
+        for name, eval_set in data.eval_sets.items():
+          scores = evaluate_bleu(state.params, model_config, data.tokenizer, eval_set, config)
+          logging.info("BLEU %s at step %d: %.2f (chrF %.2f) %s", name, step, scores["bleu"], scores["chrf"],
+                       scores["bleu_signature"])
+          eval_metrics.update({f"{name}/bleu": scores["bleu"], f"{name}/chrf": scores["chrf"]})
+      if eval_metrics:
+        writer.write(step, eval_metrics)
+        summary.setdefault("eval", {}).update(eval_metrics)
 
-    by_steps = config.checkpoint_every_steps and step % config.checkpoint_every_steps == 0
-    by_time = (config.checkpoint_every_minutes
-               and time.time() - last_ckpt_time >= 60 * config.checkpoint_every_minutes)
-    stopping = stop.requested(step)
-    if by_steps or by_time or stopping or step == num_steps:
-      ckpt.save(step, state, train_rng, data.train.get_state(), resolved,
-                metrics=eval_metrics if best_metric and best_metric in eval_metrics else None)
-      last_ckpt_time = time.time()
-    if stopping:
-      logging.warning("Received %s: saved the checkpoint of step %d; stopping. Re-run to resume.",
-                      stop.signal_name, step)
-      summary["stopped_early"] = True
-      break
+      by_steps = config.checkpoint_every_steps and step % config.checkpoint_every_steps == 0
+      by_time = (config.checkpoint_every_minutes
+                 and time.time() - last_ckpt_time >= 60 * config.checkpoint_every_minutes)
+      stopping = stop.requested(step)
+      if by_steps or by_time or stopping or step == num_steps:
+        ckpt.save(step, state, train_rng, data.train.get_state(), resolved,
+                  metrics=eval_metrics if best_metric and best_metric in eval_metrics else None)
+        last_ckpt_time = time.time()
+      if stopping:
+        logging.warning("Received %s: saved the checkpoint of step %d; stopping. Re-run to resume.",
+                        stop.signal_name, step)
+        summary["stopped_early"] = True
+        break
 
-  stop.restore()
-  ckpt.wait()
-  ckpt.close()
+  finally:
+    stop.restore()
+    ckpt.wait()
+    ckpt.close()
   summary["final_step"] = step
   summary["train_minutes"] = (time.time() - train_start) / 60
   writer.close()
