@@ -43,16 +43,8 @@ def fail(message: str) -> None:
 
 def read_lines(path: str | None) -> list[str]:
   """Lines of `path` (stdin when None) without line endings; invalid UTF-8 names the file and line."""
-  stream = open(path, "rb") if path else sys.stdin.buffer
-  name = path or "<stdin>"
-  lines = []
-  with stream:
-    for number, raw in enumerate(stream, start=1):
-      try:
-        lines.append(raw.decode("utf-8").rstrip("\r\n"))
-      except UnicodeDecodeError as e:
-        raise ValueError(f"{name}:{number}: invalid UTF-8 ({e.reason} at byte {e.start})") from None
-  return lines
+  from transformer_jax.data.parallel_text import decode_lines, read_lines as read_file_lines
+  return read_file_lines(path) if path else decode_lines(sys.stdin.buffer, "<stdin>")
 
 
 def load_workdir_config(workdir: str) -> dict:

@@ -14,6 +14,7 @@ import dataclasses
 import hashlib
 import os
 import re
+from typing import Iterable
 
 import tensorflow_datasets as tfds
 
@@ -46,16 +47,21 @@ def split_files(directory: str, split: str, source_lang: str, target_lang: str) 
   return paths
 
 
+def decode_lines(stream: Iterable[bytes], name: str) -> list[str]:
+  """UTF-8 lines of a binary stream without line endings; invalid UTF-8 names `name` and the line."""
+  lines = []
+  for number, raw in enumerate(stream, start=1):
+    try:
+      lines.append(raw.decode("utf-8").rstrip("\r\n"))
+    except UnicodeDecodeError as e:
+      raise ParallelTextError(f"{name}:{number}: invalid UTF-8 ({e.reason} at byte {e.start})") from None
+  return lines
+
+
 def read_lines(path: str) -> list[str]:
   """Lines of a UTF-8 file without line endings; invalid UTF-8 names the file and line."""
-  lines = []
   with open(path, "rb") as f:
-    for number, raw in enumerate(f, start=1):
-      try:
-        lines.append(raw.decode("utf-8").rstrip("\r\n"))
-      except UnicodeDecodeError as e:
-        raise ParallelTextError(f"{path}:{number}: invalid UTF-8 ({e.reason} at byte {e.start})") from None
-  return lines
+    return decode_lines(f, path)
 
 
 def read_split(directory: str, split: str, source_lang: str, target_lang: str) -> list[tuple[str, str]]:
