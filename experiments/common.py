@@ -24,7 +24,10 @@ class _LibraryInfoFilter:
 
   def filter(self, record) -> bool:
     import logging
-    return record.levelno >= logging.WARNING or not any(p in record.pathname for p in _QUIET_LIBRARIES)
+    if not any(p in record.pathname for p in _QUIET_LIBRARIES):
+      return True
+    # Orbax warns that a read-only checkpoint directory is read only every time one is opened.
+    return record.levelno >= logging.WARNING and "is read only" not in record.getMessage()
 
 
 def setup_logging() -> None:
