@@ -7,6 +7,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 WORKDIR ?= runs/number_words
 PYTEST_ARGS ?=
+BENCH_ARGS ?=
 
 .PHONY: setup train test test-all bench clean
 
@@ -29,6 +30,10 @@ test: $(STAMP)
 
 test-all: $(STAMP)
 	$(BIN)/python -m pytest -q -n 2 $(PYTEST_ARGS)
+
+bench: $(STAMP)
+	$(BIN)/python -m pip install -q -e '.[bench]'
+	$(BIN)/python -m experiments.benchmarks.run $(BENCH_ARGS)
 
 clean:
 	rm -rf $(VENV) runs

@@ -226,6 +226,7 @@ def train(args) -> dict:
   matmul = common.median(per_round["matmul"])
   out["matmul_flops"] = matmul
   out["matmul_flops_samples"] = per_round["matmul"]
+  out["per_round"] = per_round  # median step time of each runner in each round, and the round's probes
   out["pipeline"] = pipeline.result()
   res = {}
   for name, run in runners.items():

@@ -18,7 +18,8 @@ from flax.training import train_state
 
 from transformer_jax.config import ModelConfig
 from transformer_jax.model import Transformer
-from transformer_jax.training.loss import label_smoothed_cross_entropy, token_weights
+from transformer_jax.training.loss import (label_smoothed_cross_entropy, smoothed_cross_entropy_and_correct,
+                                           token_weights)
 
 Batch = Mapping[str, jax.Array]
 PACKING_KEYS = ("inputs_position", "targets_position", "inputs_segmentation", "targets_segmentation")
@@ -53,8 +54,7 @@ def _forward_sums(params, batch: Batch, *, config: ModelConfig, label_smoothing:
                                      **_model_kwargs(batch), deterministic=deterministic, rngs=rngs)
   targets = batch["targets"]
   weights = token_weights(targets, config.pad_id)
-  loss, nll = label_smoothed_cross_entropy(logits, targets, label_smoothing)
-  correct = (jnp.argmax(logits, axis=-1) == targets).astype(jnp.float32)
+  loss, nll, correct = smoothed_cross_entropy_and_correct(logits, targets, float(label_smoothing))
   return {"loss_sum": jnp.sum(loss * weights), "nll_sum": jnp.sum(nll * weights),
           "correct_sum": jnp.sum(correct * weights), "token_count": jnp.sum(weights)}
 
