@@ -30,6 +30,29 @@ config_flags.DEFINE_config_file(
 flags.mark_flags_as_required(["workdir"])
 
 
+def _wall_clock_start(workdir: str) -> float:
+  """When this recipe first started in `workdir` (kept across resumed/re-scored runs), as a Unix time."""
+  path = os.path.join(workdir, "wall_clock_start.json")
+  if os.path.exists(path):
+    with open(path, encoding="utf-8") as f:
+      return float(json.load(f)["start"])
+  os.makedirs(workdir, exist_ok=True)
+  start = time.time()
+  with open(path, "w", encoding="utf-8") as f:
+    json.dump({"start": start}, f)
+  return start
+
+
+def _last_logged(metrics_jsonl: str, prefix: str) -> dict:
+  """The last logged value of every metric whose name starts with `prefix`."""
+  last = {}
+  with open(metrics_jsonl, encoding="utf-8") as f:
+    for line in f:
+      row = json.loads(line)
+      last.update({k: v for k, v in row.items() if k.startswith(prefix)})
+  return last
+
+
 def score(params, model_config, tokenizer, sources, references, lc_references, decode_cfg):
   from transformer_jax import inference, metrics
   start = time.time()
@@ -53,7 +76,7 @@ def main(argv):
   if FLAGS.data_dir:
     config.data.dir = FLAGS.data_dir
   data_dir = config.data.dir
-  wall_start = time.time()
+  wall_start = _wall_clock_start(FLAGS.workdir)
   try:
     test_src = read_lines(os.path.join(data_dir, "test2016.en"))
     test_ref = read_lines(os.path.join(data_dir, "test2016.de"))
@@ -87,7 +110,8 @@ def main(argv):
     f.writelines(h + "\n" for h in hyps)
   visualize.plot_learning_curves(os.path.join(FLAGS.workdir, "metrics.jsonl"), FLAGS.curve)
   summary = {"train_minutes": train_minutes, "total_minutes": total_minutes, "rows": rows,
-             "val": result["summary"].get("eval", {}), "steps": config.num_train_steps,
+             "val": _last_logged(os.path.join(FLAGS.workdir, "metrics.jsonl"), "val/"),
+             "steps": config.num_train_steps,
              "model": model_config.__dict__}
   with open(os.path.join(FLAGS.workdir, "results.json"), "w", encoding="utf-8") as f:
     json.dump(summary, f, indent=2, default=str)
@@ -120,8 +144,9 @@ def write_markdown(path, curve, config, model_config, rows, summary):
   sig = next(iter(rows.values()))["bleu_signature"]
   lines += ["", f"sacreBLEU signature: `{sig}`; the published-style score uses `tokenize='none'` against "
             "`test_2016_flickr.lc.norm.tok.de`.", "",
-            f"Wall time: {summary['total_minutes']:.1f} min in total (training and validation "
-            f"{summary['train_minutes']:.1f} min, then averaging and test decoding).", "",
+            f"Wall time: {summary['total_minutes']:.1f} min in total from the recipe's first start in its workdir "
+            f"(data preparation, training with periodic validation, averaging and test decoding; a resumed or "
+            f"re-scored run counts from the first start).", "",
             f"Validation at the end: " + ", ".join(f"{k} {v:.3f}" for k, v in sorted(summary['val'].items())
                                                   if isinstance(v, float)), "",
             f"![learning curve]({os.path.relpath(curve, os.path.dirname(os.path.abspath(path)))})", ""]

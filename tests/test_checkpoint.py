@@ -282,3 +282,16 @@ def test_config_diff():
       "model.b: saved <missing>, requested 'x'"]
   assert ck.config_diff({"model": {"flag": 1}}, {"model": {"flag": True}}) == [
       "model.flag: saved 1, requested True"]
+
+
+def test_average_checkpoints_accepts_relative_paths(tmp_path, monkeypatch):
+  """Orbax needs absolute paths; a user's `--workdir=runs/x` is relative."""
+  monkeypatch.chdir(tmp_path)
+  state = make_state()
+  with ck.Checkpointer("rel/checkpoints", enable_async_checkpointing=False) as ckpt:
+    for step in (1, 2):
+      ckpt.save(step, state, None, {}, {})
+  ck.average_checkpoints("rel/checkpoints", last_n=2, output_directory="rel/averaged")
+  step, params = ck.restore_params_only("rel/averaged")
+  assert step == 2
+  np.testing.assert_array_equal(jax.tree_util.tree_leaves(params)[0], jax.tree_util.tree_leaves(state.params)[0])

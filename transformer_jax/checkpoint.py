@@ -585,7 +585,7 @@ def average_checkpoints(directory: str | os.PathLike, steps: Iterable[int] | Non
   Everything is read onto `sharding` (default: the first device) whatever topology wrote it.
   Returns the output step.
   """
-  directory = os.fspath(directory)
+  directory = os.path.abspath(os.fspath(directory))  # orbax wants absolute paths
   manager = _read_only_manager(directory)
   try:
     chosen = _select_steps(manager.all_steps(), steps, last_n)
