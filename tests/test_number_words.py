@@ -2,6 +2,7 @@
 
 import numpy as np
 import pytest
+import tensorflow_datasets as tfds
 
 from transformer_jax.data import number_words as nw
 
@@ -127,7 +128,7 @@ def test_tiny_builder(tmp_path):
   builder = nw.NumberWords(config='tiny', data_dir=str(tmp_path))
   builder.download_and_prepare()
   assert builder.info.name == 'number_words'
-  assert str(builder.info.version) == '1.0.0'
+  assert str(builder.info.version) == '1.1.0'
   assert builder.info.supervised_keys == ('en', 'de')
   expected = nw.split_numbers(0, nw.TINY_SIZES)
   for split, numbers in expected.items():
@@ -139,3 +140,17 @@ def test_tiny_builder(tmp_path):
     stored = [(ex['en'].decode(), ex['de'].decode())
               for ex in ds.as_numpy_iterator()]
     assert pairs == stored
+
+
+def test_train_split_repeats_small_numbers(tmp_path):
+  """Numbers below 1000 carry the short forms; the train split repeats them, other splits do not."""
+  config = nw.NumberWordsConfig(name='repeat3', train=3000, validation=300, test=300, seed=1,
+                                          small_repeat=3)
+  builder = nw.NumberWords(config=config, data_dir=str(tmp_path))
+  builder.download_and_prepare()
+  splits = nw.split_numbers(1, config.sizes)
+  small = int(np.sum(splits['train'] < 1000))
+  assert small > 0
+  train = tfds.as_numpy(builder.as_dataset(split='train', shuffle_files=False))
+  assert sum(1 for _ in train) == 3000 + 2 * small
+  assert builder.info.splits['test'].num_examples == 300

@@ -138,6 +138,9 @@ class NumberWordsConfig(tfds.core.BuilderConfig):
   validation: int = DEFAULT_SIZES['validation']
   test: int = DEFAULT_SIZES['test']
   seed: int = 0
+  # Numbers below 1000 are 0.1% of the range but carry every short form ("twenty-one" -> "einundzwanzig",
+  # without "tausend"); the train split repeats each of its numbers below 1000 this many times.
+  small_repeat: int = 20
 
   @property
   def sizes(self) -> dict[str, int]:
@@ -151,16 +154,18 @@ class NumberWords(tfds.core.GeneratorBasedBuilder):
   Features `{'en': Text, 'de': Text}` with `en = english(n)`,
   `de = german(n)`; examples are keyed by `n`. Splits `train`, `validation`
   and `test` hold the disjoint numbers of `split_numbers(config.seed,
-  config.sizes)`, stored in tfds's deterministic key-hash order.
+  config.sizes)`, stored in tfds's deterministic key-hash order; in `train`
+  each number below 1000 appears `config.small_repeat` times (keys `n/copy`).
   """
 
-  VERSION = tfds.core.Version('1.0.0')
-  RELEASE_NOTES = {'1.0.0': 'Initial release.'}
+  VERSION = tfds.core.Version('1.1.0')
+  RELEASE_NOTES = {'1.0.0': 'Initial release.',
+                   '1.1.0': 'Train split repeats its numbers below 1000 (small_repeat times).'}
   BUILDER_CONFIGS = [
       NumberWordsConfig(name='default', description='200k/2k/5k numbers.',
                         **DEFAULT_SIZES),
       NumberWordsConfig(name='tiny', description='2k/200/200, for tests.',
-                        **TINY_SIZES),
+                        small_repeat=1, **TINY_SIZES),
   ]
   DEFAULT_CONFIG_NAME = 'default'
 
@@ -177,12 +182,15 @@ class NumberWords(tfds.core.GeneratorBasedBuilder):
   def _split_generators(self, dl_manager):
     del dl_manager  # Everything is generated locally.
     splits = split_numbers(self.builder_config.seed, self.builder_config.sizes)
-    return {name: self._generate_examples(numbers)
+    repeat = {'train': self.builder_config.small_repeat}
+    return {name: self._generate_examples(numbers, repeat.get(name, 1))
             for name, numbers in splits.items()}
 
-  def _generate_examples(self, numbers):
+  def _generate_examples(self, numbers, small_repeat: int = 1):
     for n in numbers.tolist():
-      yield n, {'en': english(n), 'de': german(n)}
+      copies = small_repeat if n < 1000 else 1
+      for copy in range(copies):
+        yield f'{n}/{copy}', {'en': english(n), 'de': german(n)}
 
 
 def load_pairs(split: str, config: str = 'default',
