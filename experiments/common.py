@@ -109,9 +109,11 @@ def report_final_eval(config: Any, workdir: str, result: dict) -> dict:
   report = {"split": final.split, "examples": len(pairs), "exact_match": exact, "bleu": scores["bleu"],
             "bleu_signature": scores["bleu_signature"], "translate_seconds": seconds,
             "train_minutes": result["summary"].get("train_minutes")}
-  print(f"Exact match on {len(pairs)} {final.split} examples: {100 * exact:.2f}%; BLEU {scores['bleu']:.2f} "
-        f"({scores['bleu_signature']}) (translated in {seconds:.1f}s; training took "
-        f"{report['train_minutes']:.1f} min)")
+  # BLEU needs 4-grams: with one-word references (the built-in task) it is 0 whatever the output.
+  bleu = (f"; BLEU {scores['bleu']:.2f} ({scores['bleu_signature']})"
+          if any(" " in t for _, t in pairs) else "")
+  print(f"Exact match on {len(pairs)} {final.split} examples: {100 * exact:.2f}%{bleu} "
+        f"(translated in {seconds:.1f}s; training took {report['train_minutes']:.1f} min)")
   with open(os.path.join(workdir, "final_eval.json"), "w", encoding="utf-8") as f:
     json.dump(report, f, indent=2)
   return report
