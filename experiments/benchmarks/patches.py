@@ -35,6 +35,7 @@ import jax.numpy as jnp
 
 from transformer_jax import model as model_lib
 from transformer_jax.model import Transformer
+from transformer_jax.training import loss as loss_lib
 from transformer_jax.training import steps
 
 # ----------------------------------------------------------------------------------------------------------
@@ -42,36 +43,8 @@ from transformer_jax.training import steps
 # ----------------------------------------------------------------------------------------------------------
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
-def smoothed_xent(logits, targets, label_smoothing: float):
-  """`(loss, nll, correct)` per token, as `label_smoothed_cross_entropy` + `argmax == y` (ties count)."""
-  return _xent_fwd(logits, targets, label_smoothing)[0]
-
-
-def _xent_fwd(logits, targets, eps):
-  logits = logits.astype(jnp.float32)
-  top = jnp.max(logits, axis=-1)
-  log_z = top + jnp.log(jnp.sum(jnp.exp(logits - top[..., None]), axis=-1))
-  target_logit = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
-  nll = log_z - target_logit
-  loss = nll if eps == 0.0 else log_z - (1.0 - eps) * target_logit - eps * jnp.mean(logits, axis=-1)
-  correct = (target_logit >= top).astype(jnp.float32)
-  return (loss, nll, correct), (logits, log_z, targets)
-
-
-def _xent_bwd(eps, residuals, cotangents):
-  logits, log_z, targets = residuals
-  g_loss, g_nll, _ = cotangents
-  vocab = logits.shape[-1]
-  is_target = jax.lax.broadcasted_iota(jnp.int32, logits.shape, logits.ndim - 1) == targets[..., None]
-  g_all = (g_loss + g_nll)[..., None]
-  g_target = (g_loss * (1.0 - eps) + g_nll)[..., None]
-  grad = (g_all * jnp.exp(logits - log_z[..., None]) - jnp.where(is_target, g_target, 0.0)
-          - (g_loss * (eps / vocab))[..., None])
-  return grad, None
-
-
-smoothed_xent.defvjp(_xent_fwd, _xent_bwd)
+# Merged: the library's loss is this variant now (custom VJP + argmax-free accuracy).
+smoothed_xent = loss_lib.smoothed_cross_entropy_and_correct
 
 
 def _logits(params, batch, config, dropout_rng):
