@@ -67,7 +67,10 @@ def build_eval_set(tokenizer: tokenizer_lib.Tokenizer, pairs) -> EvalSet:
 def build_datasets(data_config: Any, workdir: str, *, seed: int, process_index: int = 0,
                    process_count: int = 1) -> Datasets:
   """Vocabulary + packed training iterator + evaluation sets for `data_config` (see experiment configs)."""
-  train_pairs = sources.load_pairs(data_config, data_config.train_split, workdir)
+  eval_names = list(data_config.get("eval_splits", ()))
+  # One dataset preparation (and, for local text, one validation of the files) for every split.
+  loaded = sources.load_splits(data_config, [data_config.train_split, *eval_names], workdir)
+  train_pairs = loaded[data_config.train_split]
   train_pairs, blank = skip_blank(train_pairs)
   if not train_pairs:
     raise ValueError(f"training split {data_config.train_split!r} of {data_config.dataset} has no non-blank pairs")
@@ -79,7 +82,7 @@ def build_datasets(data_config: Any, workdir: str, *, seed: int, process_index: 
                                  row_length=data_config.max_len, seed=seed, process_index=process_index,
                                  process_count=process_count)
   eval_sets = {}
-  for name in data_config.get("eval_splits", ()):
-    eval_sets[name] = build_eval_set(tok, sources.load_pairs(data_config, name, workdir))
+  for name in eval_names:
+    eval_sets[name] = build_eval_set(tok, loaded[name])
   stats = {"train_pairs": len(srcs), "dropped_long": too_long, "skipped_blank": blank}
   return Datasets(tok, train, eval_sets, stats)

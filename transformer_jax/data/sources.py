@@ -79,11 +79,22 @@ def get_builder(data_config: Any, workdir: str | None = None) -> tuple[tfds.core
   return _tfds_translation_builder(data_config, data_dir)
 
 
-def load_pairs(data_config: Any, split: str, workdir: str | None = None) -> Pairs:
-  """(source, target) text pairs of `split` (a tfds split name, slicing allowed: 'train[:1000]')."""
+def load_splits(data_config: Any, splits: list[str], workdir: str | None = None) -> dict[str, Pairs]:
+  """(source, target) text pairs of several splits, preparing (and validating) the dataset once.
+
+  Split names follow tfds (slicing allowed: 'train[:1000]').
+  """
   builder, source_key, target_key = get_builder(data_config, workdir)
   available = set(builder.info.splits.keys())
-  base_split = split.split("[")[0]
-  if available and base_split not in available:
-    raise ValueError(f"{data_config.dataset} has no split {base_split!r}; available: {sorted(available)}")
-  return read_tfds_pairs(builder, split, source_key, target_key)
+  out = {}
+  for split in splits:
+    base_split = split.split("[")[0]
+    if available and base_split not in available:
+      raise ValueError(f"{data_config.dataset} has no split {base_split!r}; available: {sorted(available)}")
+    out[split] = read_tfds_pairs(builder, split, source_key, target_key)
+  return out
+
+
+def load_pairs(data_config: Any, split: str, workdir: str | None = None) -> Pairs:
+  """(source, target) text pairs of one split (see `load_splits`)."""
+  return load_splits(data_config, [split], workdir)[split]
