@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from transformer_jax import dropout as dropout_lib
 from transformer_jax.config import ModelConfig
 
 Array = jax.Array
@@ -94,7 +95,7 @@ def dot_product_attention(query: Array, key: Array, value: Array, mask: Optional
   weights = jax.nn.softmax(logits, axis=-1)
   probs = weights
   if dropout_rate > 0.0 and dropout_rng is not None:
-    keep = jax.random.bernoulli(dropout_rng, 1.0 - dropout_rate, probs.shape)
+    keep = dropout_lib.bernoulli(dropout_rng, 1.0 - dropout_rate, probs.shape)
     probs = jnp.where(keep, probs / (1.0 - dropout_rate), 0.0)
   out = jnp.einsum("bhqk,bkhd->bqhd", probs.astype(value.dtype), value)
   return (out, weights) if return_weights else out

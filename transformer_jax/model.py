@@ -25,6 +25,7 @@ import numpy as np
 
 from transformer_jax.attention import MultiHeadAttention
 from transformer_jax.config import ModelConfig
+from transformer_jax.dropout import Dropout
 
 Array = jax.Array
 
@@ -72,6 +73,32 @@ def attention_mask(key_valid: Array, query_segments: Optional[Array] = None,
 # Embeddings (section 3.4)
 # ----------------------------------------------------------------------------------------------------------
 
+@jax.custom_vjp
+def tied_logits(x: Array, embedding: Array) -> Array:
+  """Logits `[batch, length, vocab]` (float32) = x `[batch, length, d]` · embedding `[vocab, d]`ᵀ.
+
+  The backward pass is autodiff's, except that the embedding gradient is formed as `(xᵀ g)ᵀ`: autodiff's
+  `gᵀ x` contracts the logits gradient g `[batch·length, vocab]` over its major dimension, and XLA:CPU
+  first copies g into a transposed `[vocab, batch·length]` buffer (the largest tensor of the step).
+  """
+  return jnp.einsum("bld,vd->blv", x, embedding, preferred_element_type=jnp.float32)
+
+
+def _tied_logits_forward(x, embedding):
+  return tied_logits(x, embedding), (x, embedding)
+
+
+def _tied_logits_backward(residuals, g):
+  x, embedding = residuals
+  g = g.astype(x.dtype)  # [batch, length, vocab], in the compute dtype like autodiff's cotangents
+  dx = jnp.einsum("blv,vd->bld", g, embedding)
+  d_embedding_t = jnp.einsum("bld,blv->dv", x, g)  # [d, vocab]
+  return dx, d_embedding_t.T
+
+
+tied_logits.defvjp(_tied_logits_forward, _tied_logits_backward)
+
+
 class Embed(nn.Module):
   """Token embedding `[vocab, d_model]` ~ N(0, d_model^-0.5); `attend` reuses it as the pre-softmax projection."""
 
@@ -94,8 +121,7 @@ class Embed(nn.Module):
 
   def attend(self, x: Array) -> Array:
     """x `[batch, length, d_model]` -> logits `[batch, length, vocab]` in float32."""
-    emb = self.embedding.astype(self.config.compute_dtype)
-    return jnp.einsum("bld,vd->blv", x, emb, preferred_element_type=jnp.float32)
+    return tied_logits(x, self.embedding.astype(self.config.compute_dtype))
 
 
 class AddPositions(nn.Module):
@@ -127,7 +153,7 @@ class AddPositions(nn.Module):
     else:
       table = jnp.asarray(sinusoid_table(cfg.max_len, cfg.d_model))
     x = x + jnp.take(table, positions, axis=0).astype(x.dtype)
-    return nn.Dropout(rate=cfg.dropout_rate)(x, deterministic=deterministic)
+    return Dropout(rate=cfg.dropout_rate)(x, deterministic=deterministic)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -148,7 +174,7 @@ class FeedForward(nn.Module):
     h = nn.relu(h)
     h = nn.with_logical_constraint(h, ("batch", "length", "mlp"))
     if cfg.relu_dropout_rate > 0.0:
-      h = nn.Dropout(rate=cfg.relu_dropout_rate)(h, deterministic=deterministic)
+      h = Dropout(rate=cfg.relu_dropout_rate)(h, deterministic=deterministic)
     return nn.Dense(cfg.d_model, dtype=cfg.compute_dtype, name="wo",
                     kernel_init=nn.with_logical_partitioning(_xavier, ("mlp", "embed")),
                     bias_init=nn.with_logical_partitioning(nn.initializers.zeros, ("embed",)))(h)
@@ -172,7 +198,7 @@ class SublayerConnection(nn.Module):
   def __call__(self, x: Array, sublayer, *, deterministic: bool) -> Array:
     cfg = self.config
     norm = _layer_norm(cfg, "layer_norm")
-    dropout = nn.Dropout(rate=cfg.dropout_rate)
+    dropout = Dropout(rate=cfg.dropout_rate)
     if cfg.pre_ln:
       return x + dropout(sublayer(norm(x)), deterministic=deterministic)
     return norm(x + dropout(sublayer(x), deterministic=deterministic))
