@@ -11,8 +11,9 @@ Sections (each in its own process, so peak memory is per configuration):
   train_base    base preset (`config.base`, 37k vocabulary): 4096 target slots/batch packed from multi30k
                 (rows of 64), real tokens/s, step time (median of >= 20 steps), compile time, peak RSS,
                 analytic model FLOP/s vs the matmul rate of the same rounds, the PyTorch peer
-                (`torch.nn.Transformer`, same batch) and the proposed patches (experiments/benchmarks/patches.py),
-                plus the host data pipeline's tokens/s on the same config
+                (`torch.nn.Transformer`, same batch) and ablations that undo one library speed-up each
+                (experiments/benchmarks/ablations.py), plus the host data pipeline's tokens/s on the same config
+  hugepages_off the CPU-preset step again in a process without glibc huge pages (experiments/__init__.py)
   decode        greedy and beam 4 over 500 multi30k test sources (CPU preset), cached vs uncached, the
                 encoder alone, compilations per file
   scaling       step time vs row length 64..512 (fixed 4096 tokens/batch) and vs tokens/batch
@@ -38,7 +39,9 @@ PLOTS = common.REPO / "docs" / "benchmarks"
 DEFAULT_JSON = common.REPO / "runs" / "benchmarks" / "results.json"
 TABLE_START, TABLE_END = "<!-- bench:table:start -->", "<!-- bench:table:end -->"
 
-TINY_VARIANTS = "no_argmax,fused_xent,dropout_u16,patched,no_dropout"
+TINY_VARIANTS = "flax_dropout,autodiff_logits,autodiff_loss,unoptimized,no_dropout"
+BASE_VARIANTS = "unoptimized"
+ALL_SECTIONS = ["machine", "train_tiny", "hugepages_off", "train_base", "decode", "scaling"]
 
 
 def section_args(name: str, quick: bool, torch: bool) -> list[str]:
@@ -47,15 +50,17 @@ def section_args(name: str, quick: bool, torch: bool) -> list[str]:
     return ["machine", "--reps=3", "--quick"] if quick else ["machine", "--reps=10"]
   if name == "train_tiny":
     if quick:
-      return ["train", "--preset=tiny", "--steps=4", "--block=2", "--variants=patched"] + t
-    # 20 library steps (2 per round); each patched variant and each torch setting take 1 step per round.
+      return ["train", "--preset=tiny", "--steps=4", "--block=2", "--variants=unoptimized"] + t
+    # 20 library steps (2 per round); each ablation and each torch setting take 1 step per round.
     return (["train", "--preset=tiny", "--steps=20", "--block=2", "--variant_block=1", "--torch_block=1",
              f"--variants={TINY_VARIANTS}"] + t + (["--torch_threads=0,1"] if torch else []))
   if name == "train_base":
-    # 20 library steps (4 per round); the patched variant and the (slow) peer take 1 step per round.
+    # 20 library steps (4 per round); the ablation and the (slow) peer take 1 step per round.
     return (["train", "--preset=base", "--vocab=37000", "--steps=4" if quick else "--steps=20",
              "--block=2" if quick else "--block=4", "--variant_block=1", "--torch_block=1", "--warmup=1",
-             "--variants=patched"] + t)
+             f"--variants={BASE_VARIANTS}"] + t)
+  if name == "hugepages_off":
+    return ["train", "--preset=tiny", "--steps=4" if quick else "--steps=10", "--block=2"]
   if name == "decode":
     if quick:
       return ["decode", "--sources=48", "--rounds=1", "--subset=8"]
@@ -74,7 +79,11 @@ def run_section(name: str, quick: bool, torch: bool, tmp: str) -> dict:
   cmd.append(f"--out={out}")
   print(f"== {name}: {' '.join(cmd[2:])}", file=sys.stderr, flush=True)
   start = time.perf_counter()
-  proc = subprocess.run(cmd, cwd=common.REPO)
+  env = None
+  if name == "hugepages_off":  # this package re-executes with huge pages unless told not to
+    tunables = [t for t in os.environ.get("GLIBC_TUNABLES", "").split(":") if t and "hugetlb" not in t]
+    env = dict(os.environ, GLIBC_TUNABLES=":".join(tunables), TRANSFORMER_JAX_HUGE_PAGES="0")
+  proc = subprocess.run(cmd, cwd=common.REPO, env=env)
   if proc.returncode != 0 or not os.path.exists(out):
     return {"error": f"exit code {proc.returncode}", "wall_s": time.perf_counter() - start}
   with open(out) as f:
@@ -170,20 +179,20 @@ def render(results: dict) -> str:
   trains = [(k, v) for k, v in results.items() if k.startswith("train_") and "jax" in v]
   if trains:
     lines += ["**2./3. Training** (packed multi30k batches; each row's numbers come from interleaved rounds: "
-              "ours, the patched variants, PyTorch and a 2048² matmul probe take turns, so the load of the "
+              "ours, the ablations, PyTorch and a 2048² matmul probe take turns, so the load of the "
               "shared machine cancels out of the ratios)", "",
               "| preset | params | batch (real src/tgt tokens) | step (median, n) | compile | peak RSS | "
               "real tgt tok/s | model GFLOP/s | matmul GFLOP/s (same rounds) | MFU (quiet rounds) | "
-              "torch tok/s | ours/torch (quiet rounds) | patched | patched/torch (quiet) | "
-              "pipeline tok/s (x training) |",
+              "torch tok/s | ours/torch (quiet rounds) | ours vs unoptimized (quiet) | "
+              "unoptimized MFU (quiet) | pipeline tok/s (x training) |",
               "|" + "---|" * 15]
     for name, t in trains:
       b, c = t["jax"]["baseline"], t["config"]
       params = t.get("params") or _params(c)
       torch = t.get("torch", {})
-      patched = t["jax"].get("patched", {})
+      unopt = t["jax"].get("unoptimized", {})
       q = t.get("quiet", {})
-      qb, qp = q.get("baseline", {}), q.get("patched", {})
+      qb, qu = q.get("baseline", {}), q.get("unoptimized", {})
       lines.append(
           f"| {t['preset']} (d={c['d_model']}, V={c['vocab_size']}) | {params / 1e6:.1f}M | "
           f"{t['rows']}x{t['row_length']} ({_g(t['real_tokens_per_batch']['source'])}/"
@@ -194,8 +203,8 @@ def render(results: dict) -> str:
           f"({_pct(qb.get('mfu_vs_matmul'))}) | "
           f"{_g(torch.get('target_tokens_per_s'))} | {_x(b.get('speedup_vs_torch'))} "
           f"({_x(qb.get('speedup_vs_torch'))}) | "
-          f"{_x(patched.get('speedup_vs_baseline'))} ({_pct(qp.get('mfu_vs_matmul'))} MFU quiet) | "
-          f"{_x(patched.get('speedup_vs_torch'))} ({_x(qp.get('speedup_vs_torch'))}) | "
+          f"{_x(_inverse(unopt.get('speedup_vs_baseline')))} ({_x(_inverse(qu.get('speedup_vs_baseline')))}) | "
+          f"{_pct(qu.get('mfu_vs_matmul_all_rounds'))} ({_pct(qu.get('mfu_vs_matmul'))}) | "
           f"{_g(t['pipeline']['target_tokens_per_s'])} ({_x(t['pipeline']['ratio_vs_training'], 0)}) |")
     for name, t in trains:
       b, torch = t["jax"]["baseline"], t.get("torch", {})
@@ -216,19 +225,30 @@ def render(results: dict) -> str:
               "(the machine was not contended): " + "; ".join(
                   f"{t['preset']}: {len(t['quiet']['quiet_rounds'])} of {t['quiet']['rounds']}, matmul "
                   f"{_g(t['quiet']['matmul_flops'] / 1e9)} GFLOP/s" for _, t in trains if "quiet" in t) + ".",
-              "", "Proposed patches (experiments/benchmarks/patches.py), step-time speedup vs the library's "
-              "step, same rounds (all rounds; quiet rounds):", "",
+              "", "Ablations (experiments/benchmarks/ablations.py): each undoes one of the library's speed-ups; "
+              "the library's speed-up = the variant's step time / the library's, same rounds (all rounds; "
+              "quiet rounds). `no_dropout` is a reference (P_drop = 0), not an ablation:", "",
               "| variant | " + " | ".join(t["preset"] for _, t in trains) + " |",
               "|---|" + "---|" * len(trains)]
     names = []
     for _, t in trains:
       names += [n for n in t["jax"] if n not in names and n != "baseline"]
     for n in names:
-      cells = [f"{_x(t['jax'][n]['speedup_vs_baseline'])}; "
-               f"{_x(t.get('quiet', {}).get(n, {}).get('speedup_vs_baseline'))}" if n in t["jax"] else "-"
-               for _, t in trains]
+      cells = [f"{_x(_inverse(t['jax'][n]['speedup_vs_baseline']))}; "
+               f"{_x(_inverse(t.get('quiet', {}).get(n, {}).get('speedup_vs_baseline')))}" if n in t["jax"]
+               else "-" for _, t in trains]
       lines.append(f"| {n} | " + " | ".join(cells) + " |")
     lines.append("")
+  h, tiny = results.get("hugepages_off", {}), results.get("train_tiny", {})
+  if "jax" in h and "jax" in tiny:
+    off, on = h["jax"]["baseline"], tiny["jax"]["baseline"]
+    lines += [f"Huge pages (glibc.malloc.hugetlb=1, experiments/__init__.py): the tiny step in a process "
+              f"without them (`hugepages_off`, run right after, {off['steps']} steps): {off['step_s']:.3f}s vs "
+              f"{on['step_s']:.3f}s with them: {off['step_s'] / on['step_s']:.2f}x; MFU "
+              f"{_pct(h.get('quiet', {}).get('baseline', {}).get('mfu_vs_matmul_all_rounds'))} vs "
+              f"{_pct(tiny.get('quiet', {}).get('baseline', {}).get('mfu_vs_matmul_all_rounds'))} against each run's own matmul "
+              f"probe ({_g(h['matmul_flops'] / 1e9)} vs {_g(tiny['matmul_flops'] / 1e9)} GFLOP/s; the probe's "
+              "16 MB output is page-faulted too).", ""]
 
   d = results.get("decode", {})
   if "beam4" in d:
@@ -249,14 +269,13 @@ def render(results: dict) -> str:
               f"({_g(d['encoder']['sentences_per_s'])} sentences/s).", "",
               f"Cached vs uncached, measured on {c['subset_sources']} sources (bucket {c['bucket']}), exactly "
               f"{c['output_len']} output tokens each (early_stop='none'):", "",
-              "| search | cached | uncached | cached/uncached speedup | heads-major cache (patch) |",
+              "| search | cached | uncached | cached/uncached speedup | same tokens |",
               "|---|---|---|---|---|"]
     for key in ("greedy", "beam4"):
       e = c[key]
       lines.append(f"| {key} | {e['cached_s']:.3f}s ({_g(e['cached_tokens_per_s'])} tok/s) | "
                    f"{e['uncached_s']:.3f}s ({_g(e['uncached_tokens_per_s'])} tok/s) | {_x(e['speedup'], 1)} | "
-                   f"{_x(e['heads_major_speedup'])} faster, same tokens: "
-                   f"{d.get('heads_major_same_tokens', {}).get(key)} |")
+                   f"{d.get('cached_same_tokens', {}).get(key, 'n/a')} |")
     lines.append("")
 
   s = results.get("scaling", {})
@@ -275,6 +294,10 @@ def render(results: dict) -> str:
   return "\n".join(lines)
 
 
+def _inverse(x):
+  return None if x is None or x != x or x == 0 else 1.0 / x
+
+
 def _params(c: dict) -> int:
   d, f, v = c["d_model"], c["d_ff"], c["vocab_size"]
   enc = c["num_encoder_layers"] * (4 * (d * d + d) + 2 * d * f + f + d + 4 * d)
@@ -288,19 +311,20 @@ def targets(results: dict) -> list[str]:
     t = results.get(f"train_{preset}", {})
     if "jax" in t:
       q = t.get("quiet", {})
-      b, p = q.get("baseline", {}), q.get("patched", {})
+      b, u = q.get("baseline", {}), q.get("unoptimized", {})
       mfu = b.get("mfu_vs_matmul", float("nan"))
       rows.append((f"training step {preset} preset >= {goal:.0%} of matmul rate (quiet rounds; all rounds)",
                    f"{_pct(mfu)}; {_pct(b.get('mfu_vs_matmul_all_rounds'))}", mfu >= goal,
-                   _pct(p.get("mfu_vs_matmul"))))
+                   _pct(u.get("mfu_vs_matmul"))))
   for preset in ("tiny", "base"):
     t = results.get(f"train_{preset}", {})
     if "jax" in t and "speedup_vs_torch" in t["jax"]["baseline"]:
       q = t.get("quiet", {})
-      b, p = q.get("baseline", t["jax"]["baseline"]), q.get("patched", t["jax"].get("patched", {}))
+      b = q.get("baseline", t["jax"]["baseline"])
+      u = q.get("unoptimized", t["jax"].get("unoptimized", {}))
       rows.append((f">= 1.2x PyTorch real tokens/s ({preset}; quiet rounds; all rounds)",
                    f"{_x(b['speedup_vs_torch'])}; {_x(t['jax']['baseline']['speedup_vs_torch'])}",
-                   b["speedup_vs_torch"] >= 1.2, _x(p.get("speedup_vs_torch"))))
+                   b["speedup_vs_torch"] >= 1.2, _x(u.get("speedup_vs_torch"))))
     if "pipeline" in t:
       r = t["pipeline"]["ratio_vs_training"]
       rows.append((f"data pipeline >= 3x training tokens/s ({preset})", _x(r, 0), r >= 3, ""))
@@ -310,8 +334,9 @@ def targets(results: dict) -> list[str]:
     rows.append(("beam-4 cached >= 5x uncached (50-token outputs)", _x(r, 1), r >= 5, ""))
   if not rows:
     return []
-  out = ["**Targets**", "", "| target | measured | met | with the proposed patches |", "|---|---|---|---|"]
-  out += [f"| {name} | {value} | {'yes' if ok else 'NO'} | {patched} |" for name, value, ok, patched in rows]
+  out = ["**Targets**", "", "| target | measured | met | unoptimized (ablation, quiet rounds) |",
+         "|---|---|---|---|"]
+  out += [f"| {name} | {value} | {'yes' if ok else 'NO'} | {before} |" for name, value, ok, before in rows]
   return out + [""]
 
 
@@ -331,7 +356,7 @@ def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("--quick", action="store_true", help="smoke run: CPU preset only, few steps (~2-3 min)")
   parser.add_argument("--sections", default="",
-                      help="comma-separated subset of machine,train_tiny,train_base,decode,scaling")
+                      help="comma-separated subset of " + ",".join(ALL_SECTIONS))
   parser.add_argument("--json", default=str(DEFAULT_JSON), help="where to write the results")
   parser.add_argument("--no-torch", action="store_true", help="skip the PyTorch peer")
   parser.add_argument("--no-plots", action="store_true")
@@ -340,11 +365,11 @@ def main(argv=None):
                       help="rewrite the table block of docs/performance.md (auto: full runs of every section)")
   args = parser.parse_args(argv)
 
-  all_sections = ["machine", "train_tiny", "train_base", "decode", "scaling"]
+  all_sections = ALL_SECTIONS
   if args.sections:
     sections = [s for s in args.sections.split(",") if s]
   else:
-    sections = [s for s in all_sections if not (args.quick and s == "train_base")]
+    sections = [s for s in all_sections if not (args.quick and s in ("train_base", "hugepages_off"))]
   unknown = set(sections) - set(all_sections)
   if unknown:
     parser.error(f"unknown sections {sorted(unknown)}")
@@ -363,7 +388,7 @@ def main(argv=None):
         common.dump_json(results, args.json)  # partial results survive an interrupted run
     results["total_wall_s"] = time.perf_counter() - start
   for name in sections:
-    if name.startswith("train_") and "jax" in results[name]:
+    if (name.startswith("train_") or name == "hugepages_off") and "jax" in results[name]:
       add_quiet_round_stats(results[name])
   common.dump_json(results, args.json)
 

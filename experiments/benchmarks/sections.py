@@ -6,7 +6,7 @@ r"""The benchmark sections; each runs in its own process (`run.py` starts them) 
     python -m experiments.benchmarks.sections scaling  --out=/tmp/s.json
 
 The machine is shared, so nothing is timed alone: every section interleaves what it compares in rounds
-(ours, the peer, the patched variants, the data pipeline and a 2048^2 matmul probe take turns inside each
+(ours, the peer, the ablation variants, the data pipeline and a 2048^2 matmul probe take turns inside each
 round) and reports medians and ratios of medians measured in the same rounds.
 """
 
@@ -61,7 +61,7 @@ def machine(args) -> dict:
 
 
 # ----------------------------------------------------------------------------------------------------------
-# 2./3. Training (ours, patched variants, the torch peer) + the host data pipeline, interleaved
+# 2./3. Training (ours, ablation variants, the torch peer) + the host data pipeline, interleaved
 # ----------------------------------------------------------------------------------------------------------
 
 def _device_batch(batch):
@@ -108,7 +108,7 @@ class _Pipeline:
 def train(args) -> dict:
   from transformer_jax.training.schedule import adam_with_schedule
   from transformer_jax.training.steps import create_train_state
-  from experiments.benchmarks import patches
+  from experiments.benchmarks import ablations
 
   corpus = common.load_corpus(args.row_length)
   cfg = preset_config(args.preset, args.vocab or corpus.vocab_size)
@@ -133,9 +133,9 @@ def train(args) -> dict:
   runners = {}
   variants = ["baseline"] + [v for v in args.variants.split(",") if v and v != "baseline"]
   for name in variants:
-    vcfg = patches.variant_config(name, cfg)
+    vcfg = ablations.variant_config(name, cfg)
     state = create_train_state(vcfg, tx, jax.random.key(0))
-    step = patches.patched_step(cfg, name)
+    step = ablations.variant_step(cfg, name)
     rng = jax.random.key(1)
     lowered, lower_s = _timed(lambda: step.lower(state, dev_batches[0], rng))
     compiled, compile_s = _timed(lowered.compile)
@@ -186,7 +186,7 @@ def train(args) -> dict:
     return 2 * 2048 ** 3 / common.median(times)
 
   # Timed rounds: matmul probe, each JAX variant, torch, pipeline - `block` steps each per round (the
-  # patched variants and the torch peer may take fewer per round: --variant_block, --torch_block).
+  # ablation variants and the torch peer may take fewer per round: --variant_block, --torch_block).
   rounds = -(-args.steps // args.block)
   per_round = {name: [] for name in list(runners) + list(torch_runners)}
   per_round["matmul"], per_round["torch_matmul"] = [], []
@@ -293,7 +293,6 @@ def decode(args) -> dict:
   from transformer_jax import inference
   from transformer_jax.model import Transformer
   from transformer_jax.training.steps import init_params
-  from experiments.benchmarks import patches
 
   corpus = common.load_corpus()
   cfg = preset_config(args.preset, args.vocab or corpus.vocab_size)
@@ -370,18 +369,11 @@ def decode(args) -> dict:
           p, cfg, x, length, lambda logp, t: jnp.argmax(logp, axis=-1), cached, None)[0])
     return jax.jit(lambda p, x: decode_lib._beam_search(p, cfg, x, 4, 0.6, length, None, cached, "none").tokens)
 
-  fns = {(search, mode): search_fn(search, mode != "uncached")
-         for search in ("greedy", "beam4") for mode in ("cached", "uncached", "heads_major")}
-  reference = {}
-  for (search, mode), fn in fns.items():  # compile (the patched variant is traced under its patch)
-    if mode == "heads_major":
-      with patches.heads_major_cache():
-        tokens = fn(params, inputs)
-    else:
-      tokens = fn(params, inputs)
-    reference.setdefault(search, np.asarray(tokens))
-    if mode == "heads_major":
-      out.setdefault("heads_major_same_tokens", {})[search] = bool((np.asarray(tokens) == reference[search]).all())
+  fns = {(search, mode): search_fn(search, mode == "cached")
+         for search in ("greedy", "beam4") for mode in ("cached", "uncached")}
+  tokens = {key: np.asarray(fn(params, inputs)) for key, fn in fns.items()}  # compiles
+  out["cached_same_tokens"] = {search: bool((tokens[(search, "cached")] == tokens[(search, "uncached")]).all())
+                               for search in ("greedy", "beam4")}
   times = {key: [] for key in fns}
   for _ in range(args.rounds):
     for key, fn in fns.items():
@@ -390,18 +382,15 @@ def decode(args) -> dict:
                   "note": "every hypothesis runs exactly output_len steps (early_stop='none'; greedy: "
                           "an untrained model rarely emits EOS)"}
   for search in ("greedy", "beam4"):
-    c_t, u_t, h_t = times[(search, "cached")], times[(search, "uncached")], times[(search, "heads_major")]
+    c_t, u_t = times[(search, "cached")], times[(search, "uncached")]
     cached, uncached = common.median(c_t), common.median(u_t)
     ratio = common.median([u / c for c, u in zip(c_t, u_t)])
     out["cache"][search] = {"cached_s": cached, "uncached_s": uncached, "speedup": ratio,
                             "cached_tokens_per_s": len(subset) * length / cached,
                             "uncached_tokens_per_s": len(subset) * length / uncached,
-                            "file_uncached_s_extrapolated": out[search]["file_s"] * ratio,
-                            "heads_major_cached_s": common.median(h_t),
-                            "heads_major_speedup": common.median([c / h for c, h in zip(c_t, h_t)])}
+                            "file_uncached_s_extrapolated": out[search]["file_s"] * ratio}
   _log(f"[decode] cached vs uncached: greedy x{out['cache']['greedy']['speedup']:.1f} "
-       f"beam4 x{out['cache']['beam4']['speedup']:.1f}; heads-major cache "
-       f"x{out['cache']['beam4']['heads_major_speedup']:.2f} (beam4)")
+       f"beam4 x{out['cache']['beam4']['speedup']:.1f}; same tokens: {out['cached_same_tokens']}")
   return out
 
 
@@ -486,7 +475,7 @@ def main(argv=None):
   parser.add_argument("--torch_threads", type=lambda s: [int(x) for x in s.split(",")], default=[0],
                       help="torch intra-op threads per torch runner; 0 = torch's default (one per core)")
   parser.add_argument("--torch_block", type=int, default=0, help="torch steps per round (0: --block)")
-  parser.add_argument("--variant_block", type=int, default=0, help="patched-variant steps per round")
+  parser.add_argument("--variant_block", type=int, default=0, help="ablation-variant steps per round")
   parser.add_argument("--reps", type=int, default=10)
   parser.add_argument("--rounds", type=int, default=3)
   parser.add_argument("--sources", type=int, default=500)
@@ -504,6 +493,7 @@ def main(argv=None):
   result["load_average"] = {"start": list(load_start), "end": list(os.getloadavg())}
   result["section_wall_s"] = time.perf_counter() - start
   result["process_peak_rss_mb"] = common.peak_rss_mb()
+  result["glibc_tunables"] = os.environ.get("GLIBC_TUNABLES", "")
   common.dump_json(result, args.out)
 
 
