@@ -139,7 +139,8 @@ def add_quiet_round_stats(t: dict) -> None:
     stats[name] = entry
   for peer in ("torch", "torch_1thread"):
     if peer in pr:
-      stats[peer] = {"step_s": common.median([pr[peer][i] for i in quiet])}
+      stats[peer] = {"step_s": common.median([pr[peer][i] for i in quiet]),
+                     "mfu_vs_matmul_all_rounds": common.median([flops / s / m for s, m in zip(pr[peer], mm)])}
   t["quiet"] = stats
 
 

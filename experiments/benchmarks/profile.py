@@ -1,0 +1,147 @@
+r"""Where a training step's time goes: a `jax.profiler` trace aggregated by XLA op and by model source.
+
+    python -m experiments.benchmarks.profile --preset=tiny            # CPU preset, 4096-token batches
+    python -m experiments.benchmarks.profile --preset=base --vocab=37000 --steps=2
+
+Compiles the library's train step on the benchmark's packed multi30k batches, traces `--steps` steps and
+reads the trace back (`jax.profiler.ProfileData`). Every XLA op event is mapped to its HLO instruction in
+the compiled module (`compiled.as_text()`): its kind (`ynn_fusion` = matmul, `copy_*`/`transpose_*` =
+layout copies, other fusions = elementwise/reduce passes), its output shape and the JAX source op it came
+from (`op_name` metadata: the flax module path and the jnp op). Printed: op time per step (summed over the
+worker threads), how much of the step had 0, 1 or 2+ ops running, and the shares by kind, by model area
+and by op. `--trace_dir` keeps the raw trace for TensorBoard / Perfetto.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import glob
+import re
+import tempfile
+import time
+
+import jax
+import jax.numpy as jnp
+
+from experiments.benchmarks import common, sections
+
+# First match wins: the finer module paths before the blocks that contain them.
+AREAS = (("Dropout", "dropout"), ("layer_norm", "layer norm"), ("attend", "tied logits"),
+         ("/query/", "attention q/k/v/out projections"), ("/key/", "attention q/k/v/out projections"),
+         ("/value/", "attention q/k/v/out projections"), ("/out/", "attention q/k/v/out projections"),
+         ("attention", "attention scores, mask, softmax"), ("ffn", "feed-forward"), ("embed", "embedding"),
+         ("positions", "positions"))
+SKIP = ("ThunkExecutor", "ThreadpoolListener", "end:", "while", "call", "conditional")
+
+
+def hlo_instructions(hlo_text: str) -> dict:
+  """instruction name -> (output type, opcode, op_name metadata) for every instruction of the module."""
+  out = {}
+  for m in re.finditer(r"^\s*(?:ROOT )?%([\w.\-]+) = (\S+?) ([\w\-]+)\((.*)$", hlo_text, re.M):
+    name, typ, opcode, rest = m.groups()
+    op_name = re.search(r'op_name="([^"]*)"', rest)
+    out[name] = (typ, opcode, op_name.group(1) if op_name else "")
+  return out
+
+
+def area(op_name: str) -> str:
+  where = "backward" if "transpose(" in op_name else "forward"
+  for key, label in AREAS:
+    if key in op_name:
+      return f"{label} ({where})"
+  if "optax" in op_name or "adam" in op_name.lower() or op_name.startswith("jit(train_step)/mul"):
+    return "optimizer / other"
+  return f"loss and the rest ({where})"
+
+
+def op_events(trace_dir: str):
+  """(start_ns, end_ns, thread, name) of every XLA op event on the host CPU plane."""
+  path = sorted(glob.glob(f"{trace_dir}/**/*.xplane.pb", recursive=True))[-1]
+  events = []
+  for plane in jax.profiler.ProfileData.from_file(path).planes:
+    if plane.name != "/host:CPU":
+      continue
+    for line in plane.lines:
+      if not line.name.startswith("tf_XLA"):
+        continue
+      for e in line.events:
+        if not e.name.startswith(SKIP):
+          events.append((e.start_ns, e.start_ns + e.duration_ns, line.name, e.name))
+  return events
+
+
+def concurrency(events) -> dict:
+  """Share of the traced span during which 0, 1, 2+ ops were running."""
+  start, end = min(e[0] for e in events), max(e[1] for e in events)
+  points = sorted([(s, 1) for s, _, _, _ in events] + [(e, -1) for _, e, _, _ in events])
+  busy, running, last = collections.Counter(), 0, start
+  for t, d in points:
+    busy[min(running, 2)] += t - last
+    running, last = running + d, t
+  return {k: v / (end - start) for k, v in sorted(busy.items())}, end - start
+
+
+def main(argv=None):
+  parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser.add_argument("--preset", default="tiny", choices=("tiny", "base", "big"))
+  parser.add_argument("--vocab", type=int, default=0, help="0: the benchmark tokenizer's (8000)")
+  parser.add_argument("--tokens", type=int, default=4096)
+  parser.add_argument("--row_length", type=int, default=64)
+  parser.add_argument("--steps", type=int, default=3)
+  parser.add_argument("--top", type=int, default=15)
+  parser.add_argument("--trace_dir", default="")
+  args = parser.parse_args(argv)
+
+  from transformer_jax.data.pipeline import PackedBatches
+  from transformer_jax.training.schedule import adam_with_schedule
+  from transformer_jax.training.steps import create_train_state, jit_train_step
+
+  corpus = common.load_corpus(args.row_length)
+  cfg = sections.preset_config(args.preset, args.vocab or corpus.vocab_size)
+  batches = PackedBatches(corpus.sources, corpus.targets, tokens_per_batch=args.tokens,
+                          row_length=args.row_length, seed=0)
+  batch = {k: jnp.asarray(v) for k, v in next(batches).items()}
+  state = create_train_state(cfg, adam_with_schedule(cfg.d_model, warmup_steps=4000), jax.random.key(0))
+  rng = jax.random.key(1)
+  step = jit_train_step(cfg).lower(state, batch, rng).compile()
+  for _ in range(2):
+    state, metrics = step(state, batch, rng)
+    jax.block_until_ready(metrics)
+  trace_dir = args.trace_dir or tempfile.mkdtemp(prefix="profile_")
+  start = time.perf_counter()
+  with jax.profiler.trace(trace_dir):
+    for _ in range(args.steps):
+      state, metrics = step(state, batch, rng)
+      jax.block_until_ready(metrics)
+  wall = (time.perf_counter() - start) / args.steps
+
+  instructions = hlo_instructions(step.as_text())
+  events = op_events(trace_dir)
+  per_op = collections.Counter()
+  for s, e, _, name in events:
+    per_op[name] += e - s
+  total = sum(per_op.values())
+  shares, span = concurrency(events)
+  flops = common.model_flops(cfg, args.tokens // args.row_length, args.row_length, args.row_length)["total"]
+  print(f"{args.preset} (d={cfg.d_model}, V={cfg.vocab_size}), {args.tokens} tokens/batch: step {wall:.3f}s "
+        f"(traced), {flops / wall / 1e9:.0f} model GFLOP/s; op time {total / args.steps / 1e9:.3f}s per step "
+        f"summed over threads; ops running during the traced span: "
+        + ", ".join(f"{k}{'+' if k == 2 else ''}: {v:.0%}" for k, v in shares.items()))
+  by_kind, by_area = collections.Counter(), collections.Counter()
+  for name, t in per_op.items():
+    by_kind[re.sub(r"[.\d]+$", "", name)] += t
+    by_area[area(instructions.get(name, ("", "", ""))[2])] += t
+  for title, counter in (("by op kind", by_kind), ("by model area", by_area)):
+    print(f"\n{title} (share of op time)")
+    for key, t in counter.most_common(args.top):
+      print(f"  {t / total:6.1%}  {key}")
+  print(f"\ntop {args.top} ops (ms per step, share, output, source)")
+  for name, t in per_op.most_common(args.top):
+    typ, _, op_name = instructions.get(name, ("?", "?", ""))
+    print(f"  {t / args.steps / 1e6:7.1f} {t / total:6.1%}  {name:28s} {typ[:28]:28s} {op_name[-90:]}")
+  print(f"\ntrace: {trace_dir}")
+
+
+if __name__ == "__main__":
+  main()
