@@ -128,7 +128,7 @@ def test_tiny_builder(tmp_path):
   builder = nw.NumberWords(config='tiny', data_dir=str(tmp_path))
   builder.download_and_prepare()
   assert builder.info.name == 'number_words'
-  assert str(builder.info.version) == '1.1.0'
+  assert str(builder.info.version) == '1.2.0'
   assert builder.info.supervised_keys == ('en', 'de')
   expected = nw.split_numbers(0, nw.TINY_SIZES)
   for split, numbers in expected.items():
@@ -142,15 +142,26 @@ def test_tiny_builder(tmp_path):
     assert pairs == stored
 
 
-def test_train_split_repeats_small_numbers(tmp_path):
-  """Numbers below 1000 carry the short forms; the train split repeats them, other splits do not."""
-  config = nw.NumberWordsConfig(name='repeat3', train=3000, validation=300, test=300, seed=1,
-                                          small_repeat=3)
+@pytest.mark.parametrize('complete', [False, True])
+def test_train_split_repeats_small_numbers(tmp_path, complete):
+  """Numbers below 1000 carry the short forms; the train split repeats them (and, with small_complete,
+  holds every one that validation and test do not), other splits do not."""
+  config = nw.NumberWordsConfig(name=f'repeat3_{complete}', train=3000, validation=300, test=300, seed=1,
+                                small_repeat=3, small_complete=complete)
   builder = nw.NumberWords(config=config, data_dir=str(tmp_path))
   builder.download_and_prepare()
   splits = nw.split_numbers(1, config.sizes)
   small = int(np.sum(splits['train'] < 1000))
+  held_out = {int(n) for split in ('validation', 'test') for n in splits[split] if n < 1000}
   assert small > 0
-  train = tfds.as_numpy(builder.as_dataset(split='train', shuffle_files=False))
-  assert sum(1 for _ in train) == 3000 + 2 * small
+  pairs = nw.load_pairs('train', config=config, data_dir=str(tmp_path))
+  small_words = {nw.english(n) for n in range(1000)}
+  train_small = [en for en, _ in pairs if en in small_words]
+  if complete:
+    assert len(pairs) == 3000 - small + 3 * (1000 - len(held_out))
+    assert set(train_small) == {nw.english(n) for n in range(1000) if n not in held_out}
+  else:
+    assert len(pairs) == 3000 + 2 * small
+  assert all(train_small.count(en) == 3 for en in set(train_small))
+  assert not held_out & {n for n in range(1000) if nw.english(n) in set(train_small)}
   assert builder.info.splits['test'].num_examples == 300

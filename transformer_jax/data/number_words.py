@@ -138,9 +138,12 @@ class NumberWordsConfig(tfds.core.BuilderConfig):
   validation: int = DEFAULT_SIZES['validation']
   test: int = DEFAULT_SIZES['test']
   seed: int = 0
-  # Numbers below 1000 are 0.1% of the range but carry every short form ("twenty-one" -> "einundzwanzig",
-  # without "tausend"); the train split repeats each of its numbers below 1000 this many times.
+  # Numbers below 1000 are 0.1% of the range (~200 of 200k uniform train numbers) but carry every short
+  # form ("twenty-one" -> "einundzwanzig", without "tausend"). The train split adds every number below
+  # 1000 that validation and test do not hold (`small_complete`) and repeats each of its numbers below
+  # 1000 `small_repeat` times.
   small_repeat: int = 20
+  small_complete: bool = True
 
   @property
   def sizes(self) -> dict[str, int]:
@@ -154,18 +157,20 @@ class NumberWords(tfds.core.GeneratorBasedBuilder):
   Features `{'en': Text, 'de': Text}` with `en = english(n)`,
   `de = german(n)`; examples are keyed by `n`. Splits `train`, `validation`
   and `test` hold the disjoint numbers of `split_numbers(config.seed,
-  config.sizes)`, stored in tfds's deterministic key-hash order; in `train`
-  each number below 1000 appears `config.small_repeat` times (keys `n/copy`).
+  config.sizes)`, stored in tfds's deterministic key-hash order; `train` also
+  holds every number below 1000 that validation and test do not
+  (`config.small_complete`), each `config.small_repeat` times (keys `n/copy`).
   """
 
-  VERSION = tfds.core.Version('1.1.0')
+  VERSION = tfds.core.Version('1.2.0')
   RELEASE_NOTES = {'1.0.0': 'Initial release.',
-                   '1.1.0': 'Train split repeats its numbers below 1000 (small_repeat times).'}
+                   '1.1.0': 'Train split repeats its numbers below 1000 (small_repeat times).',
+                   '1.2.0': 'Train split holds every number below 1000 not held out (small_complete).'}
   BUILDER_CONFIGS = [
       NumberWordsConfig(name='default', description='200k/2k/5k numbers.',
                         **DEFAULT_SIZES),
       NumberWordsConfig(name='tiny', description='2k/200/200, for tests.',
-                        small_repeat=1, **TINY_SIZES),
+                        small_repeat=1, small_complete=False, **TINY_SIZES),
   ]
   DEFAULT_CONFIG_NAME = 'default'
 
@@ -181,8 +186,13 @@ class NumberWords(tfds.core.GeneratorBasedBuilder):
 
   def _split_generators(self, dl_manager):
     del dl_manager  # Everything is generated locally.
-    splits = split_numbers(self.builder_config.seed, self.builder_config.sizes)
-    repeat = {'train': self.builder_config.small_repeat}
+    config = self.builder_config
+    splits = split_numbers(config.seed, config.sizes)
+    if config.small_complete:
+      held_out = np.concatenate([v for k, v in splits.items() if k != 'train'])
+      missing = np.setdiff1d(np.arange(1000), np.concatenate([splits['train'], held_out]))
+      splits['train'] = np.concatenate([splits['train'], missing])
+    repeat = {'train': config.small_repeat}
     return {name: self._generate_examples(numbers, repeat.get(name, 1))
             for name, numbers in splits.items()}
 
