@@ -420,3 +420,15 @@ def test_checkpoint_restores_across_device_counts(reference, tmp_path):
     back = ckpt.restore(1, target).state
   _assert_leaves_equal(back, reference["initial"])
   assert len(_param(back.params, *WI).sharding.device_set) == 1
+
+
+def test_agree_across_hosts_takes_process_0s_decision(monkeypatch):
+  from jax.experimental import multihost_utils
+  assert sharding.agree_across_hosts(True) is True and sharding.agree_across_hosts(False) is False
+  # Two hosts whose clocks disagree: every host ends up with what process 0 broadcast.
+  sent = []
+  monkeypatch.setattr(jax, "process_count", lambda: 2)
+  monkeypatch.setattr(multihost_utils, "broadcast_one_to_all",
+                      lambda x: sent.append(int(x)) or np.asarray(0, np.int32))  # process 0 said "no"
+  assert sharding.agree_across_hosts(True) is False
+  assert sent == [1]

@@ -149,6 +149,18 @@ def maybe_initialize_distributed(enabled: bool, **kwargs) -> bool:
   return True
 
 
+def agree_across_hosts(decision: bool) -> bool:
+  """Process 0's `decision` on every process (a no-op on one host).
+
+  For decisions taken from local state that must not differ between hosts, such as "the wall-clock
+  checkpoint interval has elapsed": a save that only some hosts enter waits forever for the others.
+  """
+  if jax.process_count() == 1:
+    return bool(decision)
+  from jax.experimental import multihost_utils
+  return bool(multihost_utils.broadcast_one_to_all(np.asarray(bool(decision), np.int32)))
+
+
 @contextlib.contextmanager
 def mesh_context(mesh: Mesh, rules: LogicalRules = LOGICAL_AXIS_RULES) -> Iterator[None]:
   """`jax.set_mesh(mesh)` and `nn.logical_axis_rules(rules)`: the model's logical constraints become real.

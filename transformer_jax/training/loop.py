@@ -279,8 +279,10 @@ def train_and_evaluate(config: Any, workdir: str) -> dict[str, Any]:
         summary.setdefault("eval", {}).update(eval_metrics)
 
       by_steps = config.checkpoint_every_steps and step % config.checkpoint_every_steps == 0
-      by_time = (config.checkpoint_every_minutes
-                 and time.time() - last_ckpt_time >= 60 * config.checkpoint_every_minutes)
+      # Wall-clock saves are checked at logging steps (already a host sync point) and decided by process 0:
+      # hosts' clocks differ, and a save only some hosts enter never completes.
+      by_time = bool(config.checkpoint_every_minutes) and step % config.log_every_steps == 0 and (
+          sharding.agree_across_hosts(time.time() - last_ckpt_time >= 60 * config.checkpoint_every_minutes))
       stopping = stop.requested(step)
       if by_steps or by_time or stopping or step == num_steps:
         ckpt.save(step, state, train_rng, data.train.get_state(), resolved,
