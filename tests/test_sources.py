@@ -88,6 +88,58 @@ def test_parallel_text_pipeline_skips_blank_in_training_keeps_in_eval(small_corp
   assert batch["inputs"].shape == (8, 32)
 
 
+def test_training_ids_are_cached_and_reused_only_for_the_same_data_and_vocabulary(small_corpus, tmp_path,
+                                                                                   monkeypatch):
+  from transformer_jax.data import token_cache
+  cfg = _data_config(dir=str(small_corpus))
+  work = str(tmp_path / "work")
+  first = input_pipeline.build_datasets(cfg, work, seed=0)
+  cache = tmp_path / "work" / "data" / "train.ids.npz"
+  assert cache.exists()
+
+  # A restart loads the ids without reading the training text (reading it would fail here) ...
+  real_read = sources.read_tfds_pairs
+  def read_eval_only(builder, split, *args, **kwargs):
+    assert split != "train", "the training text was read despite the cache"
+    return real_read(builder, split, *args, **kwargs)
+  monkeypatch.setattr(sources, "read_tfds_pairs", read_eval_only)
+  second = input_pipeline.build_datasets(cfg, work, seed=0)
+  assert second.stats == first.stats  # blank and over-long pairs counted the same way
+  for a, b in zip(first.train.sources + first.train.targets, second.train.sources + second.train.targets):
+    np.testing.assert_array_equal(a, b)
+  batch_a, batch_b = next(first.train), next(second.train)
+  for k in batch_a:
+    np.testing.assert_array_equal(batch_a[k], batch_b[k])  # so an exact resume replays the same batches
+  assert second.eval_sets["val"].pairs == first.eval_sets["val"].pairs
+  monkeypatch.setattr(sources, "read_tfds_pairs", real_read)
+
+  # ... and ignores it for another vocabulary (or dataset, split, languages).
+  key = token_cache.cache_key("parallel_text/x/1.0.0", "train", "en", "de", str(tmp_path / "work" / "vocab" /
+                                                                              "spm.model"))
+  assert token_cache.load(str(cache), dict(key, vocab_sha256="0" * 64)) is None
+  assert token_cache.load(str(cache), dict(key, split="train[:10]")) is None
+  cache.write_bytes(b"damaged")
+  assert token_cache.load(str(cache), key) is None
+  third = input_pipeline.build_datasets(cfg, work, seed=0)  # a damaged cache: encoded again, rewritten
+  assert third.stats == first.stats
+  assert np.load(cache)["src_offsets"].shape == (first.stats["train_pairs"] + first.stats["dropped_long"] + 1,)
+
+
+def test_token_cache_round_trip_keeps_ids_and_dtypes(tmp_path):
+  from transformer_jax.data import token_cache
+  vocab = tmp_path / "v"
+  vocab.write_bytes(b"vocab")
+  key = token_cache.cache_key("d/c/1.0.0", "train", "en", "de", str(vocab))
+  for top in (100, 70_000):  # uint16 on disk below 2^16, int32 above
+    srcs = [np.asarray([top, 3], np.int32), np.asarray([3], np.int32), np.asarray([], np.int32)]
+    tgts = [np.asarray([5, 6, 3], np.int32), np.asarray([3], np.int32), np.asarray([7, 3], np.int32)]
+    token_cache.save(str(tmp_path / "c.npz"), key, srcs, tgts, skipped_blank=2)
+    got_s, got_t, blank = token_cache.load(str(tmp_path / "c.npz"), key)
+    assert blank == 2 and all(g.dtype == np.int32 for g in got_s + got_t)
+    for a, b in zip(srcs + tgts, got_s + got_t):
+      np.testing.assert_array_equal(a, b)
+
+
 def test_parallel_text_dataset_is_built_once_and_reused(small_corpus, tmp_path):
   args = (str(small_corpus), "en", "de", str(tmp_path / "tfds"))
   b1 = parallel_text.parallel_text_builder(*args)

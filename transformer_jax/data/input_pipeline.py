@@ -1,6 +1,7 @@
 """From a data config to what the trainer consumes: the shared vocabulary, packed train batches, eval sets.
 
 text (tfds) -> SentencePiece ids (+EOS) -> drop blank / over-long pairs (counted, logged) -> packed batches.
+The training split's ids are cached in `<workdir>/data/` (`token_cache`), so a restart skips the text.
 """
 
 from __future__ import annotations
@@ -8,11 +9,13 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import re
+import time
 from typing import Any
 
 import numpy as np
 
-from transformer_jax.data import pipeline, sources, tokenizer as tokenizer_lib
+from transformer_jax.data import pipeline, sources, token_cache, tokenizer as tokenizer_lib
 
 
 @dataclasses.dataclass
@@ -68,14 +71,32 @@ def build_datasets(data_config: Any, workdir: str, *, seed: int, process_index: 
                    process_count: int = 1) -> Datasets:
   """Vocabulary + packed training iterator + evaluation sets for `data_config` (see experiment configs)."""
   eval_names = list(data_config.get("eval_splits", ()))
+  split = data_config.train_split
   # One dataset preparation (and, for local text, one validation of the files) for every split.
-  loaded = sources.load_splits(data_config, [data_config.train_split, *eval_names], workdir)
-  train_pairs = loaded[data_config.train_split]
-  train_pairs, blank = skip_blank(train_pairs)
-  if not train_pairs:
-    raise ValueError(f"training split {data_config.train_split!r} of {data_config.dataset} has no non-blank pairs")
-  tok = load_tokenizer(data_config, workdir, train_pairs)
-  srcs, tgts = tokenizer_lib.encode_pairs(tok, train_pairs)
+  builder, source_key, target_key = sources.open_splits(data_config, [split, *eval_names], workdir)
+  cache_file = os.path.join(workdir, "data", re.sub(r"[^\w.-]+", "_", split) + ".ids.npz")
+  key = lambda: token_cache.cache_key(builder.info.full_name, split, source_key, target_key,  # noqa: E731
+                                      vocab_path(data_config, workdir))
+  cached = None
+  if os.path.exists(vocab_path(data_config, workdir)):
+    start = time.perf_counter()
+    cached = token_cache.load(cache_file, key())
+    if cached:
+      logging.info("Loaded the token ids of %d %s pairs from %s in %.1fs", len(cached[0]), split, cache_file,
+                   time.perf_counter() - start)
+  if cached:
+    tok = load_tokenizer(data_config, workdir)
+    srcs, tgts, blank = cached
+  else:
+    start = time.perf_counter()
+    train_pairs, blank = skip_blank(sources.read_tfds_pairs(builder, split, source_key, target_key))
+    if not train_pairs:
+      raise ValueError(f"training split {split!r} of {data_config.dataset} has no non-blank pairs")
+    tok = load_tokenizer(data_config, workdir, train_pairs)
+    srcs, tgts = tokenizer_lib.encode_pairs(tok, train_pairs)
+    logging.info("Read and encoded %d %s pairs in %.1fs", len(srcs), split, time.perf_counter() - start)
+    if process_index == 0:  # one writer for a shared workdir
+      token_cache.save(cache_file, key(), srcs, tgts, blank)
   srcs, tgts, too_long = pipeline.filter_by_length(srcs, tgts, data_config.max_len)
   pipeline.log_drop_counts("train", too_long, blank, len(srcs), data_config.max_len)
   train = pipeline.PackedBatches(srcs, tgts, tokens_per_batch=data_config.tokens_per_batch,
@@ -83,6 +104,6 @@ def build_datasets(data_config: Any, workdir: str, *, seed: int, process_index: 
                                  process_count=process_count)
   eval_sets = {}
   for name in eval_names:
-    eval_sets[name] = build_eval_set(tok, loaded[name])
+    eval_sets[name] = build_eval_set(tok, sources.read_tfds_pairs(builder, name, source_key, target_key))
   stats = {"train_pairs": len(srcs), "dropped_long": too_long, "skipped_blank": blank}
   return Datasets(tok, train, eval_sets, stats)

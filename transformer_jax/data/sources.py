@@ -79,20 +79,25 @@ def get_builder(data_config: Any, workdir: str | None = None) -> tuple[tfds.core
   return _tfds_translation_builder(data_config, data_dir)
 
 
+def open_splits(data_config: Any, splits: list[str],
+                workdir: str | None = None) -> tuple[tfds.core.DatasetBuilder, str, str]:
+  """The prepared builder (prepared and validated once) after checking that it has every split named."""
+  builder, source_key, target_key = get_builder(data_config, workdir)
+  available = set(builder.info.splits.keys())
+  for split in splits:
+    base_split = split.split("[")[0]
+    if available and base_split not in available:
+      raise ValueError(f"{data_config.dataset} has no split {base_split!r}; available: {sorted(available)}")
+  return builder, source_key, target_key
+
+
 def load_splits(data_config: Any, splits: list[str], workdir: str | None = None) -> dict[str, Pairs]:
   """(source, target) text pairs of several splits, preparing (and validating) the dataset once.
 
   Split names follow tfds (slicing allowed: 'train[:1000]').
   """
-  builder, source_key, target_key = get_builder(data_config, workdir)
-  available = set(builder.info.splits.keys())
-  out = {}
-  for split in splits:
-    base_split = split.split("[")[0]
-    if available and base_split not in available:
-      raise ValueError(f"{data_config.dataset} has no split {base_split!r}; available: {sorted(available)}")
-    out[split] = read_tfds_pairs(builder, split, source_key, target_key)
-  return out
+  builder, source_key, target_key = open_splits(data_config, splits, workdir)
+  return {split: read_tfds_pairs(builder, split, source_key, target_key) for split in splits}
 
 
 def load_pairs(data_config: Any, split: str, workdir: str | None = None) -> Pairs:
