@@ -31,7 +31,6 @@ import jax
 import jax.numpy as jnp
 
 from transformer_jax import model as model_lib
-from transformer_jax.model import Transformer
 from transformer_jax.training import steps
 
 VARIANTS = ("baseline", "flax_dropout", "autodiff_logits", "autodiff_loss", "unoptimized", "no_dropout")
@@ -50,17 +49,6 @@ def _autodiff_smoothed_xent(logits, targets, eps):
   loss = log_z - (1.0 - eps) * target_logit - eps * jnp.mean(logits, axis=-1)
   correct = (jnp.argmax(logits, axis=-1) == targets).astype(jnp.float32)
   return loss, nll, correct
-
-
-def _autodiff_forward_sums(params, batch, *, config, label_smoothing, dropout_rng):
-  deterministic = dropout_rng is None
-  rngs = None if deterministic else {"dropout": dropout_rng}
-  logits = Transformer(config).apply({"params": params}, batch["inputs"], batch["targets"],
-                                     **steps._model_kwargs(batch), deterministic=deterministic, rngs=rngs)
-  weights = steps.token_weights(batch["targets"], config.pad_id)
-  loss, nll, correct = _autodiff_smoothed_xent(logits, batch["targets"], float(label_smoothing))
-  return {"loss_sum": jnp.sum(loss * weights), "nll_sum": jnp.sum(nll * weights),
-          "correct_sum": jnp.sum(correct * weights), "token_count": jnp.sum(weights)}
 
 
 @contextlib.contextmanager
@@ -85,7 +73,7 @@ def variant(name: str):
     if name in ("autodiff_logits", "unoptimized"):
       stack.enter_context(_swap(model_lib.Embed, "attend", _autodiff_attend))
     if name in ("autodiff_loss", "unoptimized"):
-      stack.enter_context(_swap(steps, "_forward_sums", _autodiff_forward_sums))
+      stack.enter_context(_swap(steps, "smoothed_cross_entropy_and_correct", _autodiff_smoothed_xent))
     yield
 
 
