@@ -8,7 +8,8 @@ Without --target the model's own greedy translation is used.
 
 from absl import app, flags
 
-from experiments import common
+from experiments import common, launch
+from transformer_jax import inference, visualize
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("workdir", None, "The training run's --workdir.")
@@ -23,14 +24,13 @@ def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
   common.setup_logging()
-  from transformer_jax import visualize
   try:
     model_config, params, tokenizer = common.load_for_inference(FLAGS.workdir, FLAGS.checkpoint)
   except common.USER_ERRORS as e:
     common.fail(str(e))
   target = FLAGS.target
   if target is None:
-    target = common.translate_texts(model_config, params, tokenizer, [FLAGS.source])[0]
+    target = inference.translate_texts(params, model_config, tokenizer, [FLAGS.source])[0]
   source_ids, target_ids = tokenizer.encode(FLAGS.source), tokenizer.encode(target)
   maps = visualize.attention_maps(params, model_config, source_ids, target_ids)
   visualize.plot_attention(maps, tokenizer.pieces(source_ids), tokenizer.pieces(target_ids), FLAGS.output)
@@ -38,4 +38,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  launch.run(main)

@@ -11,12 +11,14 @@ import os
 
 from absl import app, flags
 
-from experiments import common
+from experiments import common, launch
+from transformer_jax import checkpoint as checkpoint_lib
+from transformer_jax.workdir import Workdir
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("workdir", None, "The training run's --workdir.")
 flags.DEFINE_integer("last", None, "Average the newest N checkpoints (default: the run's "
-                     "config.decode.average_last, else 5).")
+                     "config.decode.average_last).")
 flags.DEFINE_list("steps", None, "Explicit steps to average instead of --last.")
 flags.DEFINE_string("output", None, "Output checkpoint directory (default: <workdir>/averaged).")
 flags.mark_flags_as_required(["workdir"])
@@ -26,16 +28,15 @@ def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
   common.setup_logging()
-  from transformer_jax import checkpoint as checkpoint_lib
-  source = checkpoint_lib.checkpoint_dir(FLAGS.workdir)
-  output = FLAGS.output or os.path.join(FLAGS.workdir, "averaged")
+  source = os.fspath(Workdir(FLAGS.workdir).checkpoints)
+  output = FLAGS.output or os.fspath(Workdir(FLAGS.workdir).averaged)
   try:
     if not os.path.isdir(source):
       raise FileNotFoundError(f"{source} not found: is {FLAGS.workdir} the --workdir of a training run?")
     if os.path.abspath(output) == os.path.abspath(source):
       raise ValueError("--output must not be the run's own checkpoint directory")
     steps = [int(s) for s in FLAGS.steps] if FLAGS.steps else None
-    last = FLAGS.last or (common.load_workdir_config(FLAGS.workdir).get("decode") or {}).get("average_last", 5)
+    last = FLAGS.last or common.load_workdir_config(FLAGS.workdir).decode.average_last
     step = checkpoint_lib.average_checkpoints(source, steps, last_n=None if steps else last,
                                               output_directory=output)
   except common.USER_ERRORS as e:
@@ -45,4 +46,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  launch.run(main)

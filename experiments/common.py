@@ -2,17 +2,23 @@
 
 from __future__ import annotations
 
-import json
+import logging
 import os
 import sys
 import time
-from typing import Any, Sequence
 
+import ml_collections
+import tensorflow_datasets as tfds
+from absl import logging as absl_logging
+
+from transformer_jax import checkpoint as checkpoint_lib
+from transformer_jax import inference, metrics, trainer
+from transformer_jax.data import datasets, parallel_text, sources
 from transformer_jax.data.tokenizer import Tokenizer, VocabularyError
-from transformer_jax.training.loop import NonFiniteLossError
+from transformer_jax.workdir import Workdir, write_json_atomically
 
 # Exceptions that mean "bad input or state": printed as one line, exit status 1, no traceback.
-USER_ERRORS = (ValueError, FileNotFoundError, NotADirectoryError, VocabularyError, NonFiniteLossError,
+USER_ERRORS = (ValueError, FileNotFoundError, NotADirectoryError, VocabularyError, trainer.NonFiniteLossError,
                UnicodeDecodeError)
 
 
@@ -23,7 +29,6 @@ class _LibraryInfoFilter:
   """Drops INFO/DEBUG records of chatty libraries (orbax logs every save step by step) from absl logs."""
 
   def filter(self, record) -> bool:
-    import logging
     if not any(p in record.pathname for p in _QUIET_LIBRARIES):
       return True
     # Orbax warns that a read-only checkpoint directory is read only every time one is opened.
@@ -32,8 +37,6 @@ class _LibraryInfoFilter:
 
 def setup_logging() -> None:
   """Our own progress at INFO; orbax/tfds chatter only from WARNING up; no tfds progress bars."""
-  from absl import logging as absl_logging
-  import tensorflow_datasets as tfds
   absl_logging.set_verbosity(absl_logging.INFO)
   absl_logging.get_absl_handler().addFilter(_LibraryInfoFilter())
   tfds.disable_progress_bar()
@@ -46,31 +49,24 @@ def fail(message: str) -> None:
 
 def read_lines(path: str | None) -> list[str]:
   """Lines of `path` (stdin when None) without line endings; invalid UTF-8 names the file and line."""
-  from transformer_jax.data.parallel_text import decode_lines, read_lines as read_file_lines
-  return read_file_lines(path) if path else decode_lines(sys.stdin.buffer, "<stdin>")
+  return parallel_text.read_lines(path) if path else parallel_text.decode_lines(sys.stdin.buffer, "<stdin>")
 
 
-def load_workdir_config(workdir: str) -> dict:
-  path = os.path.join(workdir, "config.json")
-  if not os.path.exists(path):
-    raise FileNotFoundError(f"{path} not found: is {workdir} the --workdir of a training run?")
-  with open(path, encoding="utf-8") as f:
-    return json.load(f)
+def load_workdir_config(workdir: str) -> ml_collections.ConfigDict:
+  """The resolved config a training run saved in its workdir (FileNotFoundError when there is none)."""
+  return ml_collections.ConfigDict(Workdir(workdir).require_config())
 
 
 def load_for_inference(workdir: str, checkpoint: str | None = None):
-  """(model_config, params, tokenizer) of a trained workdir; `checkpoint` = a step or a checkpoint dir."""
-  from transformer_jax import checkpoint as checkpoint_lib
-  from transformer_jax.data.input_pipeline import vocab_path
-  from transformer_jax.training.loop import model_config_from
-  import ml_collections
+  """(model_config, params, tokenizer) of a trained workdir; `checkpoint` = a step or a checkpoint dir.
 
-  config = ml_collections.ConfigDict(load_workdir_config(workdir))
-  tokenizer = Tokenizer(vocab_path(config.data, workdir))
-  model_config = model_config_from(config, config.model.vocab_size)
+  The checkpoint's parameter tree must match the workdir's model (`checkpoint.CheckpointMismatchError`).
+  """
+  config = load_workdir_config(workdir)
+  tokenizer = Tokenizer(datasets.vocab_path(config.data, workdir))
+  model_config = trainer.model_config_from(config, config.model.vocab_size)
   tokenizer.check_model_vocab(model_config.vocab_size)
-  directory = os.path.join(workdir, "checkpoints")
-  step = None
+  directory, step = os.fspath(Workdir(workdir).checkpoints), None
   if checkpoint:
     if checkpoint.isdigit():
       step = int(checkpoint)
@@ -80,27 +76,18 @@ def load_for_inference(workdir: str, checkpoint: str | None = None):
   return model_config, params, tokenizer
 
 
-def translate_texts(model_config, params, tokenizer: Tokenizer, texts: Sequence[str], **kwargs) -> list[str]:
-  """`transformer_jax.inference.translate_texts` (input order; empty lines stay empty)."""
-  from transformer_jax import inference
-  return inference.translate_texts(params, model_config, tokenizer, texts, **kwargs)
-
-
-def report_final_eval(config: Any, workdir: str, result: dict) -> dict:
-  """Translates the test split, prints a few samples and exact-match accuracy, writes final_eval.json."""
-  from transformer_jax.data import sources
-  final = config.get("final_eval")
-  if not final or not final.get("split") or result["summary"].get("stopped_early"):
+def report_final_eval(config, workdir: str, result: trainer.TrainResult) -> dict:
+  """Translates `final_eval.split` with `config.decode`, prints samples, exact match and BLEU; writes final_eval.json."""
+  final = config.final_eval
+  if not final.split or result.stopped_early:
     return {}
   pairs = sources.load_pairs(config.data, final.split, workdir)
-  if final.get("max_examples"):
+  if final.max_examples:
     pairs = pairs[: final.max_examples]
-  from transformer_jax import metrics
-  decode = config.get("decode") or {}
   start = time.time()
-  hyps = translate_texts(result["model_config"], result["state"].params, result["datasets"].tokenizer,
-                         [s for s, _ in pairs], beam_size=final.get("beam_size", 1),
-                         alpha=decode.get("alpha", 0.6), extra_len=decode.get("extra_len", 50))
+  hyps = inference.translate_texts(result.state.params, result.model_config, result.datasets.tokenizer,
+                                   [s for s, _ in pairs], beam_size=config.decode.beam_size,
+                                   alpha=config.decode.alpha, extra_len=config.decode.extra_len)
   seconds = time.time() - start
   exact = sum(h == t for h, (_, t) in zip(hyps, pairs)) / max(len(pairs), 1)
   scores = metrics.sacrebleu_scores(hyps, [t for _, t in pairs])
@@ -108,12 +95,11 @@ def report_final_eval(config: Any, workdir: str, result: dict) -> dict:
     print(f"  {src}\n    -> {hyp}   [{'ok' if hyp == ref else 'reference: ' + ref}]")
   report = {"split": final.split, "examples": len(pairs), "exact_match": exact, "bleu": scores["bleu"],
             "bleu_signature": scores["bleu_signature"], "translate_seconds": seconds,
-            "train_minutes": result["summary"].get("train_minutes")}
+            "train_minutes": result.train_minutes}
   # BLEU needs 4-grams: with one-word references (the built-in task) it is 0 whatever the output.
   bleu = (f"; BLEU {scores['bleu']:.2f} ({scores['bleu_signature']})"
           if any(" " in t for _, t in pairs) else "")
   print(f"Exact match on {len(pairs)} {final.split} examples: {100 * exact:.2f}%{bleu} "
-        f"(translated in {seconds:.1f}s; training took {report['train_minutes']:.1f} min)")
-  with open(os.path.join(workdir, "final_eval.json"), "w", encoding="utf-8") as f:
-    json.dump(report, f, indent=2)
+        f"(translated in {seconds:.1f}s; training took {result.train_minutes:.1f} min)")
+  write_json_atomically(Workdir(workdir).final_eval_json, report)
   return report

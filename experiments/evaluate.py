@@ -14,8 +14,11 @@ import sys
 import time
 
 from absl import app, flags
+from tqdm import tqdm
 
-from experiments import common
+from experiments import common, launch
+from transformer_jax import inference, metrics
+from transformer_jax.workdir import Workdir
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("workdir", None, "The training run's --workdir.")
@@ -37,7 +40,6 @@ def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
   common.setup_logging()
-  from transformer_jax import metrics
   try:
     sources, references = common.read_lines(FLAGS.source), common.read_lines(FLAGS.reference)
     if len(sources) != len(references):
@@ -47,14 +49,13 @@ def main(argv):
     if lc_refs is not None and len(lc_refs) != len(sources):
       raise ValueError(f"{FLAGS.lc_tok_reference} has {len(lc_refs)} lines, expected {len(sources)}")
     model_config, params, tokenizer = common.load_for_inference(FLAGS.workdir, FLAGS.checkpoint)
-    target_lang = FLAGS.target_lang or common.load_workdir_config(FLAGS.workdir)["data"].get("target_lang", "de")
+    target_lang = FLAGS.target_lang or common.load_workdir_config(FLAGS.workdir).data.target_lang
   except common.USER_ERRORS as e:
     common.fail(str(e))
 
-  from tqdm import tqdm
   start = time.time()
   with tqdm(total=len(sources), unit="sent", file=sys.stderr) as bar:
-    hypotheses = common.translate_texts(model_config, params, tokenizer, sources, beam_size=FLAGS.beam_size,
+    hypotheses = inference.translate_texts(params, model_config, tokenizer, sources, beam_size=FLAGS.beam_size,
                                         alpha=FLAGS.alpha, extra_len=FLAGS.extra_len, progress=bar.update)
   seconds = time.time() - start
   scores = metrics.sacrebleu_scores(hypotheses, references)
@@ -67,7 +68,7 @@ def main(argv):
   scores.update(sentences=len(sources), seconds=seconds, beam_size=FLAGS.beam_size, alpha=FLAGS.alpha,
                 checkpoint=FLAGS.checkpoint or "latest")
 
-  prefix = FLAGS.output_prefix or os.path.join(FLAGS.workdir, "eval", os.path.basename(FLAGS.source))
+  prefix = FLAGS.output_prefix or os.path.join(Workdir(FLAGS.workdir).eval, os.path.basename(FLAGS.source))
   os.makedirs(os.path.dirname(os.path.abspath(prefix)), exist_ok=True)
   with open(prefix + ".hyp", "w", encoding="utf-8") as f:
     f.writelines(h + "\n" for h in hypotheses)
@@ -83,4 +84,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  launch.run(main)

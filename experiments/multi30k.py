@@ -5,19 +5,24 @@ r"""The Multi30k recipe end to end: train, average the last checkpoints, score t
 
 Scores: the published-style BLEU (hypotheses lowercased, punctuation-normalised, Moses-tokenised, against
 test_2016_flickr.lc.norm.tok.de with tokenize='none') and cased detokenised sacreBLEU with its signature,
-for the last checkpoint and for the average of the last `average_last` checkpoints. Also writes the learning
+for the last checkpoint and for the average of the last `decode.average_last` checkpoints. Also writes the learning
 curve PNG (train/val loss and val BLEU against minutes).
 """
 
 import json
 import os
+import shutil
 import sys
 import time
 
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from experiments import common
+from experiments import common, launch
+from transformer_jax import checkpoint as checkpoint_lib
+from transformer_jax import inference, metrics, trainer, visualize
+from transformer_jax.data.parallel_text import read_lines
+from transformer_jax.workdir import Workdir
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("workdir", None, "Run directory.")
@@ -54,7 +59,6 @@ def _last_logged(metrics_jsonl: str, prefix: str) -> dict:
 
 
 def score(params, model_config, tokenizer, sources, references, lc_references, decode_cfg):
-  from transformer_jax import inference, metrics
   start = time.time()
   hyps = inference.translate_texts(params, model_config, tokenizer, sources, beam_size=decode_cfg.beam_size,
                                    alpha=decode_cfg.alpha, extra_len=decode_cfg.extra_len)
@@ -68,9 +72,6 @@ def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
   common.setup_logging()
-  from transformer_jax import checkpoint as checkpoint_lib, visualize
-  from transformer_jax.data.parallel_text import read_lines
-  from transformer_jax.training import loop
 
   config = FLAGS.config
   if FLAGS.data_dir:
@@ -81,24 +82,23 @@ def main(argv):
     test_src = read_lines(os.path.join(data_dir, "test2016.en"))
     test_ref = read_lines(os.path.join(data_dir, "test2016.de"))
     test_lc = read_lines(os.path.join(data_dir, "test_2016_flickr.lc.norm.tok.de"))
-    result = loop.train_and_evaluate(config, FLAGS.workdir)
+    result = trainer.train_and_evaluate(config, FLAGS.workdir)
   except common.USER_ERRORS as e:
     common.fail(str(e))
-  if result["summary"].get("stopped_early"):
+  if result.stopped_early:
     return
   train_minutes = (time.time() - wall_start) / 60
-  model_config, tokenizer = result["model_config"], result["datasets"].tokenizer
+  model_config, tokenizer = result.model_config, result.datasets.tokenizer
 
   rows = {}
-  last, hyps = score(result["state"].params, model_config, tokenizer, test_src, test_ref, test_lc, config.decode)
+  last, hyps = score(result.state.params, model_config, tokenizer, test_src, test_ref, test_lc, config.decode)
   rows["last checkpoint"] = last
-  ckpt_dir = checkpoint_lib.checkpoint_dir(FLAGS.workdir)
-  averaged_dir = os.path.join(FLAGS.workdir, "averaged")
+  run_dir = Workdir(FLAGS.workdir)
+  ckpt_dir, averaged_dir = os.fspath(run_dir.checkpoints), os.fspath(run_dir.averaged)
   steps = checkpoint_lib.Checkpointer(ckpt_dir, read_only=True).all_steps()
-  n = min(config.average_last, len(steps))
+  n = min(config.decode.average_last, len(steps))
   if n > 1:
     if os.path.isdir(averaged_dir):
-      import shutil
       shutil.rmtree(averaged_dir)
     checkpoint_lib.average_checkpoints(ckpt_dir, last_n=n, output_directory=averaged_dir)
     params = checkpoint_lib.restore_params(averaged_dir, model_config)
@@ -108,9 +108,9 @@ def main(argv):
 
   with open(os.path.join(FLAGS.workdir, "test2016.hyp"), "w", encoding="utf-8") as f:
     f.writelines(h + "\n" for h in hyps)
-  visualize.plot_learning_curves(os.path.join(FLAGS.workdir, "metrics.jsonl"), FLAGS.curve)
+  visualize.plot_learning_curves(os.fspath(run_dir.metrics_jsonl), FLAGS.curve)
   summary = {"train_minutes": train_minutes, "total_minutes": total_minutes, "rows": rows,
-             "val": _last_logged(os.path.join(FLAGS.workdir, "metrics.jsonl"), "val/"),
+             "val": _last_logged(os.fspath(run_dir.metrics_jsonl), "val/"),
              "steps": config.num_train_steps,
              "model": model_config.__dict__}
   with open(os.path.join(FLAGS.workdir, "results.json"), "w", encoding="utf-8") as f:
@@ -155,4 +155,4 @@ def write_markdown(path, curve, config, model_config, rows, summary):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  launch.run(main)

@@ -12,6 +12,9 @@ import sys
 from absl import app, flags, logging
 from ml_collections import config_flags
 
+from experiments import common, launch
+from transformer_jax import trainer
+
 _DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs", "number_words.py")
 
 FLAGS = flags.FLAGS
@@ -25,12 +28,10 @@ flags.mark_flags_as_required(["workdir"])
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-  from transformer_jax.training import loop
-  from experiments import common
   config = FLAGS.config
   common.setup_logging()
   try:
-    result = loop.train_and_evaluate(config, FLAGS.workdir)
+    result = trainer.train_and_evaluate(config, FLAGS.workdir)
     common.report_final_eval(config, FLAGS.workdir, result)
   except common.USER_ERRORS as e:
     logging.error("%s", e)
@@ -39,4 +40,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  launch.run(main)

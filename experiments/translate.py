@@ -10,8 +10,10 @@ Empty input lines give empty output lines. `--checkpoint` takes a step number or
 import sys
 
 from absl import app, flags
+from tqdm import tqdm
 
-from experiments import common
+from experiments import common, launch
+from transformer_jax import inference
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("workdir", None, "The training run's --workdir.")
@@ -35,10 +37,9 @@ def main(argv):
     common.fail(str(e))
   progress = None
   if FLAGS.input:
-    from tqdm import tqdm
     bar = tqdm(total=len(lines), unit="sent", file=sys.stderr)
     progress = bar.update
-  outputs = common.translate_texts(model_config, params, tokenizer, lines, beam_size=FLAGS.beam_size,
+  outputs = inference.translate_texts(params, model_config, tokenizer, lines, beam_size=FLAGS.beam_size,
                                    alpha=FLAGS.alpha, extra_len=FLAGS.extra_len, progress=progress)
   if FLAGS.input:
     bar.close()
@@ -48,4 +49,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  launch.run(main)

@@ -11,7 +11,8 @@ import pytest
 
 from transformer_jax import checkpoint as ck
 from transformer_jax.config import tiny
-from transformer_jax.training import create_train_state
+from transformer_jax.sharding import create_train_state
+from transformer_jax.workdir import to_jsonable
 
 # Restoring a damaged step makes Orbax abandon its other in-flight reads; their coroutines later fail with
 # "Event loop is closed" in garbage collection, which pytest reports against whichever test runs then.
@@ -19,7 +20,7 @@ pytestmark = pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptio
 
 CONFIG = tiny(vocab_size=32, num_encoder_layers=1, num_decoder_layers=1, d_model=16, d_ff=32, num_heads=2,
               max_len=16)
-CONFIG_DICT = {"model": ck.to_jsonable(CONFIG), "train": {"batch_tokens": 512, "warmup": [4000, 1]}}
+CONFIG_DICT = {"model": to_jsonable(CONFIG), "train": {"batch_tokens": 512, "warmup": [4000, 1]}}
 
 
 def make_state(seed: int = 0, updates: int = 1):
@@ -69,8 +70,8 @@ def test_roundtrip_is_bitwise(tmp_path, state):
   assert int(restored_state.step) == int(state.step) == 1
   assert_trees_equal(restored_state.params, state.params)
   assert_trees_equal(restored_state.opt_state, state.opt_state)
-  assert rng.dtype == jnp.uint32
-  np.testing.assert_array_equal(rng, RNG)
+  assert jax.dtypes.issubdtype(rng.dtype, jax.dtypes.prng_key)  # a typed key again
+  np.testing.assert_array_equal(jax.random.key_data(rng), RNG)
   assert data_state == data
   assert config == CONFIG_DICT
   assert metrics == {"bleu": 12.5, "loss": 2.0}
@@ -238,50 +239,53 @@ def test_averaged_checkpoint_restores_through_normal_api(tmp_path):
   assert_trees_equal(state.params, jax.device_get(ck.average_trees([s1.params, s2.params])))
   assert_trees_equal(state.opt_state, s2.opt_state)  # the newest averaged step's
   assert int(state.step) == int(s2.step) == 2
-  np.testing.assert_array_equal(rng, RNG + 1)
+  np.testing.assert_array_equal(jax.random.key_data(rng), RNG + 1)
   assert data_state == {"index": 200}
   assert config == CONFIG_DICT
   assert ckpt.manager.metadata(200).custom_metadata["averaged_steps"] == [100, 200]
   # Inference-only restore of the averaged params.
-  step, params = ck.restore_params_only(out)
-  assert step == 200
+  params = ck.restore_params(out)
+  assert ck.Checkpointer(out, read_only=True).latest_step() == 200
   assert_trees_equal(params, state.params)
   with pytest.raises(ValueError):
     ck.average_checkpoints(src, steps=[100, 999], output_directory=tmp_path / "x")
 
 
-def test_restore_params_only(tmp_path, state):
+def test_restore_params(tmp_path, state):
   with ck.Checkpointer(tmp_path, enable_async_checkpointing=False) as ckpt:
     ckpt.save(1, make_state(seed=5), RNG, {}, CONFIG_DICT)
     ckpt.save(2, state, RNG, {}, CONFIG_DICT)
-  step, params = ck.restore_params_only(tmp_path)
-  assert step == 2
-  assert_trees_equal(params, state.params)
+  assert_trees_equal(ck.restore_params(tmp_path), state.params)  # the latest, shapes as saved
   sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-  abstract_params = abstract_of(state, sharding).params
-  step, params = ck.restore_params_only(tmp_path, 1, abstract_params=abstract_params)
-  assert step == 1
+  params = ck.restore_params(tmp_path, step=1, abstract=abstract_of(state, sharding).params)
   assert_trees_equal(params, make_state(seed=5).params)
   assert all(leaf.sharding == sharding for leaf in jax.tree_util.tree_leaves(params))
   assert ck.read_config(tmp_path) == CONFIG_DICT
   assert_trees_equal(ck.restore_params(tmp_path, CONFIG), state.params)
-  with pytest.raises(Exception):
-    ck.restore_params(tmp_path, CONFIG.replace(d_model=32))
 
 
-def test_config_diff():
-  saved = {"model": ck.to_jsonable(tiny(vocab_size=1000)), "train": {"steps": 10}}
-  assert ck.config_diff(saved, {"model": tiny(vocab_size=1000), "train": {"steps": 99}}) == []
-  requested = {"model": ck.to_jsonable(tiny(vocab_size=1000, d_model=256, pre_ln=True)),
-               "train": {"steps": 99}}
-  assert ck.config_diff(saved, requested) == ["model.d_model: saved 128, requested 256",
-                                              "model.pre_ln: saved False, requested True"]
-  assert ck.config_diff(saved, requested, keys=("model.d_model", "train")) == [
-      "model.d_model: saved 128, requested 256", "train.steps: saved 10, requested 99"]
-  assert ck.config_diff({"model": {"a": [1, 2]}}, {"model": {"a": (1, 2), "b": "x"}}) == [
-      "model.b: saved <missing>, requested 'x'"]
-  assert ck.config_diff({"model": {"flag": 1}}, {"model": {"flag": True}}) == [
-      "model.flag: saved 1, requested True"]
+@pytest.mark.parametrize("change, named", [
+    (dict(d_model=32, d_ff=64), "checkpoint (16, 2, 8) float32, model (32, 2, 16) float32"),
+    (dict(num_encoder_layers=2), "encoder/layer_1/"),
+    (dict(vocab_size=40), "shared_embedding/embedding: checkpoint (32, 16) float32, model (40, 16) float32"),
+])
+def test_restore_of_another_architecture_is_refused_naming_the_parameters(tmp_path, state, change, named):
+  with ck.Checkpointer(tmp_path, enable_async_checkpointing=False) as ckpt:
+    ckpt.save(1, state, RNG, {}, CONFIG_DICT)
+  other = CONFIG.replace(**change)
+  with pytest.raises(ck.CheckpointMismatchError, match="does not fit the model") as error:
+    ck.restore_params(tmp_path, other)
+  assert named in str(error.value) and "\n" not in str(error.value)
+  # Resume (the whole train state) refuses it too, at once rather than falling back to older steps.
+  other_state = create_train_state(other, optax.adam(1e-3), jax.random.key(0))
+  with pytest.raises(ck.CheckpointMismatchError, match="does not fit the model"):
+    ck.Checkpointer(tmp_path, read_only=True).restore_latest_complete(abstract_of(other_state))
+  # Averaging steps of two architectures is refused before anything is written.
+  with ck.Checkpointer(tmp_path, enable_async_checkpointing=False) as ckpt:
+    ckpt.save(2, other_state, RNG, {}, CONFIG_DICT)
+  with pytest.raises(ck.CheckpointMismatchError, match="does not fit the model"):
+    ck.average_checkpoints(tmp_path, last_n=2, output_directory=tmp_path / "averaged")
+  assert not (tmp_path / "averaged").exists()
 
 
 def test_average_checkpoints_accepts_relative_paths(tmp_path, monkeypatch):
@@ -292,6 +296,5 @@ def test_average_checkpoints_accepts_relative_paths(tmp_path, monkeypatch):
     for step in (1, 2):
       ckpt.save(step, state, None, {}, {})
   ck.average_checkpoints("rel/checkpoints", last_n=2, output_directory="rel/averaged")
-  step, params = ck.restore_params_only("rel/averaged")
-  assert step == 2
+  params = ck.restore_params("rel/averaged")
   np.testing.assert_array_equal(jax.tree_util.tree_leaves(params)[0], jax.tree_util.tree_leaves(state.params)[0])

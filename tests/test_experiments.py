@@ -17,7 +17,7 @@ TINY_OVERRIDES = ["--config.data.builder_config=tiny", "--config.data.vocab_size
                   "--config.model.d_model=32", "--config.model.d_ff=64", "--config.model.num_heads=2",
                   "--config.model.num_encoder_layers=1", "--config.model.num_decoder_layers=1",
                   "--config.num_train_steps=30", "--config.warmup_steps=10", "--config.log_every_steps=10",
-                  "--config.eval_every_steps=0", "--config.checkpoint_every_steps=10",
+                  "--config.evals.loss.every_steps=0", "--config.checkpoint_every_steps=10",
                   "--config.final_eval.max_examples=20"]
 
 
@@ -142,12 +142,10 @@ def test_missing_workdir_is_a_one_line_error(tmp_path):
 
 def test_nan_loss_stops_with_the_step(monkeypatch, tmp_path):
   """A NaN loss raises NonFiniteLossError naming the step (train_step patched to produce one)."""
-  import ml_collections
   from experiments.configs import number_words
-  from transformer_jax import sharding
-  from transformer_jax.training import loop
+  from transformer_jax import trainer
 
-  real = sharding.jit_sharded_train_step
+  real = trainer.make_train_step
 
   def poisoned(*args, **kwargs):
     step_fn = real(*args, **kwargs)
@@ -159,12 +157,12 @@ def test_nan_loss_stops_with_the_step(monkeypatch, tmp_path):
       return new_state, metrics
     return run
 
-  monkeypatch.setattr(sharding, "jit_sharded_train_step", poisoned)
+  monkeypatch.setattr(trainer, "make_train_step", poisoned)
   config = number_words.get_config()
   config.data.builder_config = "tiny"
   config.data.vocab_size = 128
   config.data.tfds_data_dir = str(tmp_path / "tfds")
   config.model.d_model, config.model.d_ff, config.model.num_heads = 32, 64, 2
-  config.num_train_steps, config.log_every_steps, config.eval_every_steps = 20, 5, 0
-  with pytest.raises(loop.NonFiniteLossError, match="at step 7"):
-    loop.train_and_evaluate(config, str(tmp_path / "run"))
+  config.num_train_steps, config.log_every_steps, config.evals.loss.every_steps = 20, 5, 0
+  with pytest.raises(trainer.NonFiniteLossError, match="at step 7"):
+    trainer.train_and_evaluate(config, str(tmp_path / "run"))

@@ -1,4 +1,4 @@
-"""`python -m experiments.<program>` restarts itself once with glibc huge pages (experiments/__init__.py)."""
+"""`python -m experiments.<program>` restarts itself once with glibc huge pages (experiments/launch.py)."""
 
 import os
 import subprocess
@@ -6,18 +6,18 @@ import sys
 
 import pytest
 
-import experiments
+from experiments import launch
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NOTICE = "restarting with GLIBC_TUNABLES="
 
 
 def test_environment_with_huge_pages_keeps_other_tunables():
-  assert experiments.environment_with_huge_pages({})["GLIBC_TUNABLES"] == "glibc.malloc.hugetlb=1"
-  env = experiments.environment_with_huge_pages({"GLIBC_TUNABLES": "glibc.malloc.arena_max=2", "X": "1"})
+  assert launch.environment_with_huge_pages({})["GLIBC_TUNABLES"] == "glibc.malloc.hugetlb=1"
+  env = launch.environment_with_huge_pages({"GLIBC_TUNABLES": "glibc.malloc.arena_max=2", "X": "1"})
   assert env == {"GLIBC_TUNABLES": "glibc.malloc.arena_max=2:glibc.malloc.hugetlb=1", "X": "1"}
   same = {"GLIBC_TUNABLES": "glibc.malloc.hugetlb=0"}  # the user's own choice is kept
-  assert experiments.environment_with_huge_pages(same) == same
+  assert launch.environment_with_huge_pages(same) == same
 
 
 def _run(**env):
@@ -27,7 +27,7 @@ def _run(**env):
                         cwd=REPO, env={**base, **env}, capture_output=True, text=True, timeout=300)
 
 
-@pytest.mark.skipif(not experiments.huge_pages_available(), reason="no glibc >= 2.35 / transparent huge pages")
+@pytest.mark.skipif(not launch.huge_pages_available(), reason="no glibc >= 2.35 / transparent huge pages")
 def test_program_restarts_once_with_huge_pages():
   proc = _run()
   assert "--workdir" in proc.stdout + proc.stderr, proc.stderr  # the program ran (absl's help text)

@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 from transformer_jax import checkpoint as checkpoint_lib
+from transformer_jax.workdir import Workdir
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NUM_STEPS = 40
@@ -31,7 +32,7 @@ def _command(workdir, shared, num_steps=NUM_STEPS, extra=()):
           "--config.model.d_model=64", "--config.model.d_ff=256", "--config.model.num_heads=2",
           "--config.model.num_encoder_layers=2", "--config.model.num_decoder_layers=2",
           "--config.model.dropout_rate=0.1", f"--config.num_train_steps={num_steps}",
-          "--config.warmup_steps=10", "--config.log_every_steps=1", "--config.eval_every_steps=0",
+          "--config.warmup_steps=10", "--config.log_every_steps=1", "--config.evals.loss.every_steps=0",
           f"--config.checkpoint_every_steps={CHECKPOINT_EVERY}", "--config.checkpoint_keep=10", "--config.final_eval.split=",
           *extra]
 
@@ -61,7 +62,9 @@ def _logged_losses(workdir):
 
 
 def _final_params(workdir):
-  step, params = checkpoint_lib.restore_params_only(checkpoint_lib.checkpoint_dir(workdir))
+  directory = str(Workdir(workdir).checkpoints)
+  step = checkpoint_lib.Checkpointer(directory, read_only=True).latest_step()
+  params = checkpoint_lib.restore_params(directory)
   return step, params
 
 
@@ -78,7 +81,7 @@ def _wait_for(predicate, proc, timeout=240):
 
 
 def _complete_checkpoints(workdir):
-  directory = checkpoint_lib.checkpoint_dir(workdir)
+  directory = str(Workdir(workdir).checkpoints)
   return sorted(int(d) for d in os.listdir(directory) if d.isdigit()) if os.path.isdir(directory) else []
 
 
@@ -138,7 +141,7 @@ def test_sigterm_saves_the_current_step_and_resume_continues(uninterrupted, tmp_
   assert proc.returncode == 0, stderr[-3000:]
   assert "Received SIGTERM" in stderr
   last_step = max(_logged_steps(tmp_path))
-  ckpt = checkpoint_lib.Checkpointer(checkpoint_lib.checkpoint_dir(tmp_path), read_only=True)
+  ckpt = checkpoint_lib.Checkpointer(str(Workdir(tmp_path).checkpoints), read_only=True)
   assert ckpt.latest_step() == last_step  # saved at the step it was received, not at a multiple of 4
 
   resumed = _run(_command(tmp_path, shared, num_steps=last_step + 2))

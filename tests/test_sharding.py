@@ -94,17 +94,21 @@ EMBEDDING = ("shared_embedding", "embedding")
 @pytest.fixture(scope="module")
 def reference():
   """The initial state (host copy) and the single-device results of one step, one accumulated step, eval."""
-  state = steps.create_train_state(CFG, TX, jax.random.key(0))
+  state = sharding.create_train_state(CFG, TX, jax.random.key(0))  # mesh=None: one device
   initial = _host(state)
+  one = sharding.single_device_mesh()
+  shardings = sharding.shardings_of(state)
   rng = jax.random.key(1)
   batch = _batch()
-  step = steps.jit_train_step(CFG, 0.1, learning_rate_fn=_lr())
-  new_state, metrics = step(jax.device_put(initial, jax.devices()[0]), batch, rng)
+  step = sharding.jit_train_step(CFG, one, shardings, label_smoothing=0.1, learning_rate_fn=_lr())
+  new_state, metrics = step(sharding.device_put_sharded(initial, shardings), batch, rng)
   accum_batch = {k: v.reshape(2, ROWS // 2, LENGTH) for k, v in batch.items()}
-  accum_step = steps.jit_train_step(CFG, 0.1, grad_accum_steps=2, learning_rate_fn=_lr())
-  accum_state, accum_metrics = accum_step(jax.device_put(initial, jax.devices()[0]), accum_batch, rng)
+  accum_step = sharding.jit_train_step(CFG, one, shardings, label_smoothing=0.1, grad_accum_steps=2,
+                                       learning_rate_fn=_lr())
+  accum_state, accum_metrics = accum_step(sharding.device_put_sharded(initial, shardings), accum_batch, rng)
   eval_batch = {k: v[:10] for k, v in _batch(seed=3).items() if k in ("inputs", "targets")}
-  eval_sums = steps.jit_eval_step(CFG, 0.1)(initial.params, eval_batch)
+  eval_sums = sharding.jit_eval_step(CFG, one, shardings.params, label_smoothing=0.1)(
+      sharding.device_put_sharded(initial.params, shardings.params), eval_batch)
   return dict(initial=initial, rng=rng, batch=batch, state=_host(new_state), metrics=_host(metrics),
               accum_batch=accum_batch, accum_state=_host(accum_state), accum_metrics=_host(accum_metrics),
               eval_batch=eval_batch, eval_sums=_host(eval_sums))
@@ -113,8 +117,8 @@ def reference():
 @functools.lru_cache(maxsize=None)
 def _sharded(name):
   mesh = sharding.make_mesh(**MESHES[name])
-  state, shardings = sharding.create_sharded_train_state(CFG, TX, jax.random.key(0), mesh)
-  return mesh, state, shardings
+  state = sharding.create_train_state(CFG, TX, jax.random.key(0), mesh)
+  return mesh, state, sharding.shardings_of(state)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -127,7 +131,7 @@ def test_train_step_matches_single_device(reference, name):
   # Born sharded, with the single-device initial values (the jitted initialiser may differ in the last bit).
   _assert_trees_close(born.params, reference["initial"].params, rtol=0, atol=1e-6)
   state = sharding.device_put_sharded(reference["initial"], shardings)  # identical start for an exact comparison
-  step = sharding.jit_sharded_train_step(CFG, mesh, shardings, label_smoothing=0.1, learning_rate_fn=_lr())
+  step = sharding.jit_train_step(CFG, mesh, shardings, label_smoothing=0.1, learning_rate_fn=_lr())
   batch = sharding.shard_batch(reference["batch"], mesh)
   new_state, metrics = step(state, batch, reference["rng"])
 
@@ -146,7 +150,7 @@ def test_train_step_matches_single_device(reference, name):
 def test_grad_accumulation_matches_single_device(reference):
   mesh, _, shardings = _sharded("data4_tensor2")
   state = sharding.device_put_sharded(reference["initial"], shardings)
-  step = sharding.jit_sharded_train_step(CFG, mesh, shardings, label_smoothing=0.1, grad_accum_steps=2,
+  step = sharding.jit_train_step(CFG, mesh, shardings, label_smoothing=0.1, grad_accum_steps=2,
                                          learning_rate_fn=_lr())
   batch = sharding.shard_batch(reference["accum_batch"], mesh)
   assert batch["inputs"].shape == (2, ROWS // 2, LENGTH)
@@ -160,7 +164,7 @@ def test_grad_accumulation_matches_single_device(reference):
 def test_model_activation_constraints_resolve_under_the_mesh(reference):
   """The traced step carries the model's `with_logical_constraint`s as real sharding constraints."""
   mesh, state, shardings = _sharded("data4_tensor2")
-  step = sharding.jit_sharded_train_step(CFG, mesh, shardings, learning_rate_fn=_lr())
+  step = sharding.jit_train_step(CFG, mesh, shardings, learning_rate_fn=_lr())
   text = step.lower(state, sharding.shard_batch(reference["batch"], mesh), reference["rng"]).as_text()
   # [batch, length, mlp] -> (('data', 'fsdp'), None, 'tensor'); [batch, length, embed] -> rows only.
   assert '[{"data", "fsdp"}, {}, {"tensor"}]> : tensor<16x12x64xf32>' in text
@@ -170,7 +174,7 @@ def test_model_activation_constraints_resolve_under_the_mesh(reference):
 def test_eval_step_with_padded_uneven_batch_matches_single_device(reference):
   mesh, state, shardings = _sharded("data4_tensor2")
   params = jax.device_put(reference["initial"].params, shardings.params)
-  eval_fn = sharding.jit_sharded_eval_step(CFG, mesh, shardings.params, label_smoothing=0.1)
+  eval_fn = sharding.jit_eval_step(CFG, mesh, shardings.params, label_smoothing=0.1)
   with pytest.raises(ValueError, match="10 rows, not divisible by the 4-way batch split"):
     sharding.shard_batch(reference["eval_batch"], mesh, process_local=False)
   batch = sharding.shard_batch(reference["eval_batch"], mesh, process_local=False, pad_rows=True)
@@ -263,12 +267,13 @@ _WORKER = textwrap.dedent("""
     warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
     import test_sharding as T
     mesh = sharding.make_mesh(data=4, tensor=2)
-    state, shardings = sharding.create_sharded_train_state(T.CFG, T.TX, jax.random.key(0), mesh)
+    state = sharding.create_train_state(T.CFG, T.TX, jax.random.key(0), mesh)
+    shardings = sharding.shardings_of(state)
     full = T._batch()
     rows = T.ROWS // jax.process_count()  # what the data pipeline yields on this host
     local = {k: v[process_id * rows:(process_id + 1) * rows] for k, v in full.items()}
     batch = sharding.shard_batch(local, mesh)
-    step = sharding.jit_sharded_train_step(T.CFG, mesh, shardings, learning_rate_fn=T._lr())
+    step = sharding.jit_train_step(T.CFG, mesh, shardings, learning_rate_fn=T._lr())
     state, metrics = step(state, batch, jax.random.key(1))
     wi = state.params["encoder"]["layer_0"]["ffn"]["wi"]["kernel"]
     print("RESULT " + json.dumps({"processes": jax.process_count(), "devices": jax.device_count(),
@@ -333,9 +338,9 @@ def test_mesh_shape_errors():
 def test_model_that_does_not_fit_the_mesh_is_refused():
   mesh = sharding.make_mesh(data=1, tensor=8)
   with pytest.raises(ValueError, match=r"num_heads=4 is not divisible by the 8 devices of mesh axis 'tensor'"):
-    sharding.create_sharded_train_state(CFG, TX, jax.random.key(0), mesh)
+    sharding.create_train_state(CFG, TX, jax.random.key(0), mesh)
   with pytest.raises(ValueError, match="num_heads=4"):
-    sharding.jit_sharded_train_step(CFG, mesh, None)
+    sharding.jit_train_step(CFG, mesh, None)
   fsdp = sharding.make_mesh(data=1, fsdp=8)
   with pytest.raises(ValueError, match=r"d_model=36 is not divisible by the 8 devices of mesh axis 'fsdp'"):
     sharding.validate_model_for_mesh(CFG.replace(d_model=36), fsdp)

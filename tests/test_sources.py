@@ -2,13 +2,13 @@
 
 import os
 
-import ml_collections
 import numpy as np
 import pytest
 import tensorflow_datasets as tfds
 
+from experiments.configs import default
 from transformer_jax import config as C
-from transformer_jax.data import input_pipeline, parallel_text, sources, tokenizer as tok_lib
+from transformer_jax.data import datasets, parallel_text, sources, tokenizer as tok_lib
 
 
 def _write(path, lines, raw=None):
@@ -17,10 +17,10 @@ def _write(path, lines, raw=None):
 
 
 def _data_config(**kw):
-  cfg = ml_collections.ConfigDict(dict(dataset="parallel_text", dir="", source_lang="en", target_lang="de",
-                                       tfds_data_dir="", vocab_path="", vocab_size=64, train_split="train",
-                                       eval_splits=("val",), max_len=32, tokens_per_batch=256,
-                                       vocab_max_sentences=1000))
+  """`config.data` of experiments/configs/default.py (every key), for a small local corpus."""
+  cfg = default.get_config().data
+  cfg.update(dict(dataset="parallel_text", builder_config="", vocab_size=64, eval_splits=("val",), max_len=32,
+                  tokens_per_batch=256, vocab_max_sentences=1000))
   cfg.update(kw)
   return cfg
 
@@ -78,7 +78,7 @@ def test_failed_vocab_training_leaves_existing_file_untouched(tmp_path):
 
 def test_parallel_text_pipeline_skips_blank_in_training_keeps_in_eval(small_corpus, tmp_path):
   cfg = _data_config(dir=str(small_corpus))
-  data = input_pipeline.build_datasets(cfg, str(tmp_path / "work"), seed=0)
+  data = datasets.build_datasets(cfg, str(tmp_path / "work"), seed=0)
   assert data.stats["skipped_blank"] == 1 and data.stats["train_pairs"] == 39
   val = data.eval_sets["val"]
   assert [p for p in val.pairs] == [("the red house", "das rote haus"), ("", ""),
@@ -93,7 +93,7 @@ def test_training_ids_are_cached_and_reused_only_for_the_same_data_and_vocabular
   from transformer_jax.data import token_cache
   cfg = _data_config(dir=str(small_corpus))
   work = str(tmp_path / "work")
-  first = input_pipeline.build_datasets(cfg, work, seed=0)
+  first = datasets.build_datasets(cfg, work, seed=0)
   cache = tmp_path / "work" / "data" / "train.ids.npz"
   assert cache.exists()
 
@@ -103,7 +103,7 @@ def test_training_ids_are_cached_and_reused_only_for_the_same_data_and_vocabular
     assert split != "train", "the training text was read despite the cache"
     return real_read(builder, split, *args, **kwargs)
   monkeypatch.setattr(sources, "read_tfds_pairs", read_eval_only)
-  second = input_pipeline.build_datasets(cfg, work, seed=0)
+  second = datasets.build_datasets(cfg, work, seed=0)
   assert second.stats == first.stats  # blank and over-long pairs counted the same way
   for a, b in zip(first.train.sources + first.train.targets, second.train.sources + second.train.targets):
     np.testing.assert_array_equal(a, b)
@@ -120,7 +120,7 @@ def test_training_ids_are_cached_and_reused_only_for_the_same_data_and_vocabular
   assert token_cache.load(str(cache), dict(key, split="train[:10]")) is None
   cache.write_bytes(b"damaged")
   assert token_cache.load(str(cache), key) is None
-  third = input_pipeline.build_datasets(cfg, work, seed=0)  # a damaged cache: encoded again, rewritten
+  third = datasets.build_datasets(cfg, work, seed=0)  # a damaged cache: encoded again, rewritten
   assert third.stats == first.stats
   assert np.load(cache)["src_offsets"].shape == (first.stats["train_pairs"] + first.stats["dropped_long"] + 1,)
 

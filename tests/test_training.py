@@ -11,7 +11,8 @@ import pytest
 
 from transformer_jax.config import tiny
 from transformer_jax.model import Transformer
-from transformer_jax.training import (adam_with_schedule, eval_step, jit_train_step,
+from transformer_jax import sharding
+from transformer_jax.training import (adam_with_schedule, eval_step,
                                       label_smoothed_cross_entropy, metrics_from_sums, normalized_loss,
                                       rsqrt_schedule, train_step)
 from transformer_jax.training.steps import TrainState
@@ -277,7 +278,9 @@ def test_short_training_run_reduces_loss():
   data = [_reverse_task(seed, rows=16, length=5) for seed in (0, 1)]
   tx = adam_with_schedule(CFG.d_model, warmup_steps=10, scale=0.1)
   state = TrainState.create(apply_fn=Transformer(CFG).apply, params=_params(), tx=tx)
-  step_fn = jit_train_step(CFG, label_smoothing=0.1)
+  state = jax.device_put(state, sharding.replicated(sharding.single_device_mesh()))
+  step_fn = sharding.jit_train_step(CFG, sharding.single_device_mesh(), sharding.shardings_of(state),
+                                    label_smoothing=0.1)
   rng = jax.random.key(1)
   losses, accuracies = [], []
   for i in range(steps):

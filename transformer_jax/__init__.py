@@ -10,8 +10,8 @@
 from transformer_jax.attention import MultiHeadAttention, dot_product_attention
 from transformer_jax.config import BOS_ID, EOS_ID, PAD_ID, UNK_ID, ModelConfig, base, big, tiny
 from transformer_jax.model import Transformer, shift_right, sinusoid_table
-from transformer_jax.training import (TrainState, adam_with_schedule, create_train_state, eval_step,
-                                      label_smoothed_cross_entropy, normalized_loss, rsqrt_schedule,
-                                      train_step)
+from transformer_jax.sharding import create_train_state, jit_eval_step, jit_train_step, partition
+from transformer_jax.training import (TrainState, adam_with_schedule, eval_step, label_smoothed_cross_entropy,
+                                      normalized_loss, rsqrt_schedule, train_step)
 
 __version__ = "0.1.0"

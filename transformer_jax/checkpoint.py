@@ -14,6 +14,9 @@ file); `Checkpointer.restore_latest_complete` then falls back to older steps and
 
 Restoring onto an abstract target (`jax.eval_shape` output whose leaves carry `.sharding`) reads each array
 straight into the target sharding, so a checkpoint written on one device count / mesh restores onto another.
+Every restore onto a target (resume, `restore_params`, averaging) first compares the saved parameter tree
+(names, shapes, dtypes) with the target's and refuses a mismatch with `CheckpointMismatchError`, one line
+naming the first differing parameters: a checkpoint of another architecture never loads silently.
 """
 
 from __future__ import annotations
@@ -27,9 +30,14 @@ from typing import Any, Iterable, Mapping, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
+import flax.linen as nn
 import orbax.checkpoint as ocp
 from etils import epath
 from orbax.checkpoint import checkpoint_managers as ocp_policies
+
+from transformer_jax.config import ModelConfig
+from transformer_jax.training.steps import init_params
+from transformer_jax.workdir import to_jsonable
 
 logger = logging.getLogger(__name__)
 
@@ -44,7 +52,10 @@ _MAX_ERROR_CHARS = 600
 
 @dataclasses.dataclass(frozen=True)
 class Restored:
-  """A restored step. Unpacks as `state, rng, data_state, config, metrics`; `.step` says which step it was."""
+  """A restored step. Unpacks as `state, rng, data_state, config, metrics`; `.step` says which step it was.
+
+  `rng` is a typed key (`jax.random.key` style; its data was saved with `jax.random.key_data`), or None.
+  """
 
   state: PyTree
   rng: jax.Array | None
@@ -61,50 +72,18 @@ class Restored:
 # Small helpers.
 
 
-def checkpoint_dir(workdir: str | os.PathLike) -> str:
-  """`<workdir>/checkpoints`, the directory a training run keeps its checkpoints in."""
-  return os.path.join(os.fspath(workdir), CHECKPOINT_SUBDIR)
-
-
-def to_jsonable(value: Any) -> Any:
-  """A JSON-serialisable deep copy: dataclasses/mappings -> dicts, tuples -> lists, numpy/jax scalars -> Python.
-
-  The copy also decouples the saved JSON from the caller's objects, which matters for asynchronous saves
-  (the JSON items are written in a background thread after `save` returns).
-  """
-  if dataclasses.is_dataclass(value) and not isinstance(value, type):
-    value = {f.name: getattr(value, f.name) for f in dataclasses.fields(value)}
-  if isinstance(value, Mapping):
-    return {str(k): to_jsonable(v) for k, v in value.items()}
-  if isinstance(value, (list, tuple)):
-    return [to_jsonable(v) for v in value]
-  if isinstance(value, (str, bool)) or value is None:
-    return value
-  if isinstance(value, (int, float)):
-    return value
-  if isinstance(value, (np.generic, np.ndarray, jax.Array)):
-    array = np.asarray(value)
-    if array.ndim == 0:
-      return array.item()
-    return array.tolist()
-  if isinstance(value, np.dtype):
-    return str(value)
-  # e.g. jnp dtypes, enums, paths: their string form.
-  return str(value)
-
-
-def _metric_score(metric: str, mode: str):
-  """`best_fn` for Orbax: the metric value; missing/NaN values rank worst."""
-  worst = -math.inf if mode == "max" else math.inf
-
-  def score(metrics: PyTree) -> float:
+def rank_by_metric(steps_and_metrics: Iterable[tuple[int, Mapping | None]], metric: str,
+                   mode: str) -> list[int]:
+  """The steps that have a finite `metric`, best first (ties: the newer step first); mode "max" or "min"."""
+  scored = []
+  for step, metrics in steps_and_metrics:
     try:
       value = float(metrics[metric])
     except (KeyError, TypeError, ValueError):
-      return worst
-    return worst if math.isnan(value) else value
-
-  return score
+      continue
+    if math.isfinite(value):
+      scored.append((value if mode == "max" else -value, step))
+  return [step for _, step in sorted(scored, reverse=True)]
 
 
 @dataclasses.dataclass
@@ -117,19 +96,9 @@ class BestByMetric:
 
   def should_preserve(self, checkpoints, *, context) -> list[bool]:
     del context
-    score = _metric_score(self.metric, self.mode)
-    scored = []
-    for index, info in enumerate(checkpoints):
-      if info.metrics is None:
-        continue
-      value = score(info.metrics)
-      if math.isinf(value):
-        continue
-      scored.append((value, info.step, index))
-    # Best first; among equal values the newer step wins.
-    scored.sort(key=lambda item: (item[0] if self.mode == "max" else -item[0], item[1]), reverse=True)
-    keep = {index for _, _, index in scored[:self.n]}
-    return [index in keep for index in range(len(checkpoints))]
+    keep = set(rank_by_metric(((info.step, info.metrics) for info in checkpoints), self.metric,
+                              self.mode)[:self.n])
+    return [info.step in keep for info in checkpoints]
 
 
 def _first_sharding(tree: PyTree) -> jax.sharding.Sharding | None:
@@ -198,6 +167,12 @@ def _rng_key_data(rng: jax.Array) -> jax.Array:
   return rng
 
 
+def _typed_key(key_data: jax.Array) -> jax.Array:
+  if jax.dtypes.issubdtype(key_data.dtype, jax.dtypes.prng_key):
+    return key_data
+  return jax.random.wrap_key_data(key_data)
+
+
 def _step_dir(directory: str, step: int) -> str:
   return os.path.join(directory, str(step))
 
@@ -209,6 +184,53 @@ def _item_tree_metadata(directory: str, step: int, item: str) -> PyTree:
     return handler.metadata(epath.Path(_step_dir(directory, step)) / item).tree
   finally:
     handler.close()
+
+
+class CheckpointMismatchError(ValueError):
+  """A checkpoint's tree (parameter names, shapes, dtypes) differs from the model it is restored into."""
+
+
+def _path_name(path) -> str:
+  return "/".join(str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path)
+
+
+def tree_signature(tree: PyTree) -> dict[str, tuple[tuple[int, ...], str]]:
+  """`{"encoder/layer_0/.../kernel": (shape, dtype name)}` of the arrays of a tree, abstract tree or orbax metadata."""
+
+  def is_leaf(x):
+    return isinstance(x, ocp.metadata.value.Metadata) or hasattr(x, "shape") and hasattr(x, "dtype")
+
+  signature = {}
+  for path, leaf in jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_leaf)[0]:
+    if hasattr(leaf, "shape") and hasattr(leaf, "dtype"):
+      signature[_path_name(path)] = (tuple(int(d) for d in leaf.shape), np.dtype(leaf.dtype).name)
+  return signature
+
+
+def check_same_tree(saved: PyTree, expected: PyTree, where: str, max_listed: int = 3) -> None:
+  """Raises `CheckpointMismatchError` (one line, the first differing entries) when the two trees differ.
+
+  `saved` is typically orbax metadata of a checkpoint item, `expected` the abstract tree of the model's.
+  """
+  a, b = tree_signature(saved), tree_signature(expected)
+  problems = []
+  for name in sorted(set(a) | set(b)):
+    if name not in a:
+      problems.append(f"{name} {b[name][0]} is missing from the checkpoint")
+    elif name not in b:
+      problems.append(f"{name} {a[name][0]} is in the checkpoint but not in the model")
+    elif a[name] != b[name]:
+      problems.append(f"{name}: checkpoint {a[name][0]} {a[name][1]}, model {b[name][0]} {b[name][1]}")
+  if problems:
+    more = f" (and {len(problems) - max_listed} more)" if len(problems) > max_listed else ""
+    raise CheckpointMismatchError(f"{where} does not fit the model (another architecture?): "
+                                  + "; ".join(problems[:max_listed]) + more)
+
+
+def abstract_params(model_config: ModelConfig, sharding: jax.sharding.Sharding | None = None) -> PyTree:
+  """`jax.ShapeDtypeStruct`s of `Transformer(model_config)`'s params (placed on `sharding` if given)."""
+  shapes = jax.eval_shape(lambda: nn.unbox(init_params(model_config, jax.random.key(0))))
+  return shapes if sharding is None else _as_abstract(shapes, sharding)
 
 
 def _handler_registry(state_handler: str = "standard") -> ocp.handlers.DefaultCheckpointHandlerRegistry:
@@ -316,17 +338,9 @@ class Checkpointer:
     if self.best_metric is None:
       return None
     self.wait()
-    score = _metric_score(self.best_metric, self.best_mode)
-    sign = 1.0 if self.best_mode == "max" else -1.0
-    best = None
-    for step in self.all_steps():
-      metrics = self.metrics(step)
-      value = None if metrics is None else score(metrics)
-      if value is None or math.isinf(value):
-        continue
-      if best is None or (sign * value, step) >= (sign * best[0], best[1]):
-        best = (value, step)
-    return None if best is None else best[1]
+    ranked = rank_by_metric(((step, self.metrics(step)) for step in self.all_steps()), self.best_metric,
+                            self.best_mode)
+    return ranked[0] if ranked else None
 
   def should_save(self, step: int) -> bool:
     return self._manager.should_save(step)
@@ -410,6 +424,8 @@ class Checkpointer:
     if abstract_state is None:
       items[STATE] = ocp.args.StandardRestore()
     else:
+      check_same_tree(_item_tree_metadata(self.directory, step, STATE), abstract_state,
+                      f"checkpoint {_step_dir(self.directory, step)}")
       items[STATE] = ocp.args.StandardRestore(_as_abstract(abstract_state, replicated))
     has_rng = self._has_item(step, RNG)
     if has_rng:
@@ -420,7 +436,7 @@ class Checkpointer:
         rng_target = {_RNG_KEY: _as_abstract(abstract_rng, replicated)}
       items[RNG] = ocp.args.StandardRestore(rng_target)
     restored = self._manager.restore(step, args=ocp.args.Composite(**items))
-    rng = restored[RNG][_RNG_KEY] if has_rng else None
+    rng = _typed_key(restored[RNG][_RNG_KEY]) if has_rng else None
     return Restored(state=restored[STATE], rng=rng, data_state=restored[DATA], config=restored[CONFIG],
                     metrics=self.metrics(step), step=step)
 
@@ -441,6 +457,8 @@ class Checkpointer:
     for step in steps:
       try:
         return self.restore(step, abstract_state, abstract_rng=abstract_rng)
+      except CheckpointMismatchError:
+        raise  # another architecture is not a damaged file: falling back would only hide it
       except Exception as error:  # pylint: disable=broad-except
         message = f"{type(error).__name__}: {error}"
         if len(message) > _MAX_ERROR_CHARS:  # TensorStore errors embed whole JSON specs.
@@ -449,12 +467,6 @@ class Checkpointer:
                        step, self.directory, message)
         errors.append(f"step {step}: {message}")
     raise RuntimeError(f"No checkpoint in {self.directory} could be restored:\n" + "\n".join(errors))
-
-  def restore_params(self, step: int | None = None, abstract_params: PyTree | None = None, *,
-                     sharding: jax.sharding.Sharding | None = None) -> PyTree:
-    """Only `state.params` of `step` (see `restore_params_only`)."""
-    self.wait()
-    return restore_params_only(self.directory, step, abstract_params=abstract_params, sharding=sharding)[1]
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -468,49 +480,38 @@ def _read_only_manager(directory: str, state_handler: str = "standard") -> ocp.C
                   handler_registry=_handler_registry(state_handler))
 
 
-def restore_params_only(directory: str | os.PathLike, step: int | None = None, *,
-                        abstract_params: PyTree | None = None,
-                        sharding: jax.sharding.Sharding | None = None) -> tuple[int, PyTree]:
-  """`(step, params)`: just `state.params` of a checkpoint, without building or reading the optimizer state.
+def restore_params(directory: str | os.PathLike, model_config: ModelConfig | None = None,
+                   step: int | None = None, *, abstract: PyTree | None = None,
+                   sharding: jax.sharding.Sharding | None = None) -> PyTree:
+  """Just `state.params` of `step` (default: the latest) of a checkpoint directory; the optimizer state is never read.
 
-  Uses a partial restore (`ocp.args.PyTreeRestore(..., partial_restore=True)`), so `opt_state` is never
-  read. Arrays are placed like `abstract_params` (leaves with `.sharding`); without it, the shapes come
-  from the checkpoint metadata and every array goes to `sharding` (default: the first device).
+  The target tree comes from `model_config` (the model's own parameter shapes) or `abstract` (leaves with
+  `.shape`, `.dtype` and optionally `.sharding`); either way the saved tree must match it exactly, else
+  `CheckpointMismatchError` names the first differing parameters. With neither, the saved shapes are taken
+  as they are. Arrays go to their target's sharding, else to `sharding` (default: the first device).
+  Raises FileNotFoundError when the directory holds no checkpoint. Uses orbax's partial restore
+  (`ocp.args.PyTreeRestore(..., partial_restore=True)`).
   """
   manager = _read_only_manager(os.fspath(directory), state_handler="pytree")
   try:
+    step = manager.latest_step() if step is None else int(step)
     if step is None:
-      step = manager.latest_step()
-      if step is None:
-        raise FileNotFoundError(f"No checkpoints in {directory}.")
-    step = int(step)
-    default = sharding or replicated_sharding_like(abstract_params)
-    if abstract_params is None:
-      metadata = _item_tree_metadata(manager.directory, step, STATE)
-      target = {"params": _abstract_from_metadata(metadata["params"], default)}
+      raise FileNotFoundError(f"No checkpoints in {os.path.abspath(os.fspath(directory))}.")
+    if model_config is not None:
+      abstract = abstract_params(model_config)
+    default = sharding or replicated_sharding_like(abstract)
+    saved = _item_tree_metadata(manager.directory, step, STATE)["params"]
+    if abstract is None:
+      target = {"params": _abstract_from_metadata(saved, default)}
     else:
-      target = {"params": _as_abstract(abstract_params, default)}
+      check_same_tree(saved, abstract, f"checkpoint {_step_dir(os.fspath(manager.directory), step)}")
+      target = {"params": _as_abstract(abstract, default)}
     restore_args = ocp.checkpoint_utils.construct_restore_args(target)
     restored = manager.restore(step, args=ocp.args.Composite(**{
         STATE: ocp.args.PyTreeRestore(item=target, restore_args=restore_args, partial_restore=True)}))
-    return step, restored[STATE]["params"]
+    return restored[STATE]["params"]
   finally:
     manager.close()
-
-
-def restore_params(directory: str | os.PathLike, model_config: Any = None, step: int | None = None, *,
-                   sharding: jax.sharding.Sharding | None = None) -> PyTree:
-  """The params of `step` (default: latest) for inference, checked against `model_config` if given.
-
-  With a `ModelConfig`, the target shapes come from `jax.eval_shape` of the model's init, so a checkpoint of
-  a different architecture fails with a shape/structure error instead of loading.
-  """
-  abstract = None
-  if model_config is not None:
-    import flax.linen as nn  # pylint: disable=import-outside-toplevel
-    from transformer_jax.training.steps import init_params  # pylint: disable=import-outside-toplevel
-    abstract = jax.eval_shape(lambda: nn.unbox(init_params(model_config, jax.random.key(0))))
-  return restore_params_only(directory, step, abstract_params=abstract, sharding=sharding)[1]
 
 
 def read_config(directory: str | os.PathLike, step: int | None = None) -> dict | None:
@@ -529,29 +530,35 @@ def read_config(directory: str | os.PathLike, step: int | None = None) -> dict |
 # Checkpoint averaging.
 
 
+def _running_mean(mean: PyTree | None, tree: PyTree, k: int) -> PyTree:
+  """`m_k = m_{k-1} + (x_k - m_{k-1}) / k` leaf-wise in float32 (at least); exact for identical inputs."""
+  def update(m, x):
+    if not jnp.issubdtype(jnp.result_type(x), jnp.floating):
+      return x  # counters: the last tree's
+    x = jnp.asarray(x, jnp.promote_types(jnp.result_type(x), jnp.float32))
+    return x if m is None else m + (x - m) / k
+  if mean is None:
+    return jax.tree_util.tree_map(lambda x: update(None, x), tree)
+  return jax.tree_util.tree_map(update, mean, tree)
+
+
+def _cast_like(mean: PyTree, template: PyTree) -> PyTree:
+  return jax.tree_util.tree_map(lambda m, t: jnp.asarray(m).astype(jnp.result_type(t)), mean, template)
+
+
 def average_trees(trees: Sequence[PyTree]) -> PyTree:
   """Leaf-wise mean of pytrees with the same structure, accumulated in float32 (at least).
 
-  Uses the running mean `m_k = m_{k-1} + (x_k - m_{k-1}) / k`, which returns exactly `x` for identical
-  inputs. Floating leaves come back in their own dtype; non-floating leaves (counters) are taken from the
-  last tree.
+  Floating leaves come back in their own dtype; non-floating leaves (counters) are the last tree's.
+  Raises ValueError for no trees.
   """
   trees = list(trees)
   if not trees:
     raise ValueError("average_trees needs at least one tree")
-
-  def mean(*leaves):
-    first = leaves[0]
-    dtype = jnp.result_type(first)
-    if not jnp.issubdtype(dtype, jnp.floating):
-      return leaves[-1]
-    acc_dtype = jnp.promote_types(dtype, jnp.float32)
-    acc = jnp.asarray(first, acc_dtype)
-    for k, leaf in enumerate(leaves[1:], start=2):
-      acc = acc + (jnp.asarray(leaf, acc_dtype) - acc) / k
-    return acc.astype(dtype)
-
-  return jax.tree_util.tree_map(mean, *trees)
+  mean = None
+  for k, tree in enumerate(trees, start=1):
+    mean = _running_mean(mean, tree, k)
+  return _cast_like(mean, trees[0])
 
 
 def _select_steps(all_steps: Sequence[int], steps: Iterable[int] | None, last_n: int | None) -> list[int]:
@@ -601,17 +608,14 @@ def average_checkpoints(directory: str | os.PathLike, steps: Iterable[int] | Non
   finally:
     manager.close()
 
-  # Running mean, one checkpoint in memory at a time (plus the accumulator).
-  acc = None
-  for k, step in enumerate(chosen, start=1):
-    params = newest_items[STATE]["params"] if step == newest else restore_params_only(
-        directory, step, abstract_params=state_target["params"])[1]
-    if acc is None:
-      acc = jax.tree_util.tree_map(lambda p: jnp.asarray(p, jnp.promote_types(p.dtype, jnp.float32)), params)
-    else:
-      acc = jax.tree_util.tree_map(lambda a, p: a + (p.astype(a.dtype) - a) / k, acc, params)
+  # Running mean, one checkpoint in memory at a time (plus the accumulator); every step must be the same model.
   template = newest_items[STATE]["params"]
-  averaged = jax.tree_util.tree_map(lambda a, p: a.astype(p.dtype), acc, template)
+  mean = None
+  for k, step in enumerate(chosen, start=1):
+    params = template if step == newest else restore_params(
+        directory, step=step, abstract=state_target["params"])
+    mean = _running_mean(mean, params, k)
+  averaged = _cast_like(mean, template)
 
   state = dict(newest_items[STATE])
   state["params"] = averaged
@@ -622,55 +626,3 @@ def average_checkpoints(directory: str | os.PathLike, steps: Iterable[int] | Non
   logger.info("Averaged the params of steps %s of %s into %s (step %d).", chosen, directory,
               output_directory, newest)
   return newest
-
-
-# --------------------------------------------------------------------------------------------------------
-# Config compatibility.
-
-
-def _flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
-  if isinstance(tree, Mapping):
-    flat = {}
-    for key, value in tree.items():
-      flat.update(_flatten(value, f"{prefix}.{key}" if prefix else str(key)))
-    if not tree and prefix:
-      flat[prefix] = {}
-    return flat
-  return {prefix: tree}
-
-
-_MISSING = object()
-
-
-def _same(a: Any, b: Any) -> bool:
-  if isinstance(a, bool) or isinstance(b, bool):  # True == 1 in Python; not for a config.
-    return type(a) is type(b) and a == b
-  return a == b
-
-
-def _format(value: Any) -> str:
-  return "<missing>" if value is _MISSING else repr(value)
-
-
-def config_diff(saved: Mapping, requested: Mapping, keys: Sequence[str] | None = ("model",)) -> list[str]:
-  """Differences between two config dicts, as `"model.d_model: saved 128, requested 256"` lines.
-
-  Only entries at or under the dotted prefixes in `keys` are compared (None: everything). Both sides go
-  through `to_jsonable` first, so tuples equal lists and dataclasses (e.g. `ModelConfig`) equal their dicts.
-  An empty list means compatible.
-  """
-  flat_saved = _flatten(to_jsonable(saved))
-  flat_requested = _flatten(to_jsonable(requested))
-
-  def selected(name: str) -> bool:
-    return keys is None or any(name == k or name.startswith(k + ".") for k in keys)
-
-  messages = []
-  for name in sorted(set(flat_saved) | set(flat_requested)):
-    if not selected(name):
-      continue
-    a = flat_saved.get(name, _MISSING)
-    b = flat_requested.get(name, _MISSING)
-    if a is _MISSING or b is _MISSING or not _same(a, b):
-      messages.append(f"{name}: saved {_format(a)}, requested {_format(b)}")
-  return messages

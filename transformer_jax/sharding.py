@@ -10,13 +10,14 @@ and provides everything the training loop needs to run sharded under `jax.jit` (
 * `make_mesh` / `mesh_from_config`: the mesh (Auto axis types, which Flax logical partitioning needs; recent
   `jax.make_mesh` defaults to Explicit), refusing a shape whose product is not the device count.
 * `LOGICAL_AXIS_RULES`: the default logical -> mesh table (see its comment), `validate_model_for_mesh`.
-* `create_sharded_train_state`: the `TrainState` born sharded (`jax.eval_shape` for the logical specs, then
-  `jax.jit(init, out_shardings=...)`; no full copy on one device first).
+* `create_train_state`: the `TrainState` born sharded (`jax.eval_shape` for the logical specs, then
+  `jax.jit(init, out_shardings=...)`; no full copy on one device first). `mesh=None` is one device.
 * `shard_batch` / `batch_sharding`: host NumPy batches -> global `jax.Array`s split over the batch axes
   (multi-process via `jax.make_array_from_process_local_data`).
-* `jit_sharded_train_step` / `jit_sharded_eval_step`: `steps.train_step` / `steps.eval_step` jitted with
-  in/out shardings and the state donated, traced under the mesh and the rules so that the model's
-  `nn.with_logical_constraint` calls resolve to real sharding constraints.
+* `partition(fn, mesh, rules, in_shardings=, out_shardings=)`: THE jit wrapper (t5x's partitioned callable):
+  traced under the mesh and the rules so that the model's `nn.with_logical_constraint` calls resolve to real
+  sharding constraints, with `.lower` for benchmarks. `jit_train_step` / `jit_eval_step` are
+  `steps.train_step` / `steps.eval_step` through it; training, evaluation, benchmarks and profiles use them.
 * `mesh_context`: the same context for anything else (e.g. decoding on sharded params).
 * `maybe_initialize_distributed`, `per_device_bytes` (state memory per device, for benchmarks).
 
@@ -38,7 +39,7 @@ import contextlib
 import functools
 import logging
 import math
-from typing import Any, Iterator, Mapping, Optional, Sequence
+from typing import Any, Callable, Iterator, Mapping, Optional, Sequence
 
 import flax.linen as nn
 import jax
@@ -272,19 +273,25 @@ def _check_divisible(abstract_tree: Any, shardings: Any) -> None:
                      (f" (and {len(problems) - 5} more)" if len(problems) > 5 else ""))
 
 
-def create_sharded_train_state(model_config: ModelConfig, tx: optax.GradientTransformation, rng: jax.Array,
-                               mesh: Mesh, rules: LogicalRules = LOGICAL_AXIS_RULES
-                               ) -> tuple[steps.TrainState, Any]:
-  """A fresh `TrainState` created directly in its sharded layout, and its shardings (a matching tree).
+def single_device_mesh() -> Mesh:
+  """A 1x1x1 ('data', 'fsdp', 'tensor') mesh on the first device: the unsharded case of every function here."""
+  return make_mesh(1, 1, 1, devices=jax.devices()[:1])
 
+
+def create_train_state(model_config: ModelConfig, tx: optax.GradientTransformation, rng: jax.Array,
+                       mesh: Optional[Mesh] = None, rules: LogicalRules = LOGICAL_AXIS_RULES) -> steps.TrainState:
+  """A fresh `TrainState` (float32 params, the optimizer state of `tx`) born in its sharded layout on `mesh`.
+
+  `mesh=None` is the one-device mesh (`single_device_mesh`): the unsharded case is not a separate road.
   `jax.eval_shape` of the initialisation gives the boxed (logically named) abstract state; its partition
   specs, mapped through `rules`, give the `NamedSharding` of every parameter. The optimizer state follows
   the parameters (Adam's mu/nu are built from the boxed parameters, so they carry the same names); leaves
-  without names (step, Adam's count) are replicated. Initialisation is then jitted with those
-  `out_shardings`, so each device only ever materialises its own shards. The parameters equal
-  `steps.create_train_state(model_config, tx, rng)`'s up to float rounding (threefry random bits do not
-  depend on the sharding; the jitted normal initialiser may differ from the eager one in the last bit).
+  without names (step, Adam's count) are replicated. Initialisation is jitted with those `out_shardings`,
+  so each device only ever materialises its own shards; the values do not depend on the mesh (threefry
+  bits are sharding-independent). `shardings_of(state)` gives the tree of shardings the jitted steps take.
+  Raises ValueError when the model does not divide over the mesh (see `validate_model_for_mesh`).
   """
+  mesh = single_device_mesh() if mesh is None else mesh
   rules = validate_model_for_mesh(model_config, mesh, rules)
   apply_fn = Transformer(model_config).apply
 
@@ -292,18 +299,16 @@ def create_sharded_train_state(model_config: ModelConfig, tx: optax.GradientTran
     params = steps.init_params(model_config, key)
     return steps.TrainState.create(apply_fn=apply_fn, params=params, tx=tx)
 
-  def init_state(key):
-    return nn.unbox(boxed_state(key))
-
   abstract = jax.eval_shape(boxed_state, rng)
-  specs = nn.get_partition_spec(abstract)
-  shardings = nn.logical_to_mesh_sharding(specs, mesh, rules)
+  shardings = nn.logical_to_mesh_sharding(nn.get_partition_spec(abstract), mesh, rules)
   _check_divisible(nn.unbox(abstract), shardings)
   with nn.logical_axis_rules(rules):
-    state = jax.jit(init_state, out_shardings=shardings)(rng)
-  # `shardings` was built from the boxed tree; re-derive it from the real state so the two trees match
-  # exactly (same treedef, same static fields), as jit's in/out_shardings and checkpoint restore want.
-  return state, jax.tree_util.tree_map(lambda x: x.sharding, state)
+    return jax.jit(lambda key: nn.unbox(boxed_state(key)), out_shardings=shardings)(rng)
+
+
+def shardings_of(tree: Any) -> Any:
+  """The `.sharding` of every array of `tree`, as a tree of the same structure (jit in/out shardings)."""
+  return jax.tree_util.tree_map(lambda x: x.sharding, tree)
 
 
 def abstract_state(state: Any) -> Any:
@@ -373,36 +378,16 @@ def shard_batch(batch: Mapping[str, Any], mesh: Mesh, rules: LogicalRules = LOGI
 
 
 # ----------------------------------------------------------------------------------------------------------
-# Jitted steps
+# The one partitioned-callable road (t5x `partitioning.py`: `partition(fn, in_shardings, out_shardings)`)
 # ----------------------------------------------------------------------------------------------------------
-
-class MeshBoundFunction:
-  """A jitted function that is traced and run under `mesh_context(mesh, rules)`."""
-
-  def __init__(self, jitted, mesh: Mesh, rules: LogicalRules):
-    self.jitted, self.mesh, self.rules = jitted, mesh, tuple(rules)
-    functools.update_wrapper(self, jitted)
-
-  def __call__(self, *args, **kwargs):
-    with mesh_context(self.mesh, self.rules):
-      return self.jitted(*args, **kwargs)
-
-  def lower(self, *args, **kwargs):
-    with mesh_context(self.mesh, self.rules):
-      return self.jitted.lower(*args, **kwargs)
-
-
-def param_shardings(state_shardings: Any) -> Any:
-  """The `params` part of the shardings returned by `create_sharded_train_state`."""
-  return state_shardings.params
-
 
 def shardings_like(tree: Any, shardings: Any) -> Any:
   """`shardings` (e.g. a state's) re-attached to the structure of `tree`, leaf for leaf.
 
   A `TrainState`'s tree structure includes its static fields (`apply_fn`, `tx`), so the shardings of one
   state are not a valid jit/device_put specification for another state built elsewhere (say, a reference
-  state or one from `steps.create_train_state`) even when every array matches; this fixes that.
+  state or one restored from a checkpoint) even when every array matches; this fixes that.
+  Raises ValueError when the two trees hold different numbers of arrays.
   """
   leaves, treedef = jax.tree_util.tree_flatten(tree)
   sharding_leaves = jax.tree_util.tree_leaves(shardings)
@@ -417,66 +402,83 @@ def device_put_sharded(tree: Any, shardings: Any) -> Any:
   return jax.device_put(tree, shardings_like(tree, shardings))
 
 
-class ShardedTrainStep:
-  """`steps.train_step` jitted for a mesh: `(state, batch, rng) -> (state, metrics)`, the state donated.
+class PartitionedFunction:
+  """`fn` under `jax.jit` with in/out shardings, traced and run inside `mesh_context(mesh, rules)`.
 
-  The jitted program is built per state tree structure (normally once), so any state whose arrays match
-  `state_shardings` leaf for leaf is accepted (see `shardings_like`).
+  Call it like `fn`; `.lower(*args)` gives the `jax.stages.Lowered` of exactly the program a call runs
+  (benchmarks time it, tests compare it). Positional arguments only. An argument whose tree structure differs
+  from its `in_shardings` entry but holds the same arrays (a `TrainState` built or restored elsewhere has
+  other static fields) gets the shardings re-attached (`shardings_like`), and so does every `out_shardings`
+  entry that is that same object; one jitted program is kept per argument structure.
   """
 
-  def __init__(self, fn, mesh: Mesh, rules: LogicalRules, state_shardings: Any, batch_spec: NamedSharding):
+  def __init__(self, fn: Callable, mesh: Mesh, rules: LogicalRules, in_shardings: tuple,
+               out_shardings: Any, donate_argnums: tuple[int, ...] = ()):
     self.fn, self.mesh, self.rules = fn, mesh, tuple(rules)
-    self.state_shardings, self.batch_sharding = state_shardings, batch_spec
-    self._jitted: list[tuple[Any, Any]] = []
+    self.in_shardings, self.out_shardings = tuple(in_shardings), out_shardings
+    self.donate_argnums = tuple(donate_argnums)
+    self._jitted: dict[tuple, Callable] = {}
 
-  def jitted_for(self, state: Any):
-    treedef = jax.tree_util.tree_structure(state)
-    for known, jitted in self._jitted:
-      if known == treedef:
-        return jitted
-    shardings = shardings_like(state, self.state_shardings)
-    jitted = jax.jit(self.fn, donate_argnums=(0,),
-                     in_shardings=(shardings, self.batch_sharding, replicated(self.mesh)),
-                     out_shardings=(shardings, replicated(self.mesh)))
-    self._jitted.append((treedef, jitted))
-    return jitted
+  def _bind(self, args: tuple) -> Callable:
+    key = tuple(jax.tree_util.tree_structure(a) for a in args)
+    if key not in self._jitted:
+      in_shardings, out_shardings = list(self.in_shardings), self.out_shardings
+      for i, (arg, spec) in enumerate(zip(args, self.in_shardings)):
+        if isinstance(spec, jax.sharding.Sharding) or jax.tree_util.tree_structure(arg) == \
+            jax.tree_util.tree_structure(spec):
+          continue
+        in_shardings[i] = shardings_like(arg, spec)
+        out_shardings = jax.tree_util.tree_map(
+            lambda o, spec=spec, new=in_shardings[i]: new if o is spec else o, out_shardings,
+            is_leaf=lambda o, spec=spec: o is spec)
+      self._jitted[key] = jax.jit(self.fn, in_shardings=tuple(in_shardings), out_shardings=out_shardings,
+                                  donate_argnums=self.donate_argnums)
+    return self._jitted[key]
 
-  def __call__(self, state, batch, rng):
+  def __call__(self, *args):
     with mesh_context(self.mesh, self.rules):
-      return self.jitted_for(state)(state, batch, rng)
+      return self._bind(args)(*args)
 
-  def lower(self, state, batch, rng):
+  def lower(self, *args) -> jax.stages.Lowered:
     with mesh_context(self.mesh, self.rules):
-      return self.jitted_for(state).lower(state, batch, rng)
+      return self._bind(args).lower(*args)
 
 
-def jit_sharded_train_step(model_config: ModelConfig, mesh: Mesh, state_shardings: Any,
-                           rules: LogicalRules = LOGICAL_AXIS_RULES, *, label_smoothing: float = 0.1,
-                           grad_accum_steps: int = 1, learning_rate_fn=None) -> ShardedTrainStep:
-  """`steps.train_step` jitted for `mesh`: `(state, batch, rng) -> (state, metrics)`, the state donated.
+def partition(fn: Callable, mesh: Mesh, rules: LogicalRules = LOGICAL_AXIS_RULES, *, in_shardings: tuple,
+              out_shardings: Any, donate_argnums: tuple[int, ...] = ()) -> PartitionedFunction:
+  """`fn` jitted for `mesh` with these shardings (see `PartitionedFunction`); the only jit wrapper here."""
+  return PartitionedFunction(fn, mesh, rules, in_shardings, out_shardings, donate_argnums)
 
-  The state keeps `state_shardings`; the batch (from `shard_batch`) is split along its rows (axis 1 with
-  `grad_accum_steps > 1`); the rng and the metrics are replicated. Traced under `mesh_context`.
+
+def jit_train_step(model_config: ModelConfig, mesh: Mesh, state_shardings: Any,
+                   rules: LogicalRules = LOGICAL_AXIS_RULES, *, label_smoothing: float = 0.1,
+                   grad_accum_steps: int = 1, learning_rate_fn=None) -> PartitionedFunction:
+  """`steps.train_step` partitioned for `mesh`: `(state, batch, rng) -> (state, metrics)`, the state donated.
+
+  The state keeps `state_shardings` (`shardings_of(create_train_state(...))`); the batch (from `shard_batch`)
+  is split along its rows (axis 1 with `grad_accum_steps > 1`); the rng and the metrics are replicated.
+  This is the step the trainer runs and the benchmarks time (`experiments/benchmarks`).
   """
   rules = validate_model_for_mesh(model_config, mesh, rules)
   fn = functools.partial(steps.train_step, config=model_config, label_smoothing=label_smoothing,
                          grad_accum_steps=grad_accum_steps, learning_rate_fn=learning_rate_fn)
-  return ShardedTrainStep(fn, mesh, rules, state_shardings,
-                          batch_sharding(mesh, rules, accum=grad_accum_steps > 1))
+  return partition(fn, mesh, rules, donate_argnums=(0,),
+                   in_shardings=(state_shardings, batch_sharding(mesh, rules, accum=grad_accum_steps > 1),
+                                 replicated(mesh)),
+                   out_shardings=(state_shardings, replicated(mesh)))
 
 
-def jit_sharded_eval_step(model_config: ModelConfig, mesh: Mesh, params_shardings: Any,
-                          rules: LogicalRules = LOGICAL_AXIS_RULES, *, label_smoothing: float = 0.1
-                          ) -> MeshBoundFunction:
-  """`steps.eval_step` jitted for `mesh`: `(params, batch) -> sums` (replicated scalars).
+def jit_eval_step(model_config: ModelConfig, mesh: Mesh, params_shardings: Any,
+                  rules: LogicalRules = LOGICAL_AXIS_RULES, *, label_smoothing: float = 0.1
+                  ) -> PartitionedFunction:
+  """`steps.eval_step` partitioned for `mesh`: `(params, batch) -> sums` (replicated scalars).
 
   Batches come from `shard_batch(batch, mesh, process_local=False, pad_rows=True)`.
   """
   rules = validate_model_for_mesh(model_config, mesh, rules)
   fn = functools.partial(steps.eval_step, config=model_config, label_smoothing=label_smoothing)
-  jitted = jax.jit(fn, in_shardings=(params_shardings, batch_sharding(mesh, rules)),
+  return partition(fn, mesh, rules, in_shardings=(params_shardings, batch_sharding(mesh, rules)),
                    out_shardings=replicated(mesh))
-  return MeshBoundFunction(jitted, mesh, rules)
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -42,7 +42,7 @@ class Corpus:
 def load_corpus(max_len: int = 512) -> Corpus:
   """multi30k train (29k pairs) tokenised with an 8k shared BPE (trained once, cached); number words if absent."""
   from transformer_jax.data import tokenizer as tok_lib
-  from transformer_jax.data.pipeline import filter_by_length
+  from transformer_jax.data.batching import filter_by_length
   if (MULTI30K / "train.en").exists():
     read = lambda name: [l.rstrip("\n") for l in open(MULTI30K / name, encoding="utf-8")]  # noqa: E731
     en, de, test_en = read("train.en"), read("train.de"), read("test2016.en")

@@ -24,6 +24,7 @@ import time
 import jax
 import jax.numpy as jnp
 
+from experiments import launch
 from experiments.benchmarks import common, sections
 
 # First match wins: the finer module paths before the blocks that contain them.
@@ -93,7 +94,7 @@ def main(argv=None):
   parser.add_argument("--trace_dir", default="")
   args = parser.parse_args(argv)
 
-  from transformer_jax.data.pipeline import PackedBatches
+  from transformer_jax.data.batching import PackedBatches
   from transformer_jax.training.schedule import adam_with_schedule
   from transformer_jax.training.steps import create_train_state, jit_train_step
 
@@ -144,4 +145,5 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
+  launch.maybe_reexecute_with_huge_pages()
   main()

@@ -13,7 +13,7 @@ Sections (each in its own process, so peak memory is per configuration):
                 analytic model FLOP/s vs the matmul rate of the same rounds, the PyTorch peer
                 (`torch.nn.Transformer`, same batch) and ablations that undo one library speed-up each
                 (experiments/benchmarks/ablations.py), plus the host data pipeline's tokens/s on the same config
-  hugepages_off the CPU-preset step again in a process without glibc huge pages (experiments/__init__.py)
+  hugepages_off the CPU-preset step again in a process without glibc huge pages (experiments/launch.py)
   decode        greedy and beam 4 over 500 multi30k test sources (CPU preset), cached vs uncached, the
                 encoder alone, compilations per file
   scaling       step time vs row length 64..512 (fixed 4096 tokens/batch) and vs tokens/batch
@@ -32,6 +32,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from experiments import launch
 from experiments.benchmarks import common
 
 DOC = common.REPO / "docs" / "performance.md"
@@ -252,7 +253,7 @@ def render(results: dict) -> str:
   h, tiny = results.get("hugepages_off", {}), results.get("train_tiny", {})
   if "jax" in h and "jax" in tiny:
     off, on = h["jax"]["baseline"], tiny["jax"]["baseline"]
-    lines += [f"Huge pages (glibc.malloc.hugetlb=1, experiments/__init__.py): the tiny step in a process "
+    lines += [f"Huge pages (glibc.malloc.hugetlb=1, experiments/launch.py): the tiny step in a process "
               f"without them (`hugepages_off`, run right after, {off['steps']} steps): {off['step_s']:.3f}s vs "
               f"{on['step_s']:.3f}s with them: {off['step_s'] / on['step_s']:.2f}x; MFU vs (1) "
               f"{_pct(mfu_vs_machine(results, h))} vs {_pct(mfu_vs_machine(results, tiny))}. (Without huge "
@@ -435,4 +436,5 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
+  launch.maybe_reexecute_with_huge_pages()
   sys.exit(main())

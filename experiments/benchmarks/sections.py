@@ -24,6 +24,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
+from experiments import launch  # noqa: E402
 from experiments.benchmarks import common  # noqa: E402
 from transformer_jax import config as presets  # noqa: E402
 
@@ -76,7 +77,7 @@ class _Pipeline:
   """Times `PackedBatches` batch building: epoch planning (amortised) + `build_packed_batch` per batch."""
 
   def __init__(self, corpus, tokens_per_batch, row_length):
-    from transformer_jax.data.pipeline import PackedBatches
+    from transformer_jax.data.batching import PackedBatches
     self.batches = PackedBatches(corpus.sources, corpus.targets, tokens_per_batch=tokens_per_batch,
                                  row_length=row_length, seed=0)
     _, self.plan_s = _timed(lambda: self.batches.plan(0))
@@ -399,7 +400,7 @@ def decode(args) -> dict:
 # ----------------------------------------------------------------------------------------------------------
 
 def scaling(args) -> dict:
-  from transformer_jax.data.pipeline import PackedBatches
+  from transformer_jax.data.batching import PackedBatches
   from transformer_jax.training.schedule import adam_with_schedule
   from transformer_jax.training.steps import create_train_state, jit_train_step
 
@@ -498,4 +499,5 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
+  launch.maybe_reexecute_with_huge_pages()
   main()

@@ -29,6 +29,7 @@ import warnings  # noqa: E402
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
+from experiments import launch  # noqa: E402
 from transformer_jax import config as presets  # noqa: E402
 from transformer_jax import sharding  # noqa: E402
 from transformer_jax.training.schedule import adam_with_schedule, rsqrt_schedule  # noqa: E402
@@ -124,4 +125,5 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
+  launch.maybe_reexecute_with_huge_pages()
   main()

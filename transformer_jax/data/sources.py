@@ -18,6 +18,10 @@ from typing import Any
 
 import tensorflow_datasets as tfds
 
+from transformer_jax.data.number_words import NumberWords
+from transformer_jax.data.parallel_text import parallel_text_builder
+from transformer_jax.workdir import Workdir
+
 Pairs = list[tuple[str, str]]
 
 
@@ -33,15 +37,14 @@ def read_tfds_pairs(builder: tfds.core.DatasetBuilder, split: str, source_key: s
 
 
 def tfds_data_dir(data_config: Any, workdir: str | None) -> str:
-  explicit = data_config.get("tfds_data_dir")
-  if explicit:
-    return explicit
-  return os.path.join(workdir, "tfds") if workdir else os.path.expanduser("~/tensorflow_datasets")
+  if data_config.tfds_data_dir:
+    return data_config.tfds_data_dir
+  return os.fspath(Workdir(workdir).tfds) if workdir else os.path.expanduser("~/tensorflow_datasets")
 
 
 def _tfds_translation_builder(data_config: Any, data_dir: str) -> tuple[tfds.core.DatasetBuilder, str, str]:
   name = data_config.dataset
-  source, target = data_config.get("source_lang", "en"), data_config.get("target_lang", "de")
+  source, target = data_config.source_lang, data_config.target_lang
   try:
     builder = tfds.builder(name, data_dir=data_dir)
   except tfds.core.registered.DatasetNotFoundError as e:
@@ -50,7 +53,7 @@ def _tfds_translation_builder(data_config: Any, data_dir: str) -> tuple[tfds.cor
   if not {source, target} <= features:
     raise ValueError(f"{name} has languages {sorted(features)}; data.source_lang={source!r} / "
                      f"data.target_lang={target!r} do not match")
-  if data_config.get("download", False):
+  if data_config.download:
     builder.download_and_prepare()
   elif not builder.is_prepared():
     raise ValueError(f"{name} is not prepared in {data_dir}: prepare it there first (see README, "
@@ -63,18 +66,16 @@ def get_builder(data_config: Any, workdir: str | None = None) -> tuple[tfds.core
   data_dir = tfds_data_dir(data_config, workdir)
   name = data_config.dataset
   if name == "number_words":
-    from transformer_jax.data.number_words import NumberWords
-    builder = NumberWords(config=data_config.get("builder_config") or "default", data_dir=data_dir)
+    builder = NumberWords(config=data_config.builder_config or "default", data_dir=data_dir)
     builder.download_and_prepare()
     return builder, "en", "de"
   if name == "parallel_text":
-    from transformer_jax.data.parallel_text import parallel_text_builder
-    if not data_config.get("dir"):
+    if not data_config.dir:
       raise ValueError("data.dataset='parallel_text' needs --config.data.dir=DIRECTORY")
     source, target = data_config.source_lang, data_config.target_lang
     builder = parallel_text_builder(data_config.dir, source, target, data_dir,
                                     required_splits=(data_config.train_split,
-                                                     *data_config.get("eval_splits", ())))
+                                                     *data_config.eval_splits))
     return builder, source, target
   return _tfds_translation_builder(data_config, data_dir)
 

@@ -1,6 +1,9 @@
-"""Training: the paper's schedule and loss, the train state and the pure train/eval steps."""
+"""Training's pure pieces: the paper's schedule and loss, the train state and the train/eval steps.
+
+Nothing here imports anything above `model`; the orchestration is `transformer_jax.trainer`, and the one
+jit road (state creation, partitioned steps) is `transformer_jax.sharding`.
+"""
 
 from transformer_jax.training.loss import label_smoothed_cross_entropy, normalized_loss, token_weights
 from transformer_jax.training.schedule import adam_with_schedule, rsqrt_schedule
-from transformer_jax.training.steps import (TrainState, create_train_state, eval_step, init_params,
-                                            jit_eval_step, jit_train_step, metrics_from_sums, train_step)
+from transformer_jax.training.steps import TrainState, eval_step, init_params, metrics_from_sums, train_step

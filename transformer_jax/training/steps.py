@@ -7,10 +7,8 @@ accumulation every array has a leading micro-batch axis: `[accum_steps, batch, l
 
 from __future__ import annotations
 
-import functools
 from typing import Any, Mapping
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import optax
@@ -35,12 +33,6 @@ def init_params(config: ModelConfig, rng: jax.Array, length: int = 8) -> Any:
   return Transformer(config).init(rng, ids, ids)["params"]
 
 
-def create_train_state(config: ModelConfig, tx: optax.GradientTransformation, rng: jax.Array) -> TrainState:
-  """A fresh `TrainState` with unboxed float32 parameters and the optimizer state for `tx`."""
-  params = nn.unbox(init_params(config, rng))
-  return TrainState.create(apply_fn=Transformer(config).apply, params=params, tx=tx)
-
-
 def _model_kwargs(batch: Batch) -> dict:
   return {key: batch[key] for key in PACKING_KEYS if key in batch}
 
@@ -59,7 +51,8 @@ def _forward_sums(params, batch: Batch, *, config: ModelConfig, label_smoothing:
           "correct_sum": jnp.sum(correct * weights), "token_count": jnp.sum(weights)}
 
 
-def _metrics_from_sums(sums: Mapping[str, jax.Array]) -> dict:
+def metrics_from_sums(sums: Mapping[str, jax.Array]) -> dict:
+  """Per-token `loss`, `nll`, `accuracy` (and `token_count`) from summed `eval_step`/`train_step` sums."""
   count = jnp.maximum(sums["token_count"], 1.0)
   return {"loss": sums["loss_sum"] / count, "nll": sums["nll_sum"] / count,
           "accuracy": sums["correct_sum"] / count, "token_count": sums["token_count"]}
@@ -100,7 +93,7 @@ def train_step(state: TrainState, batch: Batch, rng: jax.Array, *, config: Model
 
   grads = jax.tree_util.tree_map(lambda g: g / jnp.maximum(sums["token_count"], 1.0), grads)
   new_state = state.apply_gradients(grads=grads)
-  metrics = _metrics_from_sums(sums)
+  metrics = metrics_from_sums(sums)
   metrics["grad_norm"] = optax.tree.norm(grads)
   if learning_rate_fn is not None:
     metrics["learning_rate"] = learning_rate_fn(state.step + 1)
@@ -108,21 +101,8 @@ def train_step(state: TrainState, batch: Batch, rng: jax.Array, *, config: Model
 
 
 def eval_step(params, batch: Batch, *, config: ModelConfig, label_smoothing: float = 0.1) -> dict:
-  """Summed loss/NLL/correct/token_count over a batch (sum across batches, then `metrics_from_sums`)."""
+  """Summed loss/NLL/correct/token_count over a batch (sum across batches, then `metrics_from_sums`).
+
+  Jit it through `sharding.jit_eval_step` (the one jit road).
+  """
   return _forward_sums(params, batch, config=config, label_smoothing=label_smoothing, dropout_rng=None)
-
-
-metrics_from_sums = _metrics_from_sums
-
-
-def jit_train_step(config: ModelConfig, label_smoothing: float = 0.1, grad_accum_steps: int = 1,
-                   learning_rate_fn=None, **jit_kwargs):
-  """`train_step` with its static configuration bound, jitted with the state donated."""
-  fn = functools.partial(train_step, config=config, label_smoothing=label_smoothing,
-                         grad_accum_steps=grad_accum_steps, learning_rate_fn=learning_rate_fn)
-  return jax.jit(fn, donate_argnums=(0,), **jit_kwargs)
-
-
-def jit_eval_step(config: ModelConfig, label_smoothing: float = 0.1, **jit_kwargs):
-  """`eval_step` with its static configuration bound, jitted."""
-  return jax.jit(functools.partial(eval_step, config=config, label_smoothing=label_smoothing), **jit_kwargs)

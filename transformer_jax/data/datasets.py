@@ -9,13 +9,13 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-import re
 import time
 from typing import Any
 
 import numpy as np
 
-from transformer_jax.data import pipeline, sources, token_cache, tokenizer as tokenizer_lib
+from transformer_jax.data import batching, sources, token_cache, tokenizer as tokenizer_lib
+from transformer_jax.workdir import Workdir
 
 
 @dataclasses.dataclass
@@ -30,14 +30,14 @@ class EvalSet:
 @dataclasses.dataclass
 class Datasets:
   tokenizer: tokenizer_lib.Tokenizer
-  train: pipeline.PackedBatches
+  train: batching.PackedBatches
   eval_sets: dict[str, EvalSet]
   stats: dict[str, Any]
 
 
 def vocab_path(data_config: Any, workdir: str) -> str:
   """The vocabulary this run uses: `data.vocab_path` if given, else `<workdir>/vocab/spm.model`."""
-  return data_config.get("vocab_path") or os.path.join(workdir, "vocab", tokenizer_lib.VOCAB_FILENAME)
+  return data_config.vocab_path or os.fspath(Workdir(workdir).vocab)
 
 
 def skip_blank(pairs):
@@ -56,9 +56,8 @@ def load_tokenizer(data_config: Any, workdir: str, train_pairs=None) -> tokenize
       yield t
 
   return tokenizer_lib.load_or_train_tokenizer(
-      path, texts, data_config.vocab_size, model_type=data_config.get("vocab_model_type", "bpe"),
-      max_sentences=data_config.get("vocab_max_sentences", 2_000_000),
-      character_coverage=data_config.get("vocab_character_coverage", 1.0))
+      path, texts, data_config.vocab_size, model_type=data_config.vocab_model_type,
+      max_sentences=data_config.vocab_max_sentences, character_coverage=data_config.vocab_character_coverage)
 
 
 def build_eval_set(tokenizer: tokenizer_lib.Tokenizer, pairs) -> EvalSet:
@@ -70,11 +69,11 @@ def build_eval_set(tokenizer: tokenizer_lib.Tokenizer, pairs) -> EvalSet:
 def build_datasets(data_config: Any, workdir: str, *, seed: int, process_index: int = 0,
                    process_count: int = 1) -> Datasets:
   """Vocabulary + packed training iterator + evaluation sets for `data_config` (see experiment configs)."""
-  eval_names = list(data_config.get("eval_splits", ()))
+  eval_names = list(data_config.eval_splits)
   split = data_config.train_split
   # One dataset preparation (and, for local text, one validation of the files) for every split.
   builder, source_key, target_key = sources.open_splits(data_config, [split, *eval_names], workdir)
-  cache_file = os.path.join(workdir, "data", re.sub(r"[^\w.-]+", "_", split) + ".ids.npz")
+  cache_file = os.fspath(Workdir(workdir).token_ids(split))
   key = lambda: token_cache.cache_key(builder.info.full_name, split, source_key, target_key,  # noqa: E731
                                       vocab_path(data_config, workdir))
   cached = None
@@ -97,9 +96,9 @@ def build_datasets(data_config: Any, workdir: str, *, seed: int, process_index: 
     logging.info("Read and encoded %d %s pairs in %.1fs", len(srcs), split, time.perf_counter() - start)
     if process_index == 0:  # one writer for a shared workdir
       token_cache.save(cache_file, key(), srcs, tgts, blank)
-  srcs, tgts, too_long = pipeline.filter_by_length(srcs, tgts, data_config.max_len)
-  pipeline.log_drop_counts("train", too_long, blank, len(srcs), data_config.max_len)
-  train = pipeline.PackedBatches(srcs, tgts, tokens_per_batch=data_config.tokens_per_batch,
+  srcs, tgts, too_long = batching.filter_by_length(srcs, tgts, data_config.max_len)
+  batching.log_drop_counts("train", too_long, blank, len(srcs), data_config.max_len)
+  train = batching.PackedBatches(srcs, tgts, tokens_per_batch=data_config.tokens_per_batch,
                                  row_length=data_config.max_len, seed=seed, process_index=process_index,
                                  process_count=process_count)
   eval_sets = {}

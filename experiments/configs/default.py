@@ -1,0 +1,88 @@
+"""Every experiment key, once, with its default and a one-line meaning; recipes override only what differs.
+
+    from experiments.configs import default
+    config = default.get_config()
+    config.num_train_steps = 1500          # a recipe holds its deltas (nanoGPT config/*.py, MaxText base.yml)
+
+The library reads `config.x` and never guesses a default, so a recipe built on this file is complete, and a
+misspelt override (`--config.no_such_key=3`) is refused by `ml_collections` (the config is locked).
+`config.model` is `transformer_jax.ModelConfig` itself: its fields, defaults and meanings live there.
+Defaults are the paper's (Vaswani et al., 2017, sections 5-6) where the paper has a value.
+"""
+
+import dataclasses
+
+import ml_collections
+
+from transformer_jax.config import ModelConfig
+
+
+def get_config() -> ml_collections.ConfigDict:
+  config = ml_collections.ConfigDict()
+  config.seed = 0                             # parameter init, dropout and batch order
+
+  # Model: every ModelConfig field (Transformer base, Table 3); vocab_size is set from the trained vocabulary.
+  config.model = ml_collections.ConfigDict(dataclasses.asdict(ModelConfig()))
+
+  config.data = ml_collections.ConfigDict()
+  config.data.dataset = "number_words"        # number_words | parallel_text | a tfds WMT name, e.g. wmt14_translate/de-en
+  config.data.builder_config = "default"      # tfds builder config (number_words only)
+  config.data.dir = ""                        # parallel_text: the directory of {split}.{lang} files
+  config.data.source_lang = "en"              # source language code (file suffix / tfds feature)
+  config.data.target_lang = "de"              # target language code
+  config.data.download = False                # let tfds download and prepare a WMT dataset (network, hours)
+  config.data.tfds_data_dir = ""              # prepared tfds data; "" = <workdir>/tfds
+  config.data.vocab_path = ""                 # SentencePiece model; "" = <workdir>/vocab/spm.model, trained on first run
+  config.data.vocab_size = 37000              # one shared BPE vocabulary for both languages (section 5.1)
+  config.data.vocab_model_type = "bpe"        # SentencePiece model type: bpe | unigram
+  config.data.vocab_max_sentences = 2_000_000  # uniform sample of training lines (both sides) the vocabulary sees
+  config.data.vocab_character_coverage = 1.0  # SentencePiece character_coverage
+  config.data.train_split = "train"           # split trained on
+  config.data.eval_splits = ("validation",)   # splits the evaluators score during training
+  config.data.max_len = 256                   # longest training pair kept (tokens per side), and the packed row length
+  config.data.tokens_per_batch = 26_624       # packed slots per side per micro-batch, all devices (~25k tokens, sec. 5.1)
+
+  # Optimisation (sections 5.3-5.4): Adam(0.9, 0.98, 1e-9), lr = d_model^-0.5 * min(step^-0.5, step * warmup^-1.5).
+  config.num_train_steps = 100_000            # optimizer updates
+  config.warmup_steps = 4000                  # linear warm-up steps of the rsqrt schedule
+  config.learning_rate = 1.0                  # multiplies the schedule
+  config.adam_b1 = 0.9                        # Adam beta1
+  config.adam_b2 = 0.98                       # Adam beta2
+  config.adam_eps = 1e-9                      # Adam epsilon
+  config.label_smoothing = 0.1                # epsilon_ls (section 5.4)
+  config.grad_accum_steps = 1                 # micro-batches per optimizer update
+
+  # Devices: a ('data', 'fsdp', 'tensor') mesh, -1 = the remaining devices.
+  config.mesh = ml_collections.ConfigDict(dict(data=-1, fsdp=1, tensor=1))
+  config.distributed = False                  # initialise jax.distributed (multi-host: TPU pods, SLURM)
+
+  config.log_every_steps = 100                # training metrics to the log, metrics.jsonl and TensorBoard
+
+  # Evaluators run on every `data.eval_splits` split; every_steps = 0 turns one off.
+  config.evals = ml_collections.ConfigDict()
+  config.evals.loss = ml_collections.ConfigDict()
+  config.evals.loss.every_steps = 5000        # token-weighted loss, NLL, perplexity and accuracy
+  config.evals.loss.tokens_per_batch = 16_384  # eval batch size (padded tokens)
+  config.evals.bleu = ml_collections.ConfigDict()
+  config.evals.bleu.every_steps = 0           # sacreBLEU/chrF of translations (a progress signal; alpha: decode.alpha)
+  config.evals.bleu.max_examples = 1000       # the first examples of each split; 0 = all
+  config.evals.bleu.beam_size = 1             # 1 = greedy
+
+  config.checkpoint_every_steps = 0           # save every N steps (0 = off)
+  config.checkpoint_every_minutes = 10.0      # save every N minutes of wall time (section 6.1; 0 = off)
+  config.checkpoint_keep = 5                  # newest checkpoints kept (enough to average decode.average_last)
+  config.checkpoint_best_metric = ""          # also keep the best step by this eval metric, e.g. "validation/bleu"
+  config.async_checkpointing = True           # write checkpoints in a background thread
+
+  # Decoding for reported scores (section 6.1): beam 4, length penalty alpha 0.6, outputs up to input + 50.
+  config.decode = ml_collections.ConfigDict()
+  config.decode.beam_size = 4                 # 1 = greedy
+  config.decode.alpha = 0.6                   # GNMT length penalty exponent
+  config.decode.extra_len = 50                # output length limit: source length + extra_len
+  config.decode.average_last = 5              # checkpoints averaged for the reported model (base 5, big 20)
+
+  # After `experiments.train`: translate a test split with `decode`, print exact match and BLEU.
+  config.final_eval = ml_collections.ConfigDict()
+  config.final_eval.split = "test"            # "" = skip
+  config.final_eval.max_examples = 0          # 0 = the whole split
+  return config

@@ -1,0 +1,437 @@
+"""The training orchestration: one config and one workdir in, a trained state and a typed result out.
+
+    result = trainer.train_and_evaluate(config, workdir)    # what `python -m experiments.train` runs
+
+`config` is an `ml_collections.ConfigDict` built on `experiments/configs/default.py` (every key present; the
+config is never modified here) and `workdir` a run directory (`transformer_jax.workdir`). The run is cut into
+named steps, each small enough to read at once:
+
+1. `prepare`: refuse an incompatible workdir before touching it, build the datasets and the model config,
+   write `config.json`.
+2. `init_or_restore`: the train state born sharded on the config's mesh, or the latest complete checkpoint
+   (state, dropout rng, data position) read straight into that layout.
+3. `train`: the compiled step (`make_train_step`, the same one the benchmarks time) in a loop whose periodic
+   actions (logging, evaluators, checkpoints, stop signals) are each decided by `itstime`.
+
+Periodic decisions follow big_vision's `itstime(step, every, total)`; evaluators are small objects listed by
+`config.evals` (`loss`, `bleu`), each with its own `every_steps`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import math
+import signal
+import time
+from typing import Any, Iterator, Protocol
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.experimental import multihost_utils
+from tensorboardX import SummaryWriter
+
+from transformer_jax import checkpoint as checkpoint_lib
+from transformer_jax import inference, metrics as metrics_lib, sharding
+from transformer_jax.config import ModelConfig
+from transformer_jax.data import batching, datasets as datasets_lib
+from transformer_jax.training import schedule as schedule_lib
+from transformer_jax.training import steps
+from transformer_jax.workdir import Workdir, to_jsonable, write_json_atomically
+
+# Keys of the saved config that must match to reuse a workdir: the data and vocabulary first (checked
+# before the datasets are built), then the model (checked once the vocabulary fixes its size).
+DATA_KEYS = ("data.vocab_size", "data.dataset")
+MODEL_KEYS = ("model",)
+
+
+class NonFiniteLossError(FloatingPointError):
+  """The training loss became NaN or Inf."""
+
+
+def model_config_from(config: Any, vocab_size: int) -> ModelConfig:
+  """`ModelConfig` from `config.model` with the vocabulary size of the run's tokenizer.
+
+  Raises ValueError naming unknown `config.model` fields (and ModelConfig's own range errors).
+  """
+  fields = {f.name for f in dataclasses.fields(ModelConfig)}
+  values = dict(config.model.to_dict() if hasattr(config.model, "to_dict") else config.model)
+  unknown = set(values) - fields
+  if unknown:
+    raise ValueError(f"config.model has unknown fields {sorted(unknown)}; ModelConfig fields are {sorted(fields)}")
+  values["vocab_size"] = vocab_size
+  return ModelConfig(**values)
+
+
+def itstime(step: int, every_steps: int, total_steps: int, *, last: bool = True) -> bool:
+  """True every `every_steps` steps and (with `last`) at the final step; `every_steps <= 0` means never.
+
+  The one helper for every "every N steps" decision (big_vision's `itstime`).
+  """
+  if every_steps <= 0:
+    return False
+  return step % every_steps == 0 or (last and step == total_steps)
+
+
+def optimizer(config: Any, d_model: int) -> tuple[optax.GradientTransformation, Any]:
+  """Adam with the paper's schedule (section 5.3) from the config, and the schedule itself."""
+  learning_rate_fn = schedule_lib.rsqrt_schedule(d_model, config.warmup_steps, config.learning_rate)
+  tx = schedule_lib.adam_with_schedule(d_model, config.warmup_steps, config.learning_rate,
+                                       b1=config.adam_b1, b2=config.adam_b2, eps=config.adam_eps)
+  return tx, learning_rate_fn
+
+
+def make_train_step(config: Any, model_config: ModelConfig, mesh: jax.sharding.Mesh, state: steps.TrainState,
+                    rules=sharding.LOGICAL_AXIS_RULES) -> sharding.PartitionedFunction:
+  """The compiled train step of a run: `(state, batch, rng) -> (state, metrics)`.
+
+  The trainer runs exactly this; `experiments/benchmarks` time it (a test compares the two programs).
+  """
+  _, learning_rate_fn = optimizer(config, model_config.d_model)
+  return sharding.jit_train_step(model_config, mesh, sharding.shardings_of(state), rules,
+                                 label_smoothing=config.label_smoothing,
+                                 grad_accum_steps=config.grad_accum_steps, learning_rate_fn=learning_rate_fn)
+
+
+def create_state(config: Any, model_config: ModelConfig, mesh: jax.sharding.Mesh, rng: jax.Array,
+                 rules=sharding.LOGICAL_AXIS_RULES) -> steps.TrainState:
+  """A fresh train state of the run, born sharded on `mesh` with the config's optimizer."""
+  tx, _ = optimizer(config, model_config.d_model)
+  return sharding.create_train_state(model_config, tx, rng, mesh, rules)
+
+
+def next_batch(batches: Iterator[dict], accum: int) -> dict:
+  """One batch, or `accum` consecutive batches stacked to `[accum, rows, length]` for accumulation."""
+  if accum == 1:
+    return next(batches)
+  parts = [next(batches) for _ in range(accum)]
+  return {k: np.stack([p[k] for p in parts]) for k in parts[0]}
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Writers, signals and evaluators
+# ------------------------------------------------------------------------------------------------------------
+
+class MetricWriter:
+  """Scalars to TensorBoard event files (tensorboardX) and `metrics.jsonl` in the workdir (process 0 only)."""
+
+  def __init__(self, workdir: Workdir, enabled: bool = True):
+    self.enabled = enabled
+    if enabled:
+      self._tb = SummaryWriter(str(workdir.tensorboard))
+      self._jsonl = workdir.metrics_jsonl.open("a", encoding="utf-8")
+
+  def write(self, step: int, scalars: dict[str, float]) -> None:
+    if not self.enabled:
+      return
+    for name, value in scalars.items():
+      self._tb.add_scalar(name, value, step)
+    self._jsonl.write(json.dumps({"step": step, "time": time.time(), **scalars}) + "\n")
+    self._jsonl.flush()
+
+  def close(self) -> None:
+    if self.enabled:
+      self._tb.close()
+      self._jsonl.close()
+
+
+class StopSignal:
+  """SIGTERM/SIGINT set a flag; the loop finishes the current step, saves a checkpoint and stops.
+
+  On multi-host runs JAX's preemption sync point (`jax.distributed` with the preemption service) is also
+  consulted, so every host stops at the same step.
+  """
+
+  def __init__(self):
+    self.signal_name: str | None = None
+    self._previous = {}
+    for sig in (signal.SIGTERM, signal.SIGINT):
+      try:
+        self._previous[sig] = signal.signal(sig, self._handle)
+      except ValueError:  # not the main thread (e.g. in a notebook worker): no handler
+        pass
+
+  def _handle(self, signum, frame):
+    del frame
+    self.signal_name = signal.Signals(signum).name
+
+  def requested(self, step: int) -> bool:
+    if self.signal_name is None and jax.process_count() > 1:
+      try:
+        if multihost_utils.reached_preemption_sync_point(step):
+          self.signal_name = "preemption notice"
+      except RuntimeError:  # preemption service not enabled
+        pass
+    return self.signal_name is not None
+
+  def restore(self) -> None:
+    for sig, handler in self._previous.items():
+      signal.signal(sig, handler)
+
+
+class Evaluator(Protocol):
+  """Scores the current params on one eval split; returns `{metric: value}` (logged as `<split>/<metric>`)."""
+
+  name: str
+  every_steps: int
+
+  def __call__(self, run: "Run", params: Any, split: str, eval_set: datasets_lib.EvalSet) -> dict[str, float]:
+    ...
+
+
+@dataclasses.dataclass
+class LossEvaluator:
+  """Token-weighted loss, NLL, perplexity and accuracy over a whole eval split (teacher forcing)."""
+
+  every_steps: int
+  tokens_per_batch: int
+  name: str = "loss"
+
+  def __call__(self, run: "Run", params: Any, split: str, eval_set: datasets_lib.EvalSet) -> dict[str, float]:
+    totals = None
+    for batch in batching.eval_batches(eval_set.sources, eval_set.targets, self.tokens_per_batch):
+      sums = run.eval_step(params, sharding.shard_batch(batch, run.mesh, run.rules, process_local=False,
+                                                        pad_rows=True))
+      totals = sums if totals is None else jax.tree_util.tree_map(jnp.add, totals, sums)
+    metrics = {k: float(v) for k, v in steps.metrics_from_sums(totals).items()}
+    metrics["perplexity"] = float(math.exp(min(metrics["nll"], 50.0)))
+    logging.info("eval %s: loss %.3f | nll %.3f | ppl %.2f | acc %.3f", split, metrics["loss"], metrics["nll"],
+                 metrics["perplexity"], metrics["accuracy"])
+    return metrics
+
+
+@dataclasses.dataclass
+class BleuEvaluator:
+  """sacreBLEU and chrF of translations of the first `max_examples` pairs of an eval split."""
+
+  every_steps: int
+  max_examples: int
+  beam_size: int
+  alpha: float
+  name: str = "bleu"
+
+  def __call__(self, run: "Run", params: Any, split: str, eval_set: datasets_lib.EvalSet) -> dict[str, float]:
+    pairs = eval_set.pairs[: self.max_examples or None]
+    hyps = inference.translate_texts(params, run.model_config, run.data.tokenizer, [s for s, _ in pairs],
+                                     beam_size=self.beam_size, alpha=self.alpha)
+    scores = metrics_lib.sacrebleu_scores(hyps, [t for _, t in pairs])
+    logging.info("BLEU %s: %.2f (chrF %.2f) %s", split, scores["bleu"], scores["chrf"], scores["bleu_signature"])
+    return {"bleu": scores["bleu"], "chrf": scores["chrf"]}
+
+
+def make_evaluators(config: Any) -> list[Evaluator]:
+  """The evaluators `config.evals` lists (each runs every `every_steps` steps and at the end; 0 = off)."""
+  return [LossEvaluator(config.evals.loss.every_steps, config.evals.loss.tokens_per_batch),
+          BleuEvaluator(config.evals.bleu.every_steps, config.evals.bleu.max_examples,
+                        config.evals.bleu.beam_size, config.decode.alpha)]
+
+
+# ------------------------------------------------------------------------------------------------------------
+# The run: prepare, init-or-restore, train
+# ------------------------------------------------------------------------------------------------------------
+
+@dataclasses.dataclass
+class Run:
+  """Everything one training run holds between its steps (built by `prepare` and `init_or_restore`)."""
+
+  config: Any
+  workdir: Workdir
+  resolved_config: dict          # `config` as a dict, `model.vocab_size` set; what config.json holds
+  model_config: ModelConfig
+  data: datasets_lib.Datasets
+  mesh: jax.sharding.Mesh
+  rules: tuple
+  state: steps.TrainState | None = None
+  rng: jax.Array | None = None   # the typed dropout key (`jax.random.key`), saved with every checkpoint
+  start_step: int = 0
+  train_step: sharding.PartitionedFunction | None = None
+  eval_step: sharding.PartitionedFunction | None = None
+  checkpointer: checkpoint_lib.Checkpointer | None = None
+
+  @property
+  def is_chief(self) -> bool:
+    return jax.process_index() == 0
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainResult:
+  """What `train_and_evaluate` returns."""
+
+  state: steps.TrainState
+  model_config: ModelConfig
+  datasets: datasets_lib.Datasets
+  final_step: int
+  train_minutes: float
+  stopped_early: bool              # a signal stopped the run before `num_train_steps`
+  train_metrics: dict[str, float]  # the last logged training scalars (loss, accuracy, tokens/s, ...)
+  eval_metrics: dict[str, float]   # the last value of every `<split>/<metric>` the evaluators produced
+
+
+def prepare(config: Any, workdir: str) -> Run:
+  """Checks the workdir, builds the datasets and the model config, writes `config.json` (process 0)."""
+  sharding.maybe_initialize_distributed(config.distributed)
+  run_dir = Workdir(workdir)
+  run_dir.check_compatible(config.to_dict(), keys=DATA_KEYS)  # before anything in the workdir is touched
+  run_dir.root.mkdir(parents=True, exist_ok=True)
+  data = datasets_lib.build_datasets(config.data, str(run_dir.root), seed=config.seed,
+                                     process_index=jax.process_index(), process_count=jax.process_count())
+  model_config = model_config_from(config, data.tokenizer.vocab_size)
+  resolved = to_jsonable(config)
+  resolved["model"] = to_jsonable(model_config)
+  run_dir.check_compatible(resolved, keys=MODEL_KEYS)
+  if jax.process_index() == 0:
+    write_json_atomically(run_dir.config_json, resolved)
+  mesh = sharding.mesh_from_config(config.mesh)
+  rules = sharding.validate_model_for_mesh(model_config, mesh)
+  src_eff, tgt_eff = data.train.padding_efficiency()
+  logging.info("Model: %s", model_config)
+  logging.info("Packed batches: %d rows x %d slots; padding efficiency source %.1f%%, target %.1f%%",
+               data.train.rows_per_batch, data.train.row_length, 100 * src_eff, 100 * tgt_eff)
+  return Run(config=config, workdir=run_dir, resolved_config=resolved, model_config=model_config, data=data,
+             mesh=mesh, rules=rules)
+
+
+def _checkpointer(config: Any, workdir: Workdir) -> checkpoint_lib.Checkpointer:
+  best_metric = config.checkpoint_best_metric or None
+  return checkpoint_lib.Checkpointer(workdir.checkpoints, max_to_keep=config.checkpoint_keep,
+                                     best_metric=best_metric,
+                                     best_mode="min" if best_metric and best_metric.endswith("loss") else "max",
+                                     enable_async_checkpointing=config.async_checkpointing)
+
+
+def init_or_restore(run: Run) -> None:
+  """A fresh sharded state and dropout key, or the newest complete checkpoint's; compiles the steps."""
+  init_rng, run.rng = jax.random.split(jax.random.key(run.config.seed))
+  run.state = create_state(run.config, run.model_config, run.mesh, init_rng, run.rules)
+  logging.info("Mesh %s over %d devices; train state %.1f MiB per device", dict(run.mesh.shape), run.mesh.size,
+               max(sharding.per_device_bytes(run.state).values()) / 2**20)
+  run.checkpointer = _checkpointer(run.config, run.workdir)
+  if run.checkpointer.latest_step() is not None:
+    restored = run.checkpointer.restore_latest_complete(sharding.abstract_state(run.state))
+    run.state, run.start_step = restored.state, restored.step
+    run.rng = restored.rng if restored.rng is not None else run.rng
+    run.data.train.set_state(restored.data_state)
+    logging.info("Resumed from the checkpoint at step %d in %s (data position %s)", run.start_step,
+                 run.checkpointer.directory, restored.data_state)
+  run.train_step = make_train_step(run.config, run.model_config, run.mesh, run.state, run.rules)
+  run.eval_step = sharding.jit_eval_step(run.model_config, run.mesh, sharding.shardings_of(run.state.params),
+                                         run.rules, label_smoothing=run.config.label_smoothing)
+
+
+def _format_eta(seconds: float) -> str:
+  seconds = max(0, int(seconds))
+  return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m" if seconds >= 3600 else f"{seconds // 60}m{seconds % 60:02d}s"
+
+
+class _TrainLog:
+  """Collects the step metrics between logging steps and turns them into scalars (one host sync per log)."""
+
+  def __init__(self, start_step: int):
+    self.pending: list[tuple[int, dict]] = []
+    self.last_time, self.last_step = time.time(), start_step
+
+  def add(self, step: int, metrics: dict) -> None:
+    self.pending.append((step, metrics))
+
+  def flush(self, step: int, total_steps: int) -> dict[str, float]:
+    """Scalars since the last flush; raises NonFiniteLossError at the first NaN/Inf loss."""
+    fetched = jax.device_get([m for _, m in self.pending])
+    for (s, _), m in zip(self.pending, fetched):
+      if not np.isfinite(m["loss"]):
+        raise NonFiniteLossError(f"training loss is {m['loss']} at step {s}; stopping")
+    now = time.time()
+    steps_per_s = (step - self.last_step) / max(now - self.last_time, 1e-9)
+    scalars = {k: float(np.mean([m[k] for m in fetched])) for k in ("loss", "nll", "accuracy", "grad_norm")}
+    scalars.update(learning_rate=float(fetched[-1]["learning_rate"]), steps_per_s=steps_per_s,
+                   tokens_per_s=sum(float(m["token_count"]) for m in fetched) / max(now - self.last_time, 1e-9))
+    logging.info("step %d/%d | loss %.3f | acc %.3f | lr %.2e | %.0f tok/s | %.2f steps/s | eta %s", step,
+                 total_steps, scalars["loss"], scalars["accuracy"], scalars["learning_rate"],
+                 scalars["tokens_per_s"], steps_per_s, _format_eta((total_steps - step) / max(steps_per_s, 1e-9)))
+    self.pending, self.last_time, self.last_step = [], now, step
+    return scalars
+
+
+def evaluate(run: Run, evaluators: list[Evaluator], step: int) -> dict[str, float]:
+  """Runs the evaluators due at `step` on every eval split; returns `{"<split>/<metric>": value}`."""
+  results = {}
+  for evaluator in evaluators:
+    if itstime(step, evaluator.every_steps, run.config.num_train_steps):
+      for split, eval_set in run.data.eval_sets.items():
+        for metric, value in evaluator(run, run.state.params, split, eval_set).items():
+          results[f"{split}/{metric}"] = value
+  return results
+
+
+def _checkpoint_due(run: Run, step: int, last_save_time: float) -> bool:
+  config = run.config
+  if itstime(step, config.checkpoint_every_steps, config.num_train_steps):
+    return True
+  # Wall-clock saves are checked at logging steps (already a host sync point) and decided by process 0:
+  # hosts' clocks differ, and a save only some hosts enter never completes.
+  return (config.checkpoint_every_minutes > 0 and itstime(step, config.log_every_steps, 0, last=False)
+          and sharding.agree_across_hosts(time.time() - last_save_time >= 60 * config.checkpoint_every_minutes))
+
+
+def save(run: Run, step: int, eval_metrics: dict[str, float]) -> None:
+  """Writes the checkpoint of `step` (state, rng, data position, resolved config, and the best metric's value)."""
+  best = run.config.checkpoint_best_metric
+  run.checkpointer.save(step, run.state, run.rng, run.data.train.get_state(), run.resolved_config,
+                        metrics=eval_metrics if best and best in eval_metrics else None)
+
+
+def train(run: Run, writer: MetricWriter, stop: StopSignal) -> TrainResult:
+  """The step loop from `run.start_step` to `num_train_steps`, with its periodic actions."""
+  config, total = run.config, run.config.num_train_steps
+  evaluators = make_evaluators(config)
+  log = _TrainLog(run.start_step)
+  train_metrics: dict[str, float] = {}
+  eval_metrics: dict[str, float] = {}
+  last_save_time = train_start = time.time()
+  step, stopped = run.start_step, False
+  logging.info("Training %d parameters for %d steps (from step %d)",
+               sum(x.size for x in jax.tree_util.tree_leaves(run.state.params)), total, run.start_step)
+  for step in range(run.start_step + 1, total + 1):
+    batch = sharding.shard_batch(next_batch(run.data.train, config.grad_accum_steps), run.mesh, run.rules)
+    run.state, metrics = run.train_step(run.state, batch, run.rng)
+    log.add(step, metrics)
+    if itstime(step, config.log_every_steps, total):
+      train_metrics = log.flush(step, total)
+      writer.write(step, {f"train/{k}": v for k, v in train_metrics.items()})
+    new_eval = evaluate(run, evaluators, step)
+    if new_eval:
+      writer.write(step, new_eval)
+      eval_metrics.update(new_eval)
+    stopped = stop.requested(step)
+    if stopped or step == total or _checkpoint_due(run, step, last_save_time):
+      save(run, step, new_eval)
+      last_save_time = time.time()
+    if stopped:
+      logging.warning("Received %s: saved the checkpoint of step %d; stopping. Re-run to resume.",
+                      stop.signal_name, step)
+      break
+  return TrainResult(state=run.state, model_config=run.model_config, datasets=run.data, final_step=step,
+                     train_minutes=(time.time() - train_start) / 60, stopped_early=stopped,
+                     train_metrics=train_metrics, eval_metrics=eval_metrics)
+
+
+def train_and_evaluate(config: Any, workdir: str) -> TrainResult:
+  """Trains `config` in `workdir` (resuming from its latest complete checkpoint) and returns the result.
+
+  Raises ValueError for a workdir holding an incompatible run or an invalid config (nothing written then),
+  `checkpoint.CheckpointMismatchError` for a checkpoint of another architecture, NonFiniteLossError when
+  the loss becomes NaN/Inf. SIGTERM/SIGINT finish the current step, save, and return (`stopped_early`).
+  """
+  run = prepare(config, workdir)
+  init_or_restore(run)
+  writer = MetricWriter(run.workdir, enabled=run.is_chief)
+  stop = StopSignal()
+  try:
+    return train(run, writer, stop)
+  finally:
+    stop.restore()
+    run.checkpointer.wait()
+    run.checkpointer.close()
+    writer.close()

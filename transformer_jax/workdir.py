@@ -1,0 +1,190 @@
+"""The run directory of one experiment, in one place: its layout, atomic JSON writes and config comparison.
+
+    <workdir>/
+      config.json             the resolved experiment config (written by process 0 before training starts)
+      checkpoints/<step>/     orbax checkpoints (`transformer_jax.checkpoint`)
+      vocab/spm.model         the SentencePiece vocabulary (unless `data.vocab_path` names another)
+      data/<split>.ids.npz    the training split's token ids (`data.token_cache`), so restarts skip the text
+      tfds/                   tfds-prepared datasets (unless `data.tfds_data_dir` names another)
+      metrics.jsonl           one JSON object per logged step: {"step", "time", "train/loss", ...}
+      tensorboard/            TensorBoard event files of the same scalars
+      averaged/<step>/        averaged checkpoint (`experiments.average_checkpoints`)
+      eval/                   hypotheses and scores of `experiments.evaluate`
+      final_eval.json         the test-split report of `experiments.train`
+
+Paths go through `etils.epath`, the path type orbax and tfds use, so a `gs://bucket/run` workdir works the
+same way for TPU users (tested here on local paths only).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+from etils import epath
+
+PathLike = str | os.PathLike
+
+
+@dataclasses.dataclass(frozen=True)
+class Workdir:
+  """The paths of one run directory (nothing is created until something is written)."""
+
+  root: epath.Path
+
+  def __init__(self, root: PathLike):
+    object.__setattr__(self, "root", epath.Path(root))
+
+  @property
+  def config_json(self) -> epath.Path:
+    return self.root / "config.json"
+
+  @property
+  def checkpoints(self) -> epath.Path:
+    return self.root / "checkpoints"
+
+  @property
+  def vocab(self) -> epath.Path:
+    return self.root / "vocab" / "spm.model"
+
+  def token_ids(self, split: str) -> epath.Path:
+    """`data/<split>.ids.npz` (characters other than letters, digits, `.` and `-` become `_`)."""
+    safe = "".join(c if c.isalnum() or c in ".-" else "_" for c in split)
+    return self.root / "data" / f"{safe}.ids.npz"
+
+  @property
+  def tfds(self) -> epath.Path:
+    return self.root / "tfds"
+
+  @property
+  def metrics_jsonl(self) -> epath.Path:
+    return self.root / "metrics.jsonl"
+
+  @property
+  def tensorboard(self) -> epath.Path:
+    return self.root / "tensorboard"
+
+  @property
+  def averaged(self) -> epath.Path:
+    return self.root / "averaged"
+
+  @property
+  def eval(self) -> epath.Path:
+    return self.root / "eval"
+
+  @property
+  def final_eval_json(self) -> epath.Path:
+    return self.root / "final_eval.json"
+
+  def read_config(self) -> dict | None:
+    """The saved `config.json`, or None when this is not (yet) a run directory."""
+    return read_json(self.config_json)
+
+  def require_config(self) -> dict:
+    """The saved `config.json`; FileNotFoundError naming the path when the workdir holds no run."""
+    config = self.read_config()
+    if config is None:
+      raise FileNotFoundError(f"{self.config_json} not found: is {self.root} the --workdir of a training run?")
+    return config
+
+  def check_compatible(self, requested: Mapping, keys: Sequence[str]) -> None:
+    """Refuses (ValueError, naming each differing key) a config that differs from the saved one under `keys`."""
+    saved = self.read_config()
+    if saved is None:
+      return
+    diffs = config_diff(saved, requested, keys=keys)
+    if diffs:
+      raise ValueError(f"{self.root} holds a run with an incompatible config ({'; '.join(diffs)}); use another "
+                       "--workdir or the saved values")
+
+
+def read_json(path: PathLike) -> Any:
+  """The JSON value in `path`, or None when the file does not exist."""
+  path = epath.Path(path)
+  if not path.exists():
+    return None
+  return json.loads(path.read_text(encoding="utf-8"))
+
+
+def write_json_atomically(path: PathLike, value: Any) -> None:
+  """Writes `value` as indented JSON through a temporary file and a rename: readers never see half a file."""
+  path = epath.Path(path)
+  path.parent.mkdir(parents=True, exist_ok=True)
+  tmp = path.parent / (path.name + ".tmp")
+  tmp.write_text(json.dumps(to_jsonable(value), indent=2, sort_keys=True), encoding="utf-8")
+  tmp.replace(path)
+
+
+def to_jsonable(value: Any) -> Any:
+  """A JSON-serialisable deep copy: dataclasses/mappings -> dicts, tuples -> lists, numpy/jax scalars -> Python.
+
+  The copy also decouples saved JSON from the caller's objects, which matters for asynchronous checkpoint
+  saves (their JSON items are written in a background thread after `save` returns).
+  """
+  if dataclasses.is_dataclass(value) and not isinstance(value, type):
+    value = {f.name: getattr(value, f.name) for f in dataclasses.fields(value)}
+  if hasattr(value, "to_dict") and callable(value.to_dict):  # ml_collections.ConfigDict
+    value = value.to_dict()
+  if isinstance(value, Mapping):
+    return {str(k): to_jsonable(v) for k, v in value.items()}
+  if isinstance(value, (list, tuple)):
+    return [to_jsonable(v) for v in value]
+  if isinstance(value, (str, bool, int, float)) or value is None:
+    return value
+  if isinstance(value, np.dtype):
+    return str(value)
+  if hasattr(value, "__array__"):  # numpy / jax arrays and scalars
+    array = np.asarray(value)
+    return array.item() if array.ndim == 0 else array.tolist()
+  return str(value)  # e.g. jnp dtypes, enums, paths
+
+
+def _flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
+  if isinstance(tree, Mapping):
+    flat = {}
+    for key, value in tree.items():
+      flat.update(_flatten(value, f"{prefix}.{key}" if prefix else str(key)))
+    if not tree and prefix:
+      flat[prefix] = {}
+    return flat
+  return {prefix: tree}
+
+
+_MISSING = object()
+
+
+def _same(a: Any, b: Any) -> bool:
+  if isinstance(a, bool) or isinstance(b, bool):  # True == 1 in Python; not for a config.
+    return type(a) is type(b) and a == b
+  return a == b
+
+
+def _format(value: Any) -> str:
+  return "<missing>" if value is _MISSING else repr(value)
+
+
+def config_diff(saved: Mapping, requested: Mapping, keys: Sequence[str] | None = ("model",)) -> list[str]:
+  """Differences between two config dicts, as `"model.d_model: saved 128, requested 256"` lines.
+
+  Only entries at or under the dotted prefixes in `keys` are compared (None: everything). Both sides go
+  through `to_jsonable` first, so tuples equal lists and dataclasses (e.g. `ModelConfig`) equal their dicts.
+  An empty list means compatible.
+  """
+  flat_saved = _flatten(to_jsonable(saved))
+  flat_requested = _flatten(to_jsonable(requested))
+
+  def selected(name: str) -> bool:
+    return keys is None or any(name == k or name.startswith(k + ".") for k in keys)
+
+  messages = []
+  for name in sorted(set(flat_saved) | set(flat_requested)):
+    if not selected(name):
+      continue
+    a = flat_saved.get(name, _MISSING)
+    b = flat_requested.get(name, _MISSING)
+    if a is _MISSING or b is _MISSING or not _same(a, b):
+      messages.append(f"{name}: saved {_format(a)}, requested {_format(b)}")
+  return messages
