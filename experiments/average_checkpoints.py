@@ -22,6 +22,7 @@ flags.DEFINE_integer("last", None, "Average the newest N checkpoints (default: t
 flags.DEFINE_list("steps", None, "Explicit steps to average instead of --last.")
 flags.DEFINE_string("output", None, "Output checkpoint directory (default: <workdir>/averaged).")
 flags.mark_flags_as_required(["workdir"])
+launch.check_flags(last="decode.average_last")
 
 
 def main(argv):

@@ -18,8 +18,7 @@ from transformer_jax.data.tokenizer import Tokenizer, VocabularyError
 from transformer_jax.workdir import Workdir, write_json_atomically
 
 # Exceptions that mean "bad input or state": printed as one line, exit status 1, no traceback.
-USER_ERRORS = (ValueError, FileNotFoundError, NotADirectoryError, VocabularyError, trainer.NonFiniteLossError,
-               UnicodeDecodeError)
+USER_ERRORS = (ValueError, OSError, VocabularyError, trainer.NonFiniteLossError, UnicodeDecodeError)
 
 
 _QUIET_LIBRARIES = ("/orbax/", "/tensorflow_datasets/", "/etils/", "/tensorstore/")
@@ -43,7 +42,8 @@ def setup_logging() -> None:
 
 
 def fail(message: str) -> None:
-  print(f"error: {message}", file=sys.stderr)
+  """Prints `error: <message>` on one line to stderr and exits with status 1."""
+  print("error: " + " ".join(str(message).split()), file=sys.stderr)
   sys.exit(1)
 
 
@@ -72,6 +72,13 @@ def load_for_inference(workdir: str, checkpoint: str | None = None):
       step = int(checkpoint)
     else:
       directory = checkpoint
+  if not os.path.isdir(directory):
+    raise FileNotFoundError(f"--checkpoint: {directory} is not a checkpoint directory")
+  with checkpoint_lib.Checkpointer(directory, read_only=True) as checkpointer:
+    saved = checkpointer.all_steps()
+  if not saved or (step is not None and step not in saved):
+    raise FileNotFoundError(f"--checkpoint: {directory} holds no step {step if step is not None else ''} "
+                            f"(saved steps: {saved or 'none'})")
   params = checkpoint_lib.restore_params(directory, model_config, step=step)
   return model_config, params, tokenizer
 

@@ -34,30 +34,21 @@ flags.DEFINE_string("lc_tok_reference", None,
                     "Lowercased, normalised, tokenised reference (Multi30k style) for an extra score.")
 flags.DEFINE_string("output_prefix", None, "Where to write .hyp and .json (default: <workdir>/eval/<source>).")
 flags.mark_flags_as_required(["workdir", "source", "reference"])
+launch.check_flags(beam_size="decode.beam_size", alpha="decode.alpha", extra_len="decode.extra_len")
+launch.check_files_exist("source", "reference", "lc_tok_reference")
 
 
-def main(argv):
-  if len(argv) > 1:
-    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-  common.setup_logging()
-  try:
-    sources, references = common.read_lines(FLAGS.source), common.read_lines(FLAGS.reference)
-    if len(sources) != len(references):
-      raise ValueError(f"{FLAGS.source} has {len(sources)} lines but {FLAGS.reference} has "
-                       f"{len(references)} lines")
-    lc_refs = common.read_lines(FLAGS.lc_tok_reference) if FLAGS.lc_tok_reference else None
-    if lc_refs is not None and len(lc_refs) != len(sources):
-      raise ValueError(f"{FLAGS.lc_tok_reference} has {len(lc_refs)} lines, expected {len(sources)}")
-    model_config, params, tokenizer = common.load_for_inference(FLAGS.workdir, FLAGS.checkpoint)
-    target_lang = FLAGS.target_lang or common.load_workdir_config(FLAGS.workdir).data.target_lang
-  except common.USER_ERRORS as e:
-    common.fail(str(e))
+def _read_inputs():
+  sources, references = common.read_lines(FLAGS.source), common.read_lines(FLAGS.reference)
+  if len(sources) != len(references):
+    raise ValueError(f"{FLAGS.source} has {len(sources)} lines but {FLAGS.reference} has {len(references)} lines")
+  lc_refs = common.read_lines(FLAGS.lc_tok_reference) if FLAGS.lc_tok_reference else None
+  if lc_refs is not None and len(lc_refs) != len(sources):
+    raise ValueError(f"{FLAGS.lc_tok_reference} has {len(lc_refs)} lines, expected {len(sources)}")
+  return sources, references, lc_refs
 
-  start = time.time()
-  with tqdm(total=len(sources), unit="sent", file=sys.stderr) as bar:
-    hypotheses = inference.translate_texts(params, model_config, tokenizer, sources, beam_size=FLAGS.beam_size,
-                                        alpha=FLAGS.alpha, extra_len=FLAGS.extra_len, progress=bar.update)
-  seconds = time.time() - start
+
+def _scores(hypotheses, references, lc_refs, target_lang: str) -> dict:
   scores = metrics.sacrebleu_scores(hypotheses, references)
   if FLAGS.tokenized_bleu:
     # Compound splitting is tensor2tensor's German-specific step (get_ende_bleu.sh).
@@ -65,9 +56,21 @@ def main(argv):
                                                       compound_split=target_lang == "de")
   if lc_refs is not None:
     scores["lc_tok_bleu"] = metrics.lowercased_tokenized_bleu(hypotheses, lc_refs, lang=target_lang)
+  return scores
+
+
+def _evaluate() -> None:
+  sources, references, lc_refs = _read_inputs()
+  model_config, params, tokenizer = common.load_for_inference(FLAGS.workdir, FLAGS.checkpoint)
+  target_lang = FLAGS.target_lang or common.load_workdir_config(FLAGS.workdir).data.target_lang
+  start = time.time()
+  with tqdm(total=len(sources), unit="sent", file=sys.stderr) as bar:
+    hypotheses = inference.translate_texts(params, model_config, tokenizer, sources, beam_size=FLAGS.beam_size,
+                                           alpha=FLAGS.alpha, extra_len=FLAGS.extra_len, progress=bar.update)
+  seconds = time.time() - start
+  scores = _scores(hypotheses, references, lc_refs, target_lang)
   scores.update(sentences=len(sources), seconds=seconds, beam_size=FLAGS.beam_size, alpha=FLAGS.alpha,
                 checkpoint=FLAGS.checkpoint or "latest")
-
   prefix = FLAGS.output_prefix or os.path.join(Workdir(FLAGS.workdir).eval, os.path.basename(FLAGS.source))
   os.makedirs(os.path.dirname(os.path.abspath(prefix)), exist_ok=True)
   with open(prefix + ".hyp", "w", encoding="utf-8") as f:
@@ -81,6 +84,16 @@ def main(argv):
   if "lc_tok_bleu" in scores:
     print(f"lowercased tokenized BLEU {scores['lc_tok_bleu']:.2f}  (against {FLAGS.lc_tok_reference})")
   print(f"{len(sources)} sentences in {seconds:.1f}s; hypotheses: {prefix}.hyp; scores: {prefix}.json")
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+  common.setup_logging()
+  try:
+    _evaluate()
+  except common.USER_ERRORS as e:
+    common.fail(str(e))
 
 
 if __name__ == "__main__":

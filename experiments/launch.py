@@ -16,7 +16,10 @@ import os
 import sys
 from typing import Any, Callable
 
-from absl import app
+from absl import app, flags
+from ml_collections import config_flags
+
+from experiments.configs import default
 
 HUGE_PAGES_TUNABLE = "glibc.malloc.hugetlb=1"
 
@@ -57,11 +60,79 @@ def maybe_reexecute_with_huge_pages() -> None:
   os.execve(sys.executable, [sys.executable] + argv[1:], env)
 
 
+def _one_line(error: BaseException) -> str:
+  return " ".join(str(error).split()) or type(error).__name__
+
+
+def _refuse(message: str) -> None:
+  print(f"error: {message}", file=sys.stderr)
+  sys.exit(1)
+
+
+def _config_error_message(error: BaseException) -> str:
+  if isinstance(error, AttributeError):  # ml_collections: an override of a key the config does not have
+    key = _one_line(error).strip("\"'")
+    given = [a for a in sys.argv[1:] if a.startswith("--config.") and key in a.split("=", 1)[0].split(".")]
+    return (f"{given[0] if given else '--config.' + key}: the config has no such key; the keys are those of "
+            "experiments/configs/default.py")
+  if isinstance(error, OSError):  # ml_collections: the --config file could not be loaded
+    return _one_line(error).replace("Configuration is not available because of an earlier failure to load: ", "")
+  return _one_line(error)
+
+
+def define_config_flag(default_file: str, help_text: str) -> None:
+  """`--config` (an ml_collections config file, locked, `--config.a.b=value` overrides) with one-line errors.
+
+  ml_collections already applies the command line's overrides while the flag is defined (at import of the
+  program), so an unknown key or a missing file is refused here, before anything runs.
+  """
+  try:
+    config_flags.DEFINE_config_file("config", default_file, help_text, lock_config=True)
+  except (AttributeError, KeyError, OSError, ValueError, TypeError) as error:
+    _refuse(_config_error_message(error))
+
+
+def parse_flags(argv: list[str]) -> list[str]:
+  """absl flag parsing whose every refusal is one line, `error: ...`, and exit status 1 (absl's own status).
+
+  Beyond absl's checks (unknown flags, bad literals, validators): a `--config` file that cannot be loaded or an
+  override of a key that does not exist is named, and a loaded config is checked with `default.validate`.
+  Nothing has been written when this refuses.
+  """
+  try:
+    args = flags.FLAGS(argv)
+    if "config" in flags.FLAGS and flags.FLAGS.config is not None:
+      default.validate(flags.FLAGS.config)
+    return args
+  except (flags.Error, AttributeError, KeyError, OSError, ValueError, TypeError) as error:
+    _refuse(_config_error_message(error))
+
+
+def check_flags(**flag_to_key: str) -> None:
+  """Registers absl validators: each named flag must satisfy the rule of its config key (`default.RULES`)."""
+  for flag, key in flag_to_key.items():
+    def validator(value, flag=flag, key=key):
+      if value is not None:
+        try:
+          default.check_value(key, value, flag=f"--{flag}")
+        except default.ConfigError as error:
+          raise flags.ValidationError(str(error)) from None
+      return True
+    flags.register_validator(flag, validator)
+
+
+def check_files_exist(*flag_names: str) -> None:
+  """Registers absl validators: each named flag, when set, must name an existing file."""
+  for name in flag_names:
+    flags.register_validator(name, lambda path: path is None or os.path.isfile(path),
+                             message=f"--{name} must name an existing file")
+
+
 def run(main: Callable[[list[str]], Any]) -> None:
-  """Starts an absl program: `maybe_reexecute_with_huge_pages()`, then `absl.app.run(main)`.
+  """Starts an absl program: `maybe_reexecute_with_huge_pages()`, then `absl.app.run(main)` with `parse_flags`.
 
   Every program ends with `if __name__ == "__main__": launch.run(main)`, so the restart happens where a
   program starts and never when the package is imported.
   """
   maybe_reexecute_with_huge_pages()
-  app.run(main)
+  app.run(main, flags_parser=parse_flags)

@@ -16,7 +16,6 @@ import sys
 import time
 
 from absl import app, flags, logging
-from ml_collections import config_flags
 
 from experiments import common, launch
 from transformer_jax import checkpoint as checkpoint_lib
@@ -29,9 +28,8 @@ flags.DEFINE_string("workdir", None, "Run directory.")
 flags.DEFINE_string("data_dir", None, "The Multi30k directory (overrides config.data.dir).")
 flags.DEFINE_string("results", "docs/results.md", "Markdown file for the results table.")
 flags.DEFINE_string("curve", "docs/multi30k_learning_curve.png", "Learning-curve PNG.")
-config_flags.DEFINE_config_file(
-    "config", os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs", "multi30k.py"),
-    "Recipe config.", lock_config=True)
+launch.define_config_flag(os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs", "multi30k.py"),
+                          "Recipe config.")
 flags.mark_flags_as_required(["workdir"])
 
 

@@ -10,7 +10,6 @@ import os
 import sys
 
 from absl import app, flags, logging
-from ml_collections import config_flags
 
 from experiments import common, launch
 from transformer_jax import trainer
@@ -19,9 +18,7 @@ _DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "conf
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("workdir", None, "Directory for checkpoints, vocabulary, config and TensorBoard events.")
-config_flags.DEFINE_config_file("config", _DEFAULT_CONFIG,
-                                "Experiment config file (default: the built-in number-words task).",
-                                lock_config=True)
+launch.define_config_flag(_DEFAULT_CONFIG, "Experiment config file (default: the built-in number-words task).")
 flags.mark_flags_as_required(["workdir"])
 
 

@@ -24,6 +24,8 @@ flags.DEFINE_float("alpha", 0.6, "Length penalty exponent ((5+|Y|)/6)^alpha (the
 flags.DEFINE_integer("extra_len", 50, "Maximum output length = input length + extra_len.")
 flags.DEFINE_string("checkpoint", None, "A step, or a checkpoint directory (default: the latest).")
 flags.mark_flags_as_required(["workdir"])
+launch.check_flags(beam_size="decode.beam_size", alpha="decode.alpha", extra_len="decode.extra_len")
+launch.check_files_exist("input")
 
 
 def main(argv):
@@ -33,19 +35,14 @@ def main(argv):
   try:
     lines = common.read_lines(FLAGS.input)
     model_config, params, tokenizer = common.load_for_inference(FLAGS.workdir, FLAGS.checkpoint)
+    with tqdm(total=len(lines), unit="sent", file=sys.stderr, disable=not FLAGS.input) as bar:
+      outputs = inference.translate_texts(params, model_config, tokenizer, lines, beam_size=FLAGS.beam_size,
+                                          alpha=FLAGS.alpha, extra_len=FLAGS.extra_len, progress=bar.update)
+    with (open(FLAGS.output, "w", encoding="utf-8") if FLAGS.output
+          else open(sys.stdout.fileno(), "w", encoding="utf-8", closefd=False)) as stream:
+      stream.writelines(line + "\n" for line in outputs)
   except common.USER_ERRORS as e:
     common.fail(str(e))
-  progress = None
-  if FLAGS.input:
-    bar = tqdm(total=len(lines), unit="sent", file=sys.stderr)
-    progress = bar.update
-  outputs = inference.translate_texts(params, model_config, tokenizer, lines, beam_size=FLAGS.beam_size,
-                                   alpha=FLAGS.alpha, extra_len=FLAGS.extra_len, progress=progress)
-  if FLAGS.input:
-    bar.close()
-  with (open(FLAGS.output, "w", encoding="utf-8") if FLAGS.output
-        else open(sys.stdout.fileno(), "w", encoding="utf-8", closefd=False)) as stream:
-    stream.writelines(line + "\n" for line in outputs)
 
 
 if __name__ == "__main__":

@@ -166,3 +166,88 @@ def test_nan_loss_stops_with_the_step(monkeypatch, tmp_path):
   config.num_train_steps, config.log_every_steps, config.evals.loss.every_steps = 20, 5, 0
   with pytest.raises(trainer.NonFiniteLossError, match="at step 7"):
     trainer.train_and_evaluate(config, str(tmp_path / "run"))
+
+
+# -- issue 13: another architecture's checkpoint, flags and config values out of range ----------------------
+
+def _tree_snapshot(path):
+  """Every file under `path` with its size and mtime: a refused input must change none of them."""
+  return {os.path.relpath(os.path.join(d, f), path): (os.path.getsize(os.path.join(d, f)),
+                                                      os.path.getmtime(os.path.join(d, f)))
+          for d, _, files in os.walk(path) for f in files}
+
+
+def _one_line_error(result, *needles):
+  assert result.returncode != 0, result.stdout[-2000:]
+  lines = [line for line in result.stderr.strip().splitlines() if not line.startswith("[experiments]")]
+  assert "Traceback" not in result.stderr, result.stderr[-3000:]
+  last = lines[-1]
+  assert last.startswith("error: "), result.stderr[-2000:]
+  for needle in needles:
+    assert needle in last, last
+  return last
+
+
+@pytest.fixture(scope="module")
+def deeper_workdir(tmp_path_factory):
+  """A run whose model has 2+2 layers (the `workdir` fixture's has 1+1), same vocabulary settings."""
+  wd = tmp_path_factory.mktemp("deeper")
+  _run(["experiments.train", f"--workdir={wd}", *TINY_OVERRIDES, "--config.model.num_encoder_layers=2",
+        "--config.model.num_decoder_layers=2", "--config.num_train_steps=10", "--config.final_eval.split="])
+  return wd
+
+
+@pytest.mark.parametrize("direction", ["deeper checkpoint into shallower model", "shallower into deeper"])
+def test_checkpoint_of_another_architecture_is_refused_by_translate(workdir, deeper_workdir, direction):
+  model, ckpt = (workdir, deeper_workdir) if direction.startswith("deeper") else (deeper_workdir, workdir)
+  before = _tree_snapshot(model), _tree_snapshot(ckpt)
+  result = _run(["experiments.translate", f"--workdir={model}", f"--checkpoint={ckpt}/checkpoints"],
+                stdin="twenty-one\n", check=False)
+  _one_line_error(result, "does not fit the model", "encoder/layer_1/")
+  assert (_tree_snapshot(model), _tree_snapshot(ckpt)) == before
+
+
+def test_resume_with_another_architecture_is_refused(deeper_workdir):
+  before = _tree_snapshot(deeper_workdir)
+  result = _run(["experiments.train", f"--workdir={deeper_workdir}", *TINY_OVERRIDES,
+                 "--config.num_train_steps=20"], check=False)  # 1+1 layers requested, 2+2 saved
+  _one_line_error(result, "model.num_decoder_layers: saved 2, requested 1")
+  assert _tree_snapshot(deeper_workdir) == before
+
+
+@pytest.mark.parametrize("program, flags, needle", [
+    ("experiments.translate", ["--beam_size=0"], "--beam_size=0: must be an integer >= 1"),
+    ("experiments.translate", ["--alpha=nan"], "--alpha=nan: must be a finite number"),
+    ("experiments.translate", ["--extra_len=-1"], "--extra_len=-1: must be an integer >= 0"),
+    ("experiments.translate", ["--input=/no/such/file"], "--input must name an existing file"),
+    ("experiments.translate", ["--checkpoint=999"], "holds no step 999"),
+    ("experiments.translate", ["--checkpoint=/no/such/dir"], "is not a checkpoint directory"),
+    ("experiments.translate", ["--no_such_flag=1"], "no_such_flag"),
+    ("experiments.evaluate", ["--source=/no/such.en", "--reference=/no/such.de"], "must name an existing file"),
+    ("experiments.average_checkpoints", ["--last=0"], "--last=0: must be an integer >= 1"),
+    ("experiments.average_checkpoints", ["--steps=10,abc"], "abc"),
+])
+def test_bad_program_flags_are_one_line_errors(workdir, program, flags, needle):
+  before = _tree_snapshot(workdir)
+  result = _run([program, f"--workdir={workdir}", *flags], stdin="twenty-one\n", check=False)
+  _one_line_error(result, needle)
+  assert _tree_snapshot(workdir) == before
+
+
+@pytest.mark.parametrize("flags, needle", [
+    (["--config.no_such_key=3"], "--config.no_such_key=3: the config has no such key"),
+    (["--config.model.no_such_key=3"], "--config.model.no_such_key=3: the config has no such key"),
+    (["--config=experiments/configs/nope.py"], "nope.py"),
+    (["--config.num_train_steps=-5"], "--config.num_train_steps=-5: must be an integer >= 1"),
+    (["--config.learning_rate=nan"], "--config.learning_rate=nan: must be a finite number"),
+    (["--config.label_smoothing=1.5"], "--config.label_smoothing=1.5"),
+    (["--config.num_train_steps=abc"], "--config.num_train_steps=abc"),
+    (["--config.mesh.data=0"], "--config.mesh.data=0"),
+    (["--config.model.d_model=30"], "d_model=30 is not divisible by num_heads=4"),
+    (["--config.data.tokens_per_batch=8"], "must be >= data.max_len"),
+    (["--config.checkpoint_best_metric=bleu"], "'<eval split>/<metric>'"),
+])
+def test_bad_config_values_are_refused_before_anything_is_written(tmp_path, flags, needle):
+  result = _run(["experiments.train", f"--workdir={tmp_path}/w", *flags], check=False)
+  _one_line_error(result, needle)
+  assert not os.path.exists(tmp_path / "w")

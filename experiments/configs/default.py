@@ -6,11 +6,14 @@
 
 The library reads `config.x` and never guesses a default, so a recipe built on this file is complete, and a
 misspelt override (`--config.no_such_key=3`) is refused by `ml_collections` (the config is locked).
+`RULES` below says what every key allows; `validate(config)` checks a whole config (the programs call it
+before anything is written) and `check_value` checks one program flag against the key it stands for.
 `config.model` is `transformer_jax.ModelConfig` itself: its fields, defaults and meanings live there.
 Defaults are the paper's (Vaswani et al., 2017, sections 5-6) where the paper has a value.
 """
 
 import dataclasses
+import math
 
 import ml_collections
 
@@ -86,3 +89,125 @@ def get_config() -> ml_collections.ConfigDict:
   config.final_eval.split = "test"            # "" = skip
   config.final_eval.max_examples = 0          # 0 = the whole split
   return config
+
+
+# ------------------------------------------------------------------------------------------------------------
+# What each key allows: the one place the programs check their config (and their own flags) against.
+# ------------------------------------------------------------------------------------------------------------
+
+class ConfigError(ValueError):
+  """A config value or flag outside what its key allows; the message is one line naming key and rule."""
+
+
+def _integer(low: int | None = None):
+  def check(value):
+    ok = isinstance(value, int) and not isinstance(value, bool) and (low is None or value >= low)
+    return ok, f"an integer >= {low}" if low is not None else "an integer"
+  return check
+
+
+def _number(low: float, high: float | None = None, *, low_open: bool = False, high_open: bool = True):
+  def check(value):
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    ok = ok and (value > low if low_open else value >= low)
+    ok = ok and (high is None or (value < high if high_open else value <= high))
+    left, right = "(" if low_open else "[", ")" if high_open or high is None else "]"
+    return ok, f"a finite number in {left}{low}, {'inf' if high is None else high}{right}"
+  return check
+
+
+def _one_of(*allowed):
+  return lambda value: (value in allowed, f"one of {', '.join(map(repr, allowed))}")
+
+
+def _text(nonempty: bool = True):
+  return lambda value: (isinstance(value, str) and (bool(value.strip()) or not nonempty),
+                        "a non-empty string" if nonempty else "a string")
+
+
+def _mesh_axis(value):
+  ok = isinstance(value, int) and not isinstance(value, bool) and (value >= 1 or value == -1)
+  return ok, "a positive integer, or -1 for the remaining devices"
+
+
+def _splits(value):
+  ok = isinstance(value, (tuple, list)) and all(isinstance(s, str) and s.strip() for s in value)
+  return ok, "a tuple of split names, e.g. \"('validation',)\""
+
+
+def _metric_name(value):
+  ok = isinstance(value, str) and (value == "" or value.count("/") == 1)
+  return ok, "'' or '<eval split>/<metric>', e.g. 'validation/bleu' or 'validation/loss'"
+
+
+RULES = {
+    "seed": _integer(0),
+    "data.dataset": _text(),
+    "data.source_lang": _text(),
+    "data.target_lang": _text(),
+    "data.download": _one_of(False, True),
+    "data.vocab_size": _integer(16),
+    "data.vocab_model_type": _one_of("bpe", "unigram"),
+    "data.vocab_max_sentences": _integer(1),
+    "data.vocab_character_coverage": _number(0.0, 1.0, low_open=True, high_open=False),
+    "data.train_split": _text(),
+    "data.eval_splits": _splits,
+    "data.max_len": _integer(2),
+    "data.tokens_per_batch": _integer(2),
+    "num_train_steps": _integer(1),
+    "warmup_steps": _integer(1),
+    "learning_rate": _number(0.0, low_open=True),
+    "adam_b1": _number(0.0, 1.0),
+    "adam_b2": _number(0.0, 1.0),
+    "adam_eps": _number(0.0, low_open=True),
+    "label_smoothing": _number(0.0, 1.0),
+    "grad_accum_steps": _integer(1),
+    "mesh.data": _mesh_axis,
+    "mesh.fsdp": _mesh_axis,
+    "mesh.tensor": _mesh_axis,
+    "distributed": _one_of(False, True),
+    "log_every_steps": _integer(1),
+    "evals.loss.every_steps": _integer(0),
+    "evals.loss.tokens_per_batch": _integer(1),
+    "evals.bleu.every_steps": _integer(0),
+    "evals.bleu.max_examples": _integer(0),
+    "evals.bleu.beam_size": _integer(1),
+    "checkpoint_every_steps": _integer(0),
+    "checkpoint_every_minutes": _number(0.0),
+    "checkpoint_keep": _integer(1),
+    "checkpoint_best_metric": _metric_name,
+    "async_checkpointing": _one_of(False, True),
+    "decode.beam_size": _integer(1),
+    "decode.alpha": _number(0.0),
+    "decode.extra_len": _integer(0),
+    "decode.average_last": _integer(1),
+    "final_eval.split": _text(nonempty=False),
+    "final_eval.max_examples": _integer(0),
+}
+
+
+def check_value(key: str, value, flag: str | None = None) -> None:
+  """Raises ConfigError unless `value` is allowed for config key `key` (named as `flag` when given)."""
+  ok, allowed = RULES[key](value)
+  if not ok:
+    raise ConfigError(f"{flag or '--config.' + key}={value!r}: must be {allowed}")
+
+
+def validate(config: ml_collections.ConfigDict) -> None:
+  """Checks every key of a (recipe) config before anything is written; raises ConfigError (one line).
+
+  `config.model` is checked by building `ModelConfig` from it (its own range checks), and the batch by
+  `data.tokens_per_batch >= data.max_len` (at least one packed row per batch).
+  """
+  for key in RULES:
+    value = config
+    for part in key.split("."):
+      value = value[part]
+    check_value(key, value)
+  if config.data.tokens_per_batch < config.data.max_len:
+    raise ConfigError(f"--config.data.tokens_per_batch={config.data.tokens_per_batch}: must be >= "
+                      f"data.max_len ({config.data.max_len}), one packed row per batch at least")
+  try:
+    ModelConfig(**config.model.to_dict())
+  except (TypeError, ValueError) as error:
+    raise ConfigError(f"--config.model: {error}") from None

@@ -1,0 +1,82 @@
+"""The library's layers: no module imports one above it; project imports sit at the top of the file.
+
+    trainer -> checkpoint -> sharding / data / inference / interop -> training / decode -> model
+            -> attention -> dropout / config / workdir / metrics
+"""
+
+import ast
+import pathlib
+
+import pytest
+
+PACKAGE = pathlib.Path(__file__).resolve().parents[1] / "transformer_jax"
+
+# Rank of each module (or package prefix); a module may import only modules of a strictly lower rank, or
+# siblings inside its own package (`data.*`, `training.*`, `interop.*`) that do not climb above it.
+RANKS = {
+    "transformer_jax.config": 0, "transformer_jax.workdir": 0, "transformer_jax.metrics": 0,
+    "transformer_jax.dropout": 0,
+    "transformer_jax.attention": 1,
+    "transformer_jax.model": 2,
+    "transformer_jax.training": 3, "transformer_jax.decode": 3, "transformer_jax.visualize": 3,
+    "transformer_jax.data": 4, "transformer_jax.sharding": 4, "transformer_jax.inference": 4,
+    "transformer_jax.checkpoint": 5, "transformer_jax.interop": 5,
+    "transformer_jax.trainer": 6,
+    "transformer_jax": 7,  # __init__: the public API, imports anything
+}
+
+
+def _rank(module: str) -> int:
+  parts = module.split(".")
+  for n in range(len(parts), 0, -1):
+    if ".".join(parts[:n]) in RANKS:
+      return RANKS[".".join(parts[:n])]
+  raise AssertionError(f"{module} has no rank in tests/test_layering.py: add it")
+
+
+def _modules():
+  for path in sorted(PACKAGE.rglob("*.py")):
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+    yield name, path
+
+
+def _is_module(name: str) -> bool:
+  path = PACKAGE.parent.joinpath(*name.split("."))
+  return path.with_suffix(".py").exists() or (path / "__init__.py").exists()
+
+
+def _project_imports(tree: ast.Module):
+  """(imported module, line, at top level) for every `transformer_jax` import in the file."""
+  top = {id(node) for node in tree.body}
+  for node in ast.walk(tree):
+    if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("transformer_jax"):
+      names = [f"{node.module}.{a.name}" if _is_module(f"{node.module}.{a.name}") else node.module
+               for a in node.names]
+    elif isinstance(node, ast.Import):
+      names = [a.name for a in node.names if a.name.startswith("transformer_jax")]
+    else:
+      continue
+    for name in names:
+      yield name, node.lineno, id(node) in top
+
+
+@pytest.mark.parametrize("module, path", list(_modules()), ids=lambda x: str(x).split("/")[-1])
+def test_no_module_imports_one_above_it(module, path):
+  tree = ast.parse(path.read_text())
+  for imported, line, at_top in _project_imports(tree):
+    assert at_top, f"{path.name}:{line} imports {imported} inside a function: project imports go at the top"
+    if module == "transformer_jax" or imported.startswith(module + "."):
+      continue  # a package's __init__ re-exporting its own modules
+    same_package = module.rsplit(".", 1)[0] == imported.rsplit(".", 1)[0] and module.count(".") > 1
+    if same_package:
+      continue
+    assert _rank(imported) < _rank(module), (
+        f"{path.name}:{line}: {module} (layer {_rank(module)}) imports {imported} (layer {_rank(imported)})")
+
+
+def test_library_reads_config_attributes_not_defaults():
+  """Every config key lives in experiments/configs/default.py; the library never guesses one."""
+  offenders = [f"{p.name}:{i}" for p in PACKAGE.rglob("*.py")
+               for i, line in enumerate(p.read_text().splitlines(), 1) if "config.get(" in line]
+  assert not offenders, offenders

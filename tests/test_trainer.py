@@ -1,0 +1,86 @@
+"""The orchestration (transformer_jax/trainer.py): periodic decisions, evaluators, the typed result."""
+
+import copy
+import json
+
+import jax
+import numpy as np
+import pytest
+
+from experiments.configs import number_words
+from transformer_jax import checkpoint as checkpoint_lib
+from transformer_jax import trainer
+from transformer_jax.workdir import Workdir
+
+
+def test_itstime_every_n_steps_and_the_last():
+  assert [s for s in range(1, 11) if trainer.itstime(s, 3, 10)] == [3, 6, 9, 10]
+  assert [s for s in range(1, 11) if trainer.itstime(s, 3, 10, last=False)] == [3, 6, 9]
+  assert not any(trainer.itstime(s, 0, 10) for s in range(1, 11))   # 0 = off, even at the end
+  assert not any(trainer.itstime(s, -1, 10) for s in range(1, 11))
+
+
+def test_evaluators_are_listed_by_the_config():
+  config = number_words.get_config()
+  config.evals.bleu.every_steps = 7
+  loss, bleu = trainer.make_evaluators(config)
+  assert (loss.name, loss.every_steps, loss.tokens_per_batch) == ("loss", 500, 8192)
+  assert (bleu.name, bleu.every_steps, bleu.beam_size, bleu.alpha) == ("bleu", 7, 1, config.decode.alpha)
+
+
+def _tiny_config(tmp_path):
+  config = number_words.get_config()
+  config.data.builder_config = "tiny"
+  config.data.vocab_size = 128
+  config.data.tfds_data_dir = str(tmp_path / "tfds")
+  config.data.tokens_per_batch = 512
+  config.model.update(num_encoder_layers=1, num_decoder_layers=1, d_model=32, d_ff=64, num_heads=2)
+  config.num_train_steps, config.warmup_steps, config.log_every_steps = 6, 2, 2
+  config.evals.loss.every_steps = 3
+  config.evals.bleu.update(every_steps=6, max_examples=8)
+  config.checkpoint_every_steps = 4
+  config.async_checkpointing = False
+  return config
+
+
+def test_train_and_evaluate_returns_a_typed_result_and_leaves_the_config_alone(tmp_path):
+  config = _tiny_config(tmp_path)
+  before = copy.deepcopy(config.to_dict())
+  result = trainer.train_and_evaluate(config, str(tmp_path / "run"))
+  assert config.to_dict() == before  # never mutated (vocab_size lives in result.model_config)
+
+  assert isinstance(result, trainer.TrainResult)
+  assert result.final_step == 6 and not result.stopped_early and int(result.state.step) == 6
+  assert result.model_config.vocab_size == result.datasets.tokenizer.vocab_size
+  assert set(result.train_metrics) >= {"loss", "accuracy", "learning_rate", "tokens_per_s", "steps_per_s"}
+  assert set(result.eval_metrics) == {"validation/loss", "validation/nll", "validation/accuracy",
+                                      "validation/perplexity", "validation/token_count", "validation/bleu",
+                                      "validation/chrf"}
+  # Periodic actions: losses at 3 and 6, BLEU at 6, checkpoints at 4 and the last step.
+  rows = [json.loads(line) for line in Workdir(tmp_path / "run").metrics_jsonl.read_text().splitlines()]
+  assert [r["step"] for r in rows if "validation/loss" in r] == [3, 6]
+  assert [r["step"] for r in rows if "validation/bleu" in r] == [6]
+  assert [r["step"] for r in rows if "train/loss" in r] == [2, 4, 6]
+  with checkpoint_lib.Checkpointer(str(Workdir(tmp_path / "run").checkpoints), read_only=True) as ckpt:
+    assert ckpt.all_steps() == [4, 6]
+    restored = ckpt.restore(6)
+  assert jax.dtypes.issubdtype(restored.rng.dtype, jax.dtypes.prng_key)
+  saved = Workdir(tmp_path / "run").require_config()
+  assert saved["model"]["vocab_size"] == result.model_config.vocab_size
+  assert saved["num_train_steps"] == 6
+
+
+def test_make_train_step_is_the_step_the_trainer_runs(tmp_path):
+  """`make_train_step` (what the benchmarks time) compiles the same program as the trainer's own step."""
+  config = _tiny_config(tmp_path)
+  config.num_train_steps = 0
+  run = trainer.prepare(config, str(tmp_path / "run"))
+  trainer.init_or_restore(run)
+  batch = trainer.sharding.shard_batch(next(run.data.train), run.mesh, run.rules)
+  mine = trainer.make_train_step(config, run.model_config, run.mesh, run.state, run.rules)
+  text = run.train_step.lower(run.state, batch, run.rng).as_text()
+  assert mine.lower(run.state, batch, run.rng).as_text() == text
+  config.label_smoothing = 0.2
+  other = trainer.make_train_step(config, run.model_config, run.mesh, run.state, run.rules)
+  assert other.lower(run.state, batch, run.rng).as_text() != text
+  run.checkpointer.close()
