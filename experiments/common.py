@@ -102,7 +102,7 @@ def report_final_eval(config: Any, workdir: str, result: dict) -> dict:
                          [s for s, _ in pairs], beam_size=final.get("beam_size", 1),
                          alpha=decode.get("alpha", 0.6), extra_len=decode.get("extra_len", 50))
   seconds = time.time() - start
-  exact = sum(h == t for h, (_, t) in zip(hyps, pairs)) / max(len(pairs), 1)
+  exact = metrics.exact_match(hyps, [t for _, t in pairs])  # both sides normalised, as BLEU's
   scores = metrics.sacrebleu_scores(hyps, [t for _, t in pairs])
   for (src, ref), hyp in list(zip(pairs, hyps))[:5]:
     print(f"  {src}\n    -> {hyp}   [{'ok' if hyp == ref else 'reference: ' + ref}]")

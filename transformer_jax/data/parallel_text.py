@@ -3,9 +3,11 @@
     data/train.en  data/train.de  data/val.en  data/val.de  data/test2016.en  data/test2016.de
 
 Line N of `X.en` translates line N of `X.de` (UTF-8). The files are checked (line counts, UTF-8, missing
-split files, an empty training file) before anything is built; the dataset is then built once into the tfds
-data directory under a name that fingerprints the files (path, size, mtime), so changed files rebuild and
-unchanged ones are reused.
+split files, a training file without a visible pair) before anything is built; the dataset is then built once
+into the tfds data directory under a name that fingerprints the files (path, size, mtime), so changed files
+rebuild and unchanged ones are reused. The dataset stores the lines as they are in the files (line endings
+removed); they are normalised (`normalize`: BOM, zero-width characters, spaces, NFC) where they become ids,
+by the vocabulary's `Tokenizer`, so a workdir whose vocabulary predates normalisation reads them as before.
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ import re
 from typing import Iterable
 
 import tensorflow_datasets as tfds
+
+from transformer_jax.data import normalize
 
 _SPLIT_FILE = re.compile(r"^(\w+)\.([A-Za-z_-]+)$")
 
@@ -122,7 +126,8 @@ def parallel_text_builder(directory: str, source_lang: str, target_lang: str, da
   splits = discover_splits(directory, source_lang, target_lang)
   for split in splits:  # validate everything before writing anything
     pairs = read_split(directory, split, source_lang, target_lang)
-    if split == required_splits[0] and not any(s.strip() and t.strip() for s, t in pairs):
+    if split == required_splits[0] and not any(not normalize.is_blank(s) and not normalize.is_blank(t)
+                                               for s, t in pairs):
       raise ParallelTextError(
           f"training files {os.path.join(directory, split)}.{{{source_lang},{target_lang}}} hold no "
           f"non-blank pairs")
