@@ -8,13 +8,20 @@ references before BLEU, chrF and exact match) and by the readers' blank-line tes
    Unicode 15, section 23.8), zero-width space U+200B, zero-width non-joiner/joiner U+200C/U+200D, word
    joiner U+2060, soft hyphen U+00AD, Mongolian vowel separator U+180E, the bidirectional marks,
    embeddings, overrides and isolates (U+061C, U+200E, U+200F, U+202A-U+202E, U+2066-U+2069), the invisible
-   math operators U+2061-U+2064, and the C0/C1 control characters that are not whitespace. They render as
-   nothing in en/de/fr text and arrive by copy-paste from web pages and Windows editors. SentencePiece's
+   math operators U+2061-U+2064, the deprecated format characters U+206A-U+206F, the Hangul fillers U+3164
+   and U+FFA0 (blank on their own), the shorthand and musical format controls (U+1BCA0-U+1BCA3,
+   U+1D173-U+1D17A), and the C0/C1 control characters that are not whitespace. They render as nothing in
+   en/de/fr text and arrive by copy-paste from web pages and Windows editors. SentencePiece's
    `nmt_nfkc` rule maps U+200B, U+200E, U+200F and U+FEFF to a space and removes controls; Moses'
    `remove-non-printing-char.perl` maps every `\\p{C}` to a space. We drop instead of spacing, because a
    character that renders as nothing must not split a word ("twenty\\u200b-one" is "twenty-one"). Known
-   cost: ZWNJ/ZWJ are orthographic in Persian and Indic scripts and join emoji sequences; visible format
-   characters (Arabic number signs, emoji tag sequences) and variation selectors are kept.
+   cost: ZWNJ/ZWJ are orthographic in Persian and Indic scripts and join emoji sequences. Of Unicode's
+   Default_Ignorable_Code_Point characters we keep only those that change how a visible neighbour is drawn
+   or ordered: variation selectors (U+FE00-U+FE0F, U+E0100-U+E01EF, U+180B-U+180F: emoji/CJK/Mongolian
+   glyph choice), tag characters (U+E0001, U+E0020-U+E007F: emoji subdivision flags), the combining
+   grapheme joiner U+034F (it blocks
+   canonical reordering, so NFC depends on it), the conjoining Hangul fillers U+115F/U+1160 and the Khmer
+   inherent vowels U+17B4/U+17B5 (parts of syllables). Visible format characters (Arabic number signs) stay.
 2. **Unicode spaces and line/paragraph separators -> one space, runs collapsed, ends stripped**: every
    character with the Unicode White_Space property (tab, LF, VT, FF, CR, U+0085, NBSP U+00A0, U+1680,
    U+2000-U+200A, U+2028, U+2029, U+202F, U+205F, U+3000). NFKC (and so
@@ -45,7 +52,8 @@ LEGACY_VERSION = 0
 KNOWN_VERSIONS = (LEGACY_VERSION, VERSION)
 
 _INVISIBLE = [0xFEFF, 0x200B, 0x200C, 0x200D, 0x2060, 0x00AD, 0x180E, 0x061C, 0x200E, 0x200F,
-              *range(0x202A, 0x202F), *range(0x2066, 0x206A), *range(0x2061, 0x2065)]
+              *range(0x202A, 0x202F), *range(0x2066, 0x206A), *range(0x2061, 0x2065), *range(0x206A, 0x2070),
+              0x3164, 0xFFA0, *range(0x1BCA0, 0x1BCA4), *range(0x1D173, 0x1D17B)]
 # C0/C1 controls except the White_Space ones (tab, LF, VT, FF, CR, NEL U+0085), which step 2 maps. This
 # drops U+001C-U+001F, which Python's str.split() (used in step 2) would otherwise treat as whitespace.
 _CONTROLS = [c for c in [*range(0x00, 0x20), 0x7F, *range(0x80, 0xA0)] if chr(c) not in "\t\n\v\f\r\x85"]
