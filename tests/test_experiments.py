@@ -195,6 +195,12 @@ def test_byte_order_mark_and_invisible_characters_translate_like_plain_text(work
               "\u200b", "\ufeff \u00a0\t"]
   stdin = _run(["experiments.translate", f"--workdir={workdir}"], stdin="\n".join(variants) + "\n")
   assert stdin.stdout.split("\n") == [lines[0]] * 4 + ["", "", ""]
+  # A UTF-16 file (Windows "Unicode") is named as such, not as invalid UTF-8 somewhere.
+  utf16 = tmp_path / "utf16.en"
+  utf16.write_bytes("twenty-one\n".encode("utf-16"))
+  result = _run(["experiments.translate", f"--workdir={workdir}", f"--input={utf16}"], check=False)
+  assert result.returncode == 1 and result.stdout == ""
+  assert result.stderr.strip().splitlines()[-1].startswith(f"error: {utf16}:1: UTF-16 or UTF-32 text")
 
 
 def test_evaluate_normalises_references_and_hypotheses(workdir, tmp_path):

@@ -19,14 +19,14 @@ references before BLEU, chrF and exact match) and by the readers' blank-line tes
    Default_Ignorable_Code_Point characters we keep only those that change how a visible neighbour is drawn
    or ordered: variation selectors (U+FE00-U+FE0F, U+E0100-U+E01EF, U+180B-U+180F: emoji/CJK/Mongolian
    glyph choice), tag characters (U+E0001, U+E0020-U+E007F: emoji subdivision flags), the combining
-   grapheme joiner U+034F (it blocks
-   canonical reordering, so NFC depends on it), the conjoining Hangul fillers U+115F/U+1160 and the Khmer
-   inherent vowels U+17B4/U+17B5 (parts of syllables). Visible format characters (Arabic number signs) stay.
+   grapheme joiner U+034F (it blocks canonical reordering, so NFC depends on it), the conjoining Hangul
+   fillers U+115F/U+1160 and the Khmer inherent vowels U+17B4/U+17B5 (parts of syllables). Visible format
+   characters (Arabic number signs) stay.
 2. **Unicode spaces and line/paragraph separators -> one space, runs collapsed, ends stripped**: every
    character with the Unicode White_Space property (tab, LF, VT, FF, CR, U+0085, NBSP U+00A0, U+1680,
-   U+2000-U+200A, U+2028, U+2029, U+202F, U+205F, U+3000). NFKC (and so
-   `nmt_nfkc`) maps these spaces to U+0020; sacreBLEU's `13a` tokeniser and SentencePiece's
-   `remove_extra_whitespaces` collapse and strip runs.
+   U+2000-U+200A, U+2028, U+2029, U+202F, U+205F, U+3000). NFKC (and so `nmt_nfkc`) maps these spaces to
+   U+0020; sacreBLEU's `13a` tokeniser and SentencePiece's `remove_extra_whitespaces` collapse and strip
+   runs.
 3. **Unicode NFC** (canonical composition, `unicodedata.normalize("NFC", ...)`): "e" + U+0301 and "é"
    become the same character, as the W3C Character Model (charmod-norm) recommends for text exchange. Not
    NFKC: compatibility folding changes visible content ("ﬁ" -> "fi", "²" -> "2", "™" -> "TM"), so a

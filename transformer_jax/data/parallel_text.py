@@ -23,6 +23,7 @@ import tensorflow_datasets as tfds
 from transformer_jax.data import normalize
 
 _SPLIT_FILE = re.compile(r"^(\w+)\.([A-Za-z_-]+)$")
+_UTF16_BOMS = (b"\xff\xfe", b"\xfe\xff")  # little- and big-endian (UTF-32 LE starts like UTF-16 LE)
 
 
 class ParallelTextError(ValueError):
@@ -52,9 +53,16 @@ def split_files(directory: str, split: str, source_lang: str, target_lang: str) 
 
 
 def decode_lines(stream: Iterable[bytes], name: str) -> list[str]:
-  """UTF-8 lines of a binary stream without line endings; invalid UTF-8 names `name` and the line."""
+  """UTF-8 lines of a binary stream without line endings; invalid UTF-8 names `name` and the line.
+
+  A UTF-8 byte-order mark is kept (the tokenizer's normalisation drops it); a UTF-16/32 one is refused by
+  name, since its text would otherwise fail as "invalid UTF-8" on an arbitrary line.
+  """
   lines = []
   for number, raw in enumerate(stream, start=1):
+    if number == 1 and raw.startswith(_UTF16_BOMS):
+      raise ParallelTextError(f"{name}:1: UTF-16 or UTF-32 text (byte-order mark {raw[:2].hex(' ')}); only "
+                              f"UTF-8 is read: convert it first, e.g. iconv -f UTF-16 -t UTF-8")
     try:
       lines.append(raw.decode("utf-8").rstrip("\r\n"))
     except UnicodeDecodeError as e:
