@@ -263,3 +263,16 @@ def test_number_words_are_already_normalised():
   for n in range(0, number_words.MAX_NUMBER + 1, 37):
     for text in (number_words.english(n), number_words.german(n)):
       assert normalize.normalize(text) == text, n
+
+
+def test_reader_refuses_cr_only_line_endings_and_utf16_by_name():
+  import io
+  assert parallel_text.decode_lines(io.BytesIO(b"\xef\xbb\xbfone\r\ntwo\r\n\r\n"), "f") == ["\ufeffone", "two", ""]
+  with pytest.raises(parallel_text.ParallelTextError, match=r"^f:2: carriage return inside the line"):
+    parallel_text.decode_lines(io.BytesIO(b"one\ntwo\rthree\r\n"), "f")
+  for encoding in ("utf-16", "utf-16-be", "utf-32"):
+    text = "one\n".encode(encoding)
+    if encoding == "utf-16-be":
+      text = b"\xfe\xff" + text
+    with pytest.raises(parallel_text.ParallelTextError, match=r"^f:1: UTF-16 or UTF-32 text"):
+      parallel_text.decode_lines(io.BytesIO(text), "f")

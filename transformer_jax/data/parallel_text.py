@@ -56,7 +56,9 @@ def decode_lines(stream: Iterable[bytes], name: str) -> list[str]:
   """UTF-8 lines of a binary stream without line endings; invalid UTF-8 names `name` and the line.
 
   A UTF-8 byte-order mark is kept (the tokenizer's normalisation drops it); a UTF-16/32 one is refused by
-  name, since its text would otherwise fail as "invalid UTF-8" on an arbitrary line.
+  name, since its text would otherwise fail as "invalid UTF-8" on an arbitrary line. Lines end with LF or
+  CR LF; a carriage return inside a line (a file with classic-Mac CR-only line endings reads as one line)
+  is refused with the line number rather than read as a space.
   """
   lines = []
   for number, raw in enumerate(stream, start=1):
@@ -67,6 +69,9 @@ def decode_lines(stream: Iterable[bytes], name: str) -> list[str]:
       lines.append(raw.decode("utf-8").rstrip("\r\n"))
     except UnicodeDecodeError as e:
       raise ParallelTextError(f"{name}:{number}: invalid UTF-8 ({e.reason} at byte {e.start})") from None
+    if "\r" in lines[-1]:
+      raise ParallelTextError(f"{name}:{number}: carriage return inside the line (CR-only line endings?); "
+                              f"lines must end with LF or CR LF")
   return lines
 
 
