@@ -185,16 +185,15 @@ def _tree(directory):
 
 def test_byte_order_mark_and_invisible_characters_translate_like_plain_text(workdir, tmp_path):
   """Issue 13: a file starting with a BOM translated its first line differently (exit 0, no warning)."""
-  bom = tmp_path / "bom.en"
-  bom.write_bytes(b"\xef\xbb\xbftwenty-one\ntwenty-one\n")
-  lines = _run(["experiments.translate", f"--workdir={workdir}", f"--input={bom}"]).stdout.split("\n")
-  assert lines[0] == lines[1] != "" and lines[2:] == [""]
-  # The same kind: zero-width space, word joiner, soft hyphen, NBSP and other Unicode spaces, CR LF, and
-  # lines with nothing visible (output empty, like an empty line).
+  # The issue's file, then the same kind: zero-width space, word joiner, soft hyphen, NBSP and other Unicode
+  # spaces, CR LF, and lines with nothing visible (output empty, like an empty line).
   variants = ["twenty\u200b-one", "\u2060twenty-one\u00ad", "\u00a0twenty-one\u2003", "twenty-one\r",
               "\u200b", "\ufeff \u00a0\t"]
-  stdin = _run(["experiments.translate", f"--workdir={workdir}"], stdin="\n".join(variants) + "\n")
-  assert stdin.stdout.split("\n") == [lines[0]] * 4 + ["", "", ""]
+  bom = tmp_path / "bom.en"
+  bom.write_bytes(b"\xef\xbb\xbftwenty-one\ntwenty-one\n" + "\n".join(variants).encode("utf-8") + b"\n")
+  lines = _run(["experiments.translate", f"--workdir={workdir}", f"--input={bom}"]).stdout.split("\n")
+  assert lines[0] == lines[1] != ""
+  assert lines[2:] == [lines[0]] * 4 + ["", "", ""]
   # A UTF-16 file (Windows "Unicode") is named as such, not as invalid UTF-8 somewhere.
   utf16 = tmp_path / "utf16.en"
   utf16.write_bytes("twenty-one\n".encode("utf-16"))
