@@ -96,7 +96,7 @@ def report_final_eval(config, workdir: str, result: trainer.TrainResult) -> dict
                                    [s for s, _ in pairs], beam_size=config.decode.beam_size,
                                    alpha=config.decode.alpha, extra_len=config.decode.extra_len)
   seconds = time.time() - start
-  exact = sum(h == t for h, (_, t) in zip(hyps, pairs)) / max(len(pairs), 1)
+  exact = metrics.exact_match(hyps, [t for _, t in pairs])  # both sides normalised, as BLEU's
   scores = metrics.sacrebleu_scores(hyps, [t for _, t in pairs])
   for (src, ref), hyp in list(zip(pairs, hyps))[:5]:
     print(f"  {src}\n    -> {hyp}   [{'ok' if hyp == ref else 'reference: ' + ref}]")

@@ -251,3 +251,102 @@ def test_bad_config_values_are_refused_before_anything_is_written(tmp_path, flag
   result = _run(["experiments.train", f"--workdir={tmp_path}/w", *flags], check=False)
   _one_line_error(result, needle)
   assert not os.path.exists(tmp_path / "w")
+
+
+  config.num_train_steps, config.log_every_steps, config.eval_every_steps = 20, 5, 0
+  with pytest.raises(loop.NonFiniteLossError, match="at step 7"):
+    loop.train_and_evaluate(config, str(tmp_path / "run"))
+
+
+# -- text normalisation: text that looks the same translates the same ------------------------------------
+
+def _tree(directory):
+  """{relative path: bytes} of every file under `directory` (to show that a refused run wrote nothing)."""
+  out = {}
+  for root, _, files in os.walk(directory):
+    for name in files:
+      path = os.path.join(root, name)
+      with open(path, "rb") as f:
+        out[os.path.relpath(path, directory)] = f.read()
+  return out
+
+
+def test_byte_order_mark_and_invisible_characters_translate_like_plain_text(workdir, tmp_path):
+  """Issue 13: a file starting with a BOM translated its first line differently (exit 0, no warning)."""
+  # The issue's file, then the same kind: zero-width space, word joiner, soft hyphen, NBSP and other Unicode
+  # spaces, CR LF, and lines with nothing visible (output empty, like an empty line).
+  variants = ["twenty\u200b-one", "\u2060twenty-one\u00ad", "\u00a0twenty-one\u2003", "twenty-one\r",
+              "\u200b", "\ufeff \u00a0\t"]
+  bom = tmp_path / "bom.en"
+  bom.write_bytes(b"\xef\xbb\xbftwenty-one\ntwenty-one\n" + "\n".join(variants).encode("utf-8") + b"\n")
+  lines = _run(["experiments.translate", f"--workdir={workdir}", f"--input={bom}"]).stdout.split("\n")
+  assert lines[0] == lines[1] != ""
+  assert lines[2:] == [lines[0]] * 4 + ["", "", ""]
+  # A UTF-16 file (Windows "Unicode") is named as such, not as invalid UTF-8 somewhere.
+  utf16 = tmp_path / "utf16.en"
+  utf16.write_bytes("twenty-one\n".encode("utf-16"))
+  result = _run(["experiments.translate", f"--workdir={workdir}", f"--input={utf16}"], check=False)
+  assert result.returncode == 1 and result.stdout == ""
+  assert result.stderr.strip().splitlines()[-1].startswith(f"error: {utf16}:1: UTF-16 or UTF-32 text")
+
+
+def test_evaluate_normalises_references_and_hypotheses(workdir, tmp_path):
+  from transformer_jax.data.normalize import normalize
+  import unicodedata
+  src = tmp_path / "src.txt"
+  src.write_text("\ufefftwenty-one\nfive\nthree hundred\n", encoding="utf-8")
+  clean = ["einundzwanzig", "fünf", "dreihundert"]
+  scores = {}
+  for name, refs in (("clean", clean), ("odd", ["\ufeffeinundzwanzig", unicodedata.normalize("NFD", "fünf"),
+                                                "drei\u00adhundert\u00a0"])):
+    (tmp_path / f"{name}.de").write_text("\n".join(refs) + "\n", encoding="utf-8")
+    _run(["experiments.evaluate", f"--workdir={workdir}", f"--source={src}", f"--reference={tmp_path}/{name}.de",
+          "--beam_size=2", f"--output_prefix={tmp_path}/{name}"])
+    scores[name] = json.loads((tmp_path / f"{name}.json").read_text())
+  hyps = (tmp_path / "odd.hyp").read_text(encoding="utf-8").split("\n")[:-1]
+  assert hyps == (tmp_path / "clean.hyp").read_text(encoding="utf-8").split("\n")[:-1]
+  for key in ("bleu", "chrf"):
+    assert scores["odd"][key] == scores["clean"][key]
+  assert scores["clean"]["chrf"] == pytest.approx(
+      sacrebleu.corpus_chrf([normalize(h) for h in hyps], [clean]).score)
+
+
+def test_workdir_from_before_normalisation_translates_as_before(workdir, tmp_path):
+  """A vocabulary without a normalisation stamp (trained before it existed) keeps encoding raw text."""
+  import sentencepiece as spm
+  from experiments import common
+  from transformer_jax import inference
+  from transformer_jax.config import EOS_ID
+  old = tmp_path / "old"
+  shutil.copytree(workdir, old, ignore=shutil.ignore_patterns("tensorboard"))
+  os.remove(old / "vocab" / "spm.normalization.json")
+  before = _tree(old)
+  stdin = "twenty-one\nthree hundred five\n\ufeffseven\n"
+  legacy = _run(["experiments.translate", f"--workdir={old}"], stdin=stdin)
+  current = _run(["experiments.translate", f"--workdir={workdir}"], stdin=stdin)
+  got = legacy.stdout.split("\n")
+  assert got[:2] == current.stdout.split("\n")[:2]  # visible ASCII text: the same ids either way
+  warning = [line for line in legacy.stderr.splitlines() if "spm.normalization.json" in line]
+  assert len(warning) == 1 and "trained before text normalisation" in warning[0]
+  assert _tree(old) == before  # nothing written (no stamp guessed)
+  # The BOM line gives what the code before normalisation gave: the raw text's ids through the same search.
+  model_config, params, tokenizer = common.load_for_inference(str(old))
+  raw = spm.SentencePieceProcessor(model_file=str(old / "vocab" / "spm.model"))
+  ids = raw.encode("\ufeffseven") + [EOS_ID]
+  assert ids != tokenizer.encode("seven") and tokenizer.encode("\ufeffseven") == ids
+  assert got[2] == raw.decode(inference.translate_ids(params, model_config, [ids], beam_size=1)[0])
+
+
+def test_vocabulary_replaced_under_its_stamp_is_refused(workdir, tmp_path):
+  from transformer_jax.data.tokenizer import train_tokenizer
+  copy = tmp_path / "copy"
+  shutil.copytree(workdir, copy, ignore=shutil.ignore_patterns("tensorboard"))
+  other = train_tokenizer(["twenty-one einundzwanzig five fünf"] * 50, str(tmp_path / "other" / "spm.model"),
+                          vocab_size=30)
+  shutil.copy(other.path, copy / "vocab" / "spm.model")  # the model alone, under the old stamp
+  before = _tree(copy)
+  result = _run(["experiments.translate", f"--workdir={copy}"], stdin="five\n", check=False)
+  assert result.returncode == 1 and result.stdout == ""
+  last = result.stderr.strip().splitlines()[-1]
+  assert last.startswith("error: ") and "spm.normalization.json was written for another model" in last
+  assert _tree(copy) == before

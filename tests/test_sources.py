@@ -115,7 +115,7 @@ def test_training_ids_are_cached_and_reused_only_for_the_same_data_and_vocabular
 
   # ... and ignores it for another vocabulary (or dataset, split, languages).
   key = token_cache.cache_key("parallel_text/x/1.0.0", "train", "en", "de", str(tmp_path / "work" / "vocab" /
-                                                                              "spm.model"))
+                                                                              "spm.model"), "nfc-v1")
   assert token_cache.load(str(cache), dict(key, vocab_sha256="0" * 64)) is None
   assert token_cache.load(str(cache), dict(key, split="train[:10]")) is None
   cache.write_bytes(b"damaged")
@@ -129,7 +129,7 @@ def test_token_cache_round_trip_keeps_ids_and_dtypes(tmp_path):
   from transformer_jax.data import token_cache
   vocab = tmp_path / "v"
   vocab.write_bytes(b"vocab")
-  key = token_cache.cache_key("d/c/1.0.0", "train", "en", "de", str(vocab))
+  key = token_cache.cache_key("d/c/1.0.0", "train", "en", "de", str(vocab), "nfc-v1")
   for top in (100, 70_000):  # uint16 on disk below 2^16, int32 above
     srcs = [np.asarray([top, 3], np.int32), np.asarray([3], np.int32), np.asarray([], np.int32)]
     tgts = [np.asarray([5, 6, 3], np.int32), np.asarray([3], np.int32), np.asarray([7, 3], np.int32)]

@@ -173,11 +173,13 @@ def translate_ids(params, config: ModelConfig, sources: Sequence[Sequence[int]],
 def translate_texts(params, config: ModelConfig, tokenizer, texts: Sequence[str], *, beam_size: int = 1,
                     alpha: float = 0.6, extra_len: int = 50, progress: Callable[[int], None] | None = None,
                     **kwargs) -> list[str]:
-  """Detokenised translations of `texts` in input order; empty or blank lines give empty lines.
+  """Detokenised translations of `texts` in input order; blank lines give empty lines.
 
-  `tokenizer` is a `transformer_jax.data.tokenizer.Tokenizer` (encode appends EOS; decode stops at EOS).
+  `tokenizer` is a `transformer_jax.data.tokenizer.Tokenizer`: encode normalises each text as its vocabulary
+  was trained (`transformer_jax.data.normalize`: BOM and zero-width characters dropped, spaces collapsed,
+  NFC) and appends EOS; decode stops at EOS. A line with nothing visible after that is blank.
   """
-  ids = [tokenizer.encode(t) if t.strip() else [] for t in texts]
+  ids = [[] if tokenizer.is_blank(t) else tokenizer.encode(t) for t in texts]
   outputs = translate_ids(params, config, ids, beam_size=beam_size, alpha=alpha, extra_len=extra_len,
                           progress=progress, **kwargs)
   return [tokenizer.decode(o) if src else "" for o, src in zip(outputs, ids)]

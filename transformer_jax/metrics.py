@@ -1,6 +1,12 @@
 """Translation quality with sacreBLEU: cased detokenised BLEU and chrF with signatures, plus the paper-style
 tokenised, compound-split BLEU (tensor2tensor's get_ende_bleu.sh) and the lowercased Moses-tokenised BLEU
 that Multi30k papers report.
+
+Every score first normalises hypotheses and references with `transformer_jax.data.normalize.normalize` (the
+tokenizer's: BOM and zero-width characters dropped, Unicode spaces collapsed, NFC), so a reference that
+looks the same as a hypothesis matches it whatever bytes an editor wrote. sacreBLEU itself does not
+normalise Unicode; for references already in NFC without invisible characters (WMT, Multi30k) the scores
+are sacreBLEU's own.
 """
 
 from __future__ import annotations
@@ -10,12 +16,14 @@ from typing import Sequence
 
 import sacrebleu
 
+from transformer_jax.data.normalize import normalize
+
 _COMPOUND = re.compile(r"(\S)-(\S)")
 
 
 def sacrebleu_scores(hypotheses: Sequence[str], references: Sequence[str]) -> dict:
-  """Cased, detokenised corpus BLEU and chrF (sacreBLEU defaults) with their signatures."""
-  _check_aligned(hypotheses, references)
+  """Cased, detokenised corpus BLEU and chrF (sacreBLEU defaults) with their signatures, on normalised text."""
+  hypotheses, references = _normalized(hypotheses, references)
   bleu = sacrebleu.metrics.BLEU()
   chrf = sacrebleu.metrics.CHRF()
   bleu_score = bleu.corpus_score(list(hypotheses), [list(references)])
@@ -52,7 +60,7 @@ def tokenized_bleu(hypotheses: Sequence[str], references: Sequence[str], lang: s
 
   Reads higher than cased detokenised sacreBLEU; for comparison with published numbers only.
   """
-  _check_aligned(hypotheses, references)
+  hypotheses, references = _normalized(hypotheses, references)
   hyps, refs = moses_tokenize(hypotheses, lang), moses_tokenize(references, lang)
   if compound_split:
     hyps, refs = [split_compounds(h) for h in hyps], [split_compounds(r) for r in refs]
@@ -63,9 +71,21 @@ def lowercased_tokenized_bleu(hypotheses: Sequence[str], tokenized_references: S
                               lang: str = "de") -> float:
   """Multi30k-style BLEU: hypotheses lowercased, punctuation-normalised and Moses-tokenised, scored with
   `tokenize='none'` against references already processed that way (e.g. test_2016_flickr.lc.norm.tok.de)."""
-  _check_aligned(hypotheses, tokenized_references)
+  hypotheses, tokenized_references = _normalized(hypotheses, tokenized_references)
   hyps = moses_tokenize(hypotheses, lang, lowercase=True, normalize=True)
   return sacrebleu.corpus_bleu(hyps, [list(tokenized_references)], tokenize="none").score
+
+
+def exact_match(hypotheses: Sequence[str], references: Sequence[str]) -> float:
+  """Fraction (0..1) of hypotheses equal to their reference after normalisation; 0.0 for no examples."""
+  hypotheses, references = _normalized(hypotheses, references)
+  return sum(h == r for h, r in zip(hypotheses, references)) / max(len(references), 1)
+
+
+def _normalized(hypotheses: Sequence[str], references: Sequence[str]) -> tuple[list[str], list[str]]:
+  """Both sides normalised (`normalize`), after checking they have the same number of lines."""
+  _check_aligned(hypotheses, references)
+  return [normalize(h) for h in hypotheses], [normalize(r) for r in references]
 
 
 def _check_aligned(hypotheses: Sequence[str], references: Sequence[str]) -> None:

@@ -3,7 +3,8 @@
     <workdir>/
       config.json             the resolved experiment config (written by process 0 before training starts)
       checkpoints/<step>/     orbax checkpoints (`transformer_jax.checkpoint`)
-      vocab/spm.model         the SentencePiece vocabulary (unless `data.vocab_path` names another)
+      vocab/spm.model         the SentencePiece vocabulary (unless `data.vocab_path` names another), and
+      vocab/spm.normalization.json  the text normalisation it was trained with (`data.tokenizer.stamp_path`)
       data/<split>.ids.npz    the training split's token ids (`data.token_cache`), so restarts skip the text
       tfds/                   tfds-prepared datasets (unless `data.tfds_data_dir` names another)
       metrics.jsonl           one JSON object per logged step: {"step", "time", "train/loss", ...}

@@ -1,7 +1,8 @@
 """From a data config to what the trainer consumes: the shared vocabulary, packed train batches, eval sets.
 
-text (tfds) -> SentencePiece ids (+EOS) -> drop blank / over-long pairs (counted, logged) -> packed batches.
-The training split's ids are cached in `<workdir>/data/` (`token_cache`), so a restart skips the text.
+text (tfds) -> normalise (`normalize`, inside the tokenizer) -> SentencePiece ids (+EOS) -> drop blank /
+over-long pairs (counted, logged) -> packed batches. The training split's ids are cached in `<workdir>/data/`
+(`token_cache`, keyed by the vocabulary and its normalisation), so a restart skips the text.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from transformer_jax.data import batching, sources, token_cache, tokenizer as tokenizer_lib
+from transformer_jax.data import batching, normalize, sources, token_cache, tokenizer as tokenizer_lib
 from transformer_jax.workdir import Workdir
 
 
@@ -40,9 +41,13 @@ def vocab_path(data_config: Any, workdir: str) -> str:
   return data_config.vocab_path or os.fspath(Workdir(workdir).vocab)
 
 
-def skip_blank(pairs):
-  """Pairs whose source or target is empty or whitespace-only are skipped in training; returns (kept, n)."""
-  kept = [(s, t) for s, t in pairs if s.strip() and t.strip()]
+def skip_blank(pairs, is_blank=normalize.is_blank):
+  """Pairs whose source or target has nothing visible are skipped in training; returns (kept, n).
+
+  `is_blank` is the vocabulary's (`Tokenizer.is_blank`): empty, whitespace, BOM or zero-width characters
+  only; for a vocabulary from before normalisation, whitespace only.
+  """
+  kept = [(s, t) for s, t in pairs if not is_blank(s) and not is_blank(t)]
   return kept, len(pairs) - len(kept)
 
 
@@ -75,23 +80,24 @@ def build_datasets(data_config: Any, workdir: str, *, seed: int, process_index: 
   builder, source_key, target_key = sources.open_splits(data_config, [split, *eval_names], workdir)
   cache_file = os.fspath(Workdir(workdir).token_ids(split))
   key = lambda: token_cache.cache_key(builder.info.full_name, split, source_key, target_key,  # noqa: E731
-                                      vocab_path(data_config, workdir))
-  cached = None
+                                      vocab_path(data_config, workdir), normalize.signature(tok.normalization))
+  cached, tok = None, None
   if os.path.exists(vocab_path(data_config, workdir)):
+    tok = load_tokenizer(data_config, workdir)
     start = time.perf_counter()
     cached = token_cache.load(cache_file, key())
     if cached:
       logging.info("Loaded the token ids of %d %s pairs from %s in %.1fs", len(cached[0]), split, cache_file,
                    time.perf_counter() - start)
   if cached:
-    tok = load_tokenizer(data_config, workdir)
     srcs, tgts, blank = cached
   else:
     start = time.perf_counter()
-    train_pairs, blank = skip_blank(sources.read_tfds_pairs(builder, split, source_key, target_key))
+    train_pairs, blank = skip_blank(sources.read_tfds_pairs(builder, split, source_key, target_key),
+                                    tok.is_blank if tok else normalize.is_blank)
     if not train_pairs:
       raise ValueError(f"training split {split!r} of {data_config.dataset} has no non-blank pairs")
-    tok = load_tokenizer(data_config, workdir, train_pairs)
+    tok = tok or load_tokenizer(data_config, workdir, train_pairs)
     srcs, tgts = tokenizer_lib.encode_pairs(tok, train_pairs)
     logging.info("Read and encoded %d %s pairs in %.1fs", len(srcs), split, time.perf_counter() - start)
     if process_index == 0:  # one writer for a shared workdir

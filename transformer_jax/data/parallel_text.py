@@ -3,9 +3,11 @@
     data/train.en  data/train.de  data/val.en  data/val.de  data/test2016.en  data/test2016.de
 
 Line N of `X.en` translates line N of `X.de` (UTF-8). The files are checked (line counts, UTF-8, missing
-split files, an empty training file) before anything is built; the dataset is then built once into the tfds
-data directory under a name that fingerprints the files (path, size, mtime), so changed files rebuild and
-unchanged ones are reused.
+split files, a training file without a visible pair) before anything is built; the dataset is then built once
+into the tfds data directory under a name that fingerprints the files (path, size, mtime), so changed files
+rebuild and unchanged ones are reused. The dataset stores the lines as they are in the files (line endings
+removed); they are normalised (`normalize`: BOM, zero-width characters, spaces, NFC) where they become ids,
+by the vocabulary's `Tokenizer`, so a workdir whose vocabulary predates normalisation reads them as before.
 """
 
 from __future__ import annotations
@@ -18,7 +20,10 @@ from typing import Iterable
 
 import tensorflow_datasets as tfds
 
+from transformer_jax.data import normalize
+
 _SPLIT_FILE = re.compile(r"^(\w+)\.([A-Za-z_-]+)$")
+_UTF16_BOMS = (b"\xff\xfe", b"\xfe\xff")  # little- and big-endian (UTF-32 LE starts like UTF-16 LE)
 
 
 class ParallelTextError(ValueError):
@@ -48,13 +53,25 @@ def split_files(directory: str, split: str, source_lang: str, target_lang: str) 
 
 
 def decode_lines(stream: Iterable[bytes], name: str) -> list[str]:
-  """UTF-8 lines of a binary stream without line endings; invalid UTF-8 names `name` and the line."""
+  """UTF-8 lines of a binary stream without line endings; invalid UTF-8 names `name` and the line.
+
+  A UTF-8 byte-order mark is kept (the tokenizer's normalisation drops it); a UTF-16/32 one is refused by
+  name, since its text would otherwise fail as "invalid UTF-8" on an arbitrary line. Lines end with LF or
+  CR LF; a carriage return inside a line (a file with classic-Mac CR-only line endings reads as one line)
+  is refused with the line number rather than read as a space.
+  """
   lines = []
   for number, raw in enumerate(stream, start=1):
+    if number == 1 and raw.startswith(_UTF16_BOMS):
+      raise ParallelTextError(f"{name}:1: UTF-16 or UTF-32 text (byte-order mark {raw[:2].hex(' ')}); only "
+                              f"UTF-8 is read: convert it first, e.g. iconv -f UTF-16 -t UTF-8")
     try:
       lines.append(raw.decode("utf-8").rstrip("\r\n"))
     except UnicodeDecodeError as e:
       raise ParallelTextError(f"{name}:{number}: invalid UTF-8 ({e.reason} at byte {e.start})") from None
+    if "\r" in lines[-1]:
+      raise ParallelTextError(f"{name}:{number}: carriage return inside the line (CR-only line endings?); "
+                              f"lines must end with LF or CR LF")
   return lines
 
 
@@ -122,7 +139,8 @@ def parallel_text_builder(directory: str, source_lang: str, target_lang: str, da
   splits = discover_splits(directory, source_lang, target_lang)
   for split in splits:  # validate everything before writing anything
     pairs = read_split(directory, split, source_lang, target_lang)
-    if split == required_splits[0] and not any(s.strip() and t.strip() for s, t in pairs):
+    if split == required_splits[0] and not any(not normalize.is_blank(s) and not normalize.is_blank(t)
+                                               for s, t in pairs):
       raise ParallelTextError(
           f"training files {os.path.join(directory, split)}.{{{source_lang},{target_lang}}} hold no "
           f"non-blank pairs")

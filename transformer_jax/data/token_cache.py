@@ -5,8 +5,10 @@ encode both sides with SentencePiece. That is seconds for Multi30k and tens of m
 (36M pairs) on a small host, paid again at every restart. `save` writes the encoded split once, as
 concatenated ids plus offsets (uint16 when the vocabulary fits), with a key naming what produced them;
 `load` returns them only when the key matches: the same dataset (tfds full name: builder, config - for
-local text files a fingerprint of their contents - and version), split, language keys and vocabulary file
-(SHA-256). Anything else (missing, different key, unreadable) means "encode again", with the reason logged.
+local text files a fingerprint of their contents - and version), split, language keys, vocabulary file
+(SHA-256) and the text normalisation the ids were encoded with (`normalize.signature`: its version and the
+Unicode database of NFC). Anything else (missing, different key, unreadable) means "encode again", with the
+reason logged.
 """
 
 from __future__ import annotations
@@ -30,9 +32,11 @@ def file_sha256(path: str) -> str:
   return digest.hexdigest()
 
 
-def cache_key(dataset_full_name: str, split: str, source_key: str, target_key: str, vocab_file: str) -> dict:
+def cache_key(dataset_full_name: str, split: str, source_key: str, target_key: str, vocab_file: str,
+              normalization: str) -> dict:
+  """What the cached ids depend on; `normalization` is `normalize.signature(tokenizer.normalization)`."""
   return {"format": FORMAT, "dataset": dataset_full_name, "split": split, "source": source_key,
-          "target": target_key, "vocab_sha256": file_sha256(vocab_file)}
+          "target": target_key, "vocab_sha256": file_sha256(vocab_file), "normalization": normalization}
 
 
 def _flatten(seqs: Sequence[np.ndarray], dtype) -> tuple[np.ndarray, np.ndarray]:

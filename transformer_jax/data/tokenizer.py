@@ -1,11 +1,25 @@
 """One shared SentencePiece vocabulary for source and target (section 5.1: shared BPE).
 
-Ids: pad 0, unk 1, bos 2, eos 3 (the model's `PAD_ID`, `UNK_ID`, `BOS_ID`, `EOS_ID`). Training uses the
-`identity` normalisation, so detokenisation reproduces any text the vocabulary covers exactly.
+Ids: pad 0, unk 1, bos 2, eos 3 (the model's `PAD_ID`, `UNK_ID`, `BOS_ID`, `EOS_ID`).
+
+Text normalisation (`transformer_jax.data.normalize`): every text is normalised here, before SentencePiece
+sees it, both when the vocabulary is trained and at every `encode`: BOM and zero-width characters dropped,
+Unicode spaces collapsed, NFC. SentencePiece itself runs the `identity` rule, so detokenisation reproduces
+any normalised text the vocabulary covers exactly.
+
+Which normalisation a vocabulary was trained with is stamped next to it: `vocab/spm.model` has
+`vocab/spm.normalization.json` = {"normalization": 1, "signature": ..., "model_sha256": ...}, written
+before the model is moved into place. `Tokenizer` reads it and encodes with that version:
+  * no stamp: a vocabulary trained before normalisation existed (version 0). Its text is encoded exactly as
+    it was trained, unnormalised, so an old workdir translates and resumes as before; a warning says so.
+  * a stamp whose `model_sha256` is not the model's, an unreadable stamp, or an unknown (newer) version:
+    `VocabularyError` in one line; nothing is guessed.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 import os
 import random
@@ -17,42 +31,103 @@ import numpy as np
 import sentencepiece as spm
 
 from transformer_jax.config import BOS_ID, EOS_ID, PAD_ID, UNK_ID
+from transformer_jax.data import normalize as normalize_lib
 
 VOCAB_FILENAME = "spm.model"
+STAMP_SUFFIX = ".normalization.json"
 
 
 class VocabularyError(ValueError):
   """The vocabulary file is missing, unreadable, or does not match the model."""
 
 
+def stamp_path(model_path: str) -> str:
+  """Where the normalisation stamp of `model_path` lives: `vocab/spm.model` -> `vocab/spm.normalization.json`."""
+  root, ext = os.path.splitext(model_path)
+  return (root if ext == ".model" else model_path) + STAMP_SUFFIX
+
+
+def _sha256(data: bytes) -> str:
+  return hashlib.sha256(data).hexdigest()
+
+
+def write_normalization_stamp(model_path: str, model_bytes: bytes) -> None:
+  """Records that the model `model_bytes` (to live at `model_path`) was trained on `normalize.VERSION` text."""
+  stamp = {"normalization": normalize_lib.VERSION, "signature": normalize_lib.signature(),
+           "model_sha256": _sha256(model_bytes)}
+  target = stamp_path(model_path)
+  tmp = f"{target}.tmp"
+  with open(tmp, "w", encoding="utf-8") as f:
+    json.dump(stamp, f, indent=2)
+  os.replace(tmp, target)
+
+
+def read_normalization(model_path: str, model_bytes: bytes) -> int:
+  """The normalisation version the vocabulary `model_path` was trained with (0 when it has no stamp).
+
+  Raises:
+    VocabularyError: the stamp is unreadable, names an unknown version, or belongs to another model file.
+  """
+  path = stamp_path(model_path)
+  if not os.path.exists(path):
+    return normalize_lib.LEGACY_VERSION
+  try:
+    with open(path, encoding="utf-8") as f:
+      stamp = json.load(f)
+    version = stamp["normalization"]
+    normalize_lib.normalizer(version)
+  except (OSError, ValueError, KeyError, TypeError) as e:
+    raise VocabularyError(f"{path}: not a usable normalisation stamp for {model_path} ({e})") from None
+  if stamp.get("model_sha256") != _sha256(model_bytes):
+    raise VocabularyError(f"{path} was written for another model than {model_path} (SHA-256 differs): "
+                          f"the vocabulary was replaced; restore the pair or train a new workdir")
+  return version
+
+
 class Tokenizer:
-  """A loaded SentencePiece model: text <-> ids (EOS appended on encode, stripped on decode)."""
+  """A loaded SentencePiece model: text <-> ids (EOS appended on encode, stripped on decode).
+
+  Every text is normalised with the version the vocabulary was trained with (`normalization`: 1, or 0 for
+  a vocabulary from before normalisation; see the module docstring) before it is encoded.
+  """
 
   def __init__(self, model_path: str):
     self.path = model_path
     self._sp = spm.SentencePieceProcessor()
     try:
       with open(model_path, "rb") as f:
-        self._sp.LoadFromSerializedProto(f.read())
+        model_bytes = f.read()
+      self._sp.LoadFromSerializedProto(model_bytes)
     except (OSError, RuntimeError) as e:
       raise VocabularyError(f"{model_path}: not a readable SentencePiece model ({e})") from None
     special = (self._sp.pad_id(), self._sp.unk_id(), self._sp.bos_id(), self._sp.eos_id())
     if special != (PAD_ID, UNK_ID, BOS_ID, EOS_ID):
       raise VocabularyError(f"{model_path}: special ids (pad, unk, bos, eos) = {special}, expected "
                             f"{(PAD_ID, UNK_ID, BOS_ID, EOS_ID)}")
+    self.normalization = read_normalization(model_path, model_bytes)
+    self.normalize = normalize_lib.normalizer(self.normalization)
+    if self.normalization == normalize_lib.LEGACY_VERSION:
+      logging.warning("%s has no %s: it was trained before text normalisation, so text is encoded "
+                      "unnormalised, as it was trained (a byte-order mark or zero-width characters change "
+                      "its ids); train a new workdir to normalise", model_path,
+                      os.path.basename(stamp_path(model_path)))
 
   @property
   def vocab_size(self) -> int:
     return self._sp.get_piece_size()
 
+  def is_blank(self, text: str) -> bool:
+    """True when `text` has nothing to encode (after this vocabulary's normalisation; 0: whitespace only)."""
+    return not self.normalize(text).strip()
+
   def encode(self, text: str, add_eos: bool = True) -> list[int]:
-    """Text -> ids, `[..., EOS]` by default."""
-    ids = self._sp.encode(text)
+    """Text -> ids (normalised first), `[..., EOS]` by default."""
+    ids = self._sp.encode(self.normalize(text))
     return ids + [EOS_ID] if add_eos else ids
 
   def encode_batch(self, texts: Sequence[str], add_eos: bool = True) -> list[list[int]]:
-    """Many texts at once (SentencePiece encodes the list in C++)."""
-    batch = self._sp.encode(list(texts))
+    """Many texts at once (normalised, then encoded as a list in C++)."""
+    batch = self._sp.encode([self.normalize(t) for t in texts])
     return [ids + [EOS_ID] for ids in batch] if add_eos else batch
 
   def decode(self, ids: Iterable[int]) -> str:
@@ -83,15 +158,16 @@ def train_tokenizer(texts: Iterable[str], output_path: str, vocab_size: int, *, 
                     byte_fallback: bool = False, seed: int = 0) -> Tokenizer:
   """Trains one SentencePiece model on (a bounded random sample of) `texts` and writes it to `output_path`.
 
-  `texts` should hold both sides of the training split. The model file is written to a temporary
-  directory and moved into place only when training succeeded, so an existing vocabulary is never left
-  half-written.
+  `texts` should hold both sides of the training split; each is normalised (`normalize.normalize`) and
+  blank ones are skipped. The model file is written to a temporary directory and moved into place only when
+  training succeeded, so an existing vocabulary is never left half-written; its normalisation stamp
+  (`stamp_path`) is written just before.
   """
   rng = random.Random(seed)
   sample: list[str] = []
   seen = 0
   for text in texts:  # reservoir sampling: a uniform sample of at most max_sentences lines
-    text = text.strip()
+    text = normalize_lib.normalize(text)
     if not text:
       continue
     seen += 1
@@ -108,8 +184,8 @@ def train_tokenizer(texts: Iterable[str], output_path: str, vocab_size: int, *, 
   with tempfile.TemporaryDirectory(dir=os.path.dirname(os.path.abspath(output_path))) as tmp:
     corpus = os.path.join(tmp, "corpus.txt")
     with open(corpus, "w", encoding="utf-8") as f:
-      for text in sample:
-        f.write(text.replace("\n", " ") + "\n")
+      for text in sample:  # normalised: no line breaks inside
+        f.write(text + "\n")
     prefix = os.path.join(tmp, "spm")
     spm.SentencePieceTrainer.train(
         input=corpus, model_prefix=prefix, vocab_size=vocab_size, model_type=model_type,
@@ -117,6 +193,8 @@ def train_tokenizer(texts: Iterable[str], output_path: str, vocab_size: int, *, 
         normalization_rule_name="identity", character_coverage=character_coverage,
         byte_fallback=byte_fallback, hard_vocab_limit=False, input_sentence_size=0,
         shuffle_input_sentence=False, num_threads=os.cpu_count() or 1, minloglevel=2)
+    with open(prefix + ".model", "rb") as f:
+      write_normalization_stamp(output_path, f.read())
     shutil.move(prefix + ".model", output_path)
   tokenizer = Tokenizer(output_path)
   logging.info("Trained a %s vocabulary of %d pieces on %d sentences -> %s", model_type,
