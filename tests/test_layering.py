@@ -14,7 +14,7 @@ PACKAGE = pathlib.Path(__file__).resolve().parents[1] / "transformer_jax"
 # Rank of each module (or package prefix); a module may import only modules of a strictly lower rank, or
 # siblings inside its own package (`data.*`, `training.*`, `interop.*`) that do not climb above it.
 RANKS = {
-    "transformer_jax.config": 0, "transformer_jax.workdir": 0, "transformer_jax.metrics": 0,
+    "transformer_jax.config": 0, "transformer_jax.workdir": 0, "transformer_jax.metrics": 1,
     "transformer_jax.dropout": 0, "transformer_jax.data.normalize": 0,  # text normalisation: a leaf
     "transformer_jax.attention": 1,
     "transformer_jax.model": 2,
