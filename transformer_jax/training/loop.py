@@ -95,9 +95,19 @@ def _write_json_atomically(path: str, value: dict) -> None:
   os.replace(tmp, path)
 
 
+def _with_model_defaults(config: dict) -> dict:
+  """`config` with every `ModelConfig` field that its `model` lacks set to the default (a run saved before
+  the field existed ran with the default), so adding a model option does not block resuming old workdirs."""
+  model = config.get("model")
+  if not isinstance(model, dict):
+    return config
+  defaults = {f.name: f.default for f in dataclasses.fields(ModelConfig) if f.default is not dataclasses.MISSING}
+  return {**config, "model": {**defaults, **model}}
+
+
 def _check_compatible(saved: dict, requested: dict, workdir: str, keys) -> None:
   from transformer_jax.checkpoint import config_diff
-  diffs = config_diff(saved, requested, keys=keys)
+  diffs = config_diff(_with_model_defaults(saved), _with_model_defaults(requested), keys=keys)
   if diffs:
     raise ValueError(f"{workdir} holds a run with an incompatible config ({'; '.join(diffs)}); use another "
                      f"--workdir or the saved values")
