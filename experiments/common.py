@@ -66,7 +66,11 @@ def load_for_inference(workdir: str, checkpoint: str | None = None):
   import ml_collections
 
   config = ml_collections.ConfigDict(load_workdir_config(workdir))
-  tokenizer = Tokenizer(vocab_path(config.data, workdir))
+  if config.data.get("tokenizer") == "marian":  # an imported Marian model (experiments.import_marian)
+    from transformer_jax.interop.marian_vocab import MarianVocabulary
+    tokenizer = MarianVocabulary(config.data.get("vocab_path") or os.path.join(workdir, "vocab"))
+  else:
+    tokenizer = Tokenizer(vocab_path(config.data, workdir))
   model_config = model_config_from(config, config.model.vocab_size)
   tokenizer.check_model_vocab(model_config.vocab_size)
   directory = os.path.join(workdir, "checkpoints")
