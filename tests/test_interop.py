@@ -305,6 +305,20 @@ def test_import_program_refuses_with_one_line_and_writes_nothing(marian_dir, tmp
   assert not workdir.exists()
 
 
+def test_imported_workdir_loads_like_a_trained_one(marian_dir, tmp_path):
+  from experiments import common
+  workdir = str(tmp_path / "workdir")
+  marian.import_to_workdir(marian_dir, workdir)
+  model_config, params, tokenizer = common.load_for_inference(workdir)
+  config, expected_params, vocab = marian.load_marian(marian_dir)
+  assert model_config == config and isinstance(tokenizer, MarianVocabulary)
+  for a, b in zip(jax.tree_util.tree_leaves(params), jax.tree_util.tree_leaves(expected_params)):
+    np.testing.assert_array_equal(np.asarray(a), b)
+  with pytest.raises(FileExistsError, match="not empty"):
+    marian.import_to_workdir(marian_dir, workdir)
+
+
+@pytest.mark.slow
 def test_import_program_makes_a_workdir_that_translate_accepts(marian_dir, tmp_path):
   workdir = tmp_path / "workdir"
   env = dict(os.environ, PYTHONPATH=REPO)
