@@ -14,9 +14,11 @@ Needs `ctranslate2`, `transformers` and `torch` (the `interop` extra), imported 
 
 from __future__ import annotations
 
+import collections
 import os
 import shutil
 import tempfile
+from typing import Sequence
 
 import ctranslate2
 import torch
@@ -106,3 +108,27 @@ def translator(model_dir: str, *, compute_type: str = "float32", threads: int = 
   """A CPU `ctranslate2.Translator` with `threads` intra-op threads (one inter-op replica)."""
   return ctranslate2.Translator(model_dir, device="cpu", compute_type=compute_type, inter_threads=1,
                                 intra_threads=threads)
+
+
+def translate_pieces(translator: ctranslate2.Translator, sources: Sequence[Sequence[str]], *, beam_size: int = 1,
+                     length_penalty: float = 0.0, extra_len: int = 50, banned: Sequence[str] = (),
+                     max_batch_size: int = 64) -> list[list[str]]:
+  """CTranslate2 outputs (pieces, without EOS) in input order, capped like `inference.translate_ids`.
+
+  `sources` are source pieces ending with EOS (what our tokenizer's `pieces(encode(text))` gives). Sources
+  are grouped by length so that each gets our cap, `len(source without EOS) + extra_len` tokens; `banned`
+  pieces are never emitted (pass pad and BOS as our searches do). CTranslate2's `length_penalty` divides by
+  `|Y|^length_penalty` (GNMT's `((5+|Y|)/6)^alpha` in ours): the two coincide at 0.
+  """
+  groups = collections.defaultdict(list)
+  for i, p in enumerate(sources):
+    groups[len(p)].append(i)
+  out: list[list[str]] = [[] for _ in sources]
+  for length, idx in groups.items():
+    results = translator.translate_batch(
+        [list(sources[i]) for i in idx], beam_size=beam_size, length_penalty=length_penalty,
+        max_decoding_length=length - 1 + extra_len, max_batch_size=max_batch_size,
+        suppress_sequences=[[b] for b in banned] or None)
+    for i, r in zip(idx, results):
+      out[i] = r.hypotheses[0]
+  return out
