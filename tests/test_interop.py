@@ -339,3 +339,14 @@ def test_core_import_does_not_load_interop_dependencies():
   out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300,
                        env=dict(os.environ, PYTHONPATH=REPO))
   assert out.stdout.strip() == "[]", out.stderr[-2000:]
+
+
+@pytest.mark.parametrize("overrides, message", [(dict(position_embedding="learned"), "learned position"),
+                                                (dict(pre_ln=True), "pre-LN"),
+                                                (dict(share_embeddings=False), "separate embeddings")])
+def test_export_refuses_what_marian_cannot_hold_and_writes_nothing(tmp_path, our_spm, overrides, message):
+  config, params = _our_model(60, **overrides)
+  out = tmp_path / "marian"
+  with pytest.raises(marian.UnsupportedModelError, match=message):
+    marian.save_marian(params, config, str(out), tokenizer_path=our_spm)
+  assert not out.exists() and os.listdir(tmp_path) == []
