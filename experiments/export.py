@@ -7,6 +7,8 @@ The Marian directory loads with `MarianMTModel.from_pretrained` / `MarianTokeniz
 CTranslate2 directory with `ctranslate2.Translator` (SentencePiece models included). Needs the `interop` extra.
 """
 
+import os
+
 from absl import app, flags
 
 from experiments import common
@@ -29,7 +31,6 @@ def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
   common.setup_logging()
-  import os
   if os.path.isdir(FLAGS.output) and os.listdir(FLAGS.output):
     common.fail(f"{FLAGS.output} exists and is not empty; choose a new --output")
   from transformer_jax.interop import marian
