@@ -38,7 +38,7 @@ import numpy as np
 from transformer_jax.config import ModelConfig
 from transformer_jax.data.tokenizer import VocabularyError
 from transformer_jax.interop.marian_vocab import (EOS_PIECE, MARIAN_TOKENIZER_FILES, PAD_PIECE, SOURCE_SPM,
-                                                  TARGET_SPM, VOCAB_JSON, MarianVocabulary, read_vocab_json)
+                                                  TARGET_SPM, VOCAB_JSON, MarianVocabulary)
 from transformer_jax.model import sinusoid_table
 
 MARIAN_LAYER_NORM_EPSILON = 1e-5  # torch.nn.LayerNorm's default; MarianMTModel does not make it configurable
