@@ -11,10 +11,12 @@ import ml_collections
 import tensorflow_datasets as tfds
 from absl import logging as absl_logging
 
+from experiments.configs import default
 from transformer_jax import checkpoint as checkpoint_lib
 from transformer_jax import inference, metrics, trainer
 from transformer_jax.data import datasets, parallel_text, sources
 from transformer_jax.data.tokenizer import Tokenizer, VocabularyError
+from transformer_jax.interop.marian_vocab import MarianVocabulary
 from transformer_jax.workdir import Workdir, write_json_atomically
 
 # Exceptions that mean "bad input or state": printed as one line, exit status 1, no traceback.
@@ -52,9 +54,20 @@ def read_lines(path: str | None) -> list[str]:
   return parallel_text.read_lines(path) if path else parallel_text.decode_lines(sys.stdin.buffer, "<stdin>")
 
 
+def _merged(defaults: dict, saved: dict) -> dict:
+  merged = dict(defaults)
+  for key, value in saved.items():
+    merged[key] = _merged(defaults[key], value) if isinstance(value, dict) and isinstance(
+        defaults.get(key), dict) else value
+  return merged
+
+
 def load_workdir_config(workdir: str) -> ml_collections.ConfigDict:
-  """The resolved config a training run saved in its workdir (FileNotFoundError when there is none)."""
-  return ml_collections.ConfigDict(Workdir(workdir).require_config())
+  """The config a training run saved in its workdir, keys it predates at their defaults (default.py).
+
+  FileNotFoundError when the workdir holds no run.
+  """
+  return ml_collections.ConfigDict(_merged(default.get_config().to_dict(), Workdir(workdir).require_config()))
 
 
 def load_for_inference(workdir: str, checkpoint: str | None = None):
@@ -63,7 +76,10 @@ def load_for_inference(workdir: str, checkpoint: str | None = None):
   The checkpoint's parameter tree must match the workdir's model (`checkpoint.CheckpointMismatchError`).
   """
   config = load_workdir_config(workdir)
-  tokenizer = Tokenizer(datasets.vocab_path(config.data, workdir))
+  if config.data.tokenizer == "marian":  # an imported Marian model (experiments.import_marian)
+    tokenizer = MarianVocabulary(config.data.vocab_path or os.fspath(Workdir(workdir).vocab.parent))
+  else:
+    tokenizer = Tokenizer(datasets.vocab_path(config.data, workdir))
   model_config = trainer.model_config_from(config, config.model.vocab_size)
   tokenizer.check_model_vocab(model_config.vocab_size)
   directory, step = os.fspath(Workdir(workdir).checkpoints), None

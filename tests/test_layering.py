@@ -1,6 +1,6 @@
 """The library's layers: no module imports one above it; project imports sit at the top of the file.
 
-    trainer -> checkpoint -> sharding / data / inference / interop -> training / decode -> model
+    trainer / interop -> checkpoint -> sharding / data / inference -> training / decode -> model
             -> attention -> dropout / config / workdir / metrics
 """
 
@@ -20,8 +20,8 @@ RANKS = {
     "transformer_jax.model": 2,
     "transformer_jax.training": 3, "transformer_jax.decode": 3, "transformer_jax.visualize": 3,
     "transformer_jax.data": 4, "transformer_jax.sharding": 4, "transformer_jax.inference": 4,
-    "transformer_jax.checkpoint": 5, "transformer_jax.interop": 5,
-    "transformer_jax.trainer": 6,
+    "transformer_jax.checkpoint": 5,
+    "transformer_jax.trainer": 6, "transformer_jax.interop": 6,
     "transformer_jax": 7,  # __init__: the public API, imports anything
 }
 

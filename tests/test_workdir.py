@@ -51,3 +51,14 @@ def test_config_diff():
   assert config_diff({"model": {"a": [1, 2]}}, {"model": {"a": (1, 2), "b": "x"}}) == [
       "model.b: saved <missing>, requested 'x'"]
   assert config_diff({"model": {"flag": 1}}, {"model": {"flag": True}}) == ["model.flag: saved 1, requested True"]
+
+
+def test_a_saved_config_that_predates_a_model_option_counts_as_its_default(tmp_path):
+  w = Workdir(tmp_path)
+  old = to_jsonable(tiny(vocab_size=10))
+  del old["activation"]  # a run saved before the option existed
+  write_json_atomically(w.config_json, {"model": old})
+  w.check_compatible({"model": tiny(vocab_size=10)}, keys=("model",), defaults={"model": tiny()})
+  with pytest.raises(ValueError, match="model.activation: saved 'relu', requested 'swish'"):
+    w.check_compatible({"model": tiny(vocab_size=10, activation="swish")}, keys=("model",),
+                       defaults={"model": tiny()})

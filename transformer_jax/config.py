@@ -14,6 +14,8 @@ import jax.numpy as jnp
 
 PositionKind = Literal["sinusoidal", "learned"]
 AttentionImpl = Literal["xla", "cudnn"]
+Activation = Literal["relu", "swish"]
+PositionLayout = Literal["interleaved", "halves"]
 
 # Token ids shared by the tokenizer and the model (SentencePiece is trained with these ids).
 PAD_ID = 0
@@ -58,8 +60,21 @@ class ModelConfig:
   pad_id: int = PAD_ID
   bos_id: int = BOS_ID
   eos_id: int = EOS_ID
+  # FFN nonlinearity: the paper's ReLU (section 3.3); Marian/OPUS-MT uses swish (= SiLU, x * sigmoid(x)).
+  activation: Activation = "relu"
+  # Sinusoid layout: the paper interleaves sin/cos (dims 2i, 2i+1); tensor2tensor, fairseq and Marian put
+  # all sines in the first half and all cosines in the second ("halves"). Same frequencies either way.
+  position_layout: PositionLayout = "interleaved"
+  # A learned bias `[vocab]` added to the output logits (Marian's `final_logits_bias`); not in the paper.
+  logits_bias: bool = False
 
   def __post_init__(self):
+    if self.activation == "silu":  # SiLU and swish are one function (x * sigmoid(x))
+      object.__setattr__(self, "activation", "swish")
+    if self.activation not in ("relu", "swish"):
+      raise ValueError(f"activation={self.activation!r}; expected 'relu' or 'swish' (alias 'silu')")
+    if self.position_layout not in ("interleaved", "halves"):
+      raise ValueError(f"position_layout={self.position_layout!r}; expected 'interleaved' or 'halves'")
     if self.d_model % self.num_heads:
       raise ValueError(
           f"d_model={self.d_model} is not divisible by num_heads={self.num_heads}")

@@ -36,11 +36,22 @@ _xavier = nn.initializers.xavier_uniform()
 # Positions (section 3.5) and masks
 # ----------------------------------------------------------------------------------------------------------
 
-def sinusoid_table(max_len: int, d_model: int) -> np.ndarray:
-  """PE(pos, 2i) = sin(pos / 10000^(2i/d)), PE(pos, 2i+1) = cos(pos / 10000^(2i/d)): `[max_len, d_model]`."""
+def sinusoid_table(max_len: int, d_model: int, layout: str = "interleaved") -> np.ndarray:
+  """PE(pos, 2i) = sin(pos / 10000^(2i/d)), PE(pos, 2i+1) = cos(pos / 10000^(2i/d)): `[max_len, d_model]`.
+
+  `layout="halves"` puts the same sines in columns `[0, ceil(d/2))` and the cosines after them, as
+  tensor2tensor, fairseq and Marian (Hugging Face `MarianSinusoidalPositionalEmbedding`) do.
+  """
   position = np.arange(max_len, dtype=np.float64)[:, None]
   inv_freq = np.exp(-math.log(10000.0) * np.arange(0, d_model, 2, dtype=np.float64) / d_model)
   table = np.zeros((max_len, d_model), dtype=np.float64)
+  if layout == "halves":
+    sines = (d_model + 1) // 2
+    table[:, :sines] = np.sin(position * inv_freq)
+    table[:, sines:] = np.cos(position * inv_freq)[:, : d_model // 2]
+    return table.astype(np.float32)
+  if layout != "interleaved":
+    raise ValueError(f"layout={layout!r}; expected 'interleaved' or 'halves'")
   table[:, 0::2] = np.sin(position * inv_freq)
   table[:, 1::2] = np.cos(position * inv_freq)[:, : d_model // 2]
   return table.astype(np.float32)
@@ -151,7 +162,7 @@ class AddPositions(nn.Module):
                          nn.with_logical_partitioning(nn.initializers.normal(stddev=0.02), (None, "embed")),
                          (cfg.max_len, cfg.d_model), jnp.float32)
     else:
-      table = jnp.asarray(sinusoid_table(cfg.max_len, cfg.d_model))
+      table = jnp.asarray(sinusoid_table(cfg.max_len, cfg.d_model, cfg.position_layout))
     x = x + jnp.take(table, positions, axis=0).astype(x.dtype)
     return Dropout(rate=cfg.dropout_rate)(x, deterministic=deterministic)
 
@@ -161,7 +172,7 @@ class AddPositions(nn.Module):
 # ----------------------------------------------------------------------------------------------------------
 
 class FeedForward(nn.Module):
-  """FFN(x) = max(0, x W1 + b1) W2 + b2 (section 3.3), inner size d_ff."""
+  """FFN(x) = max(0, x W1 + b1) W2 + b2 (section 3.3), inner size d_ff; swish instead of max(0, .) if set."""
 
   config: ModelConfig
 
@@ -171,7 +182,7 @@ class FeedForward(nn.Module):
     h = nn.Dense(cfg.d_ff, dtype=cfg.compute_dtype, name="wi",
                  kernel_init=nn.with_logical_partitioning(_xavier, ("embed", "mlp")),
                  bias_init=nn.with_logical_partitioning(nn.initializers.zeros, ("mlp",)))(x)
-    h = nn.relu(h)
+    h = nn.silu(h) if cfg.activation == "swish" else nn.relu(h)
     h = nn.with_logical_constraint(h, ("batch", "length", "mlp"))
     if cfg.relu_dropout_rate > 0.0:
       h = Dropout(rate=cfg.relu_dropout_rate)(h, deterministic=deterministic)
@@ -299,11 +310,16 @@ class Decoder(nn.Module):
     if cfg.pre_ln:
       y = _layer_norm(cfg, "final_layer_norm")(y)
     if self.output_embed is not None:
-      return self.output_embed.attend(y)
-    return nn.DenseGeneral(cfg.vocab_size, dtype=cfg.compute_dtype, name="logits",
-                           kernel_init=nn.with_logical_partitioning(_xavier, ("embed", "vocab")),
-                           bias_init=nn.with_logical_partitioning(nn.initializers.zeros, ("vocab",)))(
-                               y).astype(jnp.float32)
+      logits = self.output_embed.attend(y)
+    else:
+      logits = nn.DenseGeneral(cfg.vocab_size, dtype=cfg.compute_dtype, name="logits",
+                               kernel_init=nn.with_logical_partitioning(_xavier, ("embed", "vocab")),
+                               bias_init=nn.with_logical_partitioning(nn.initializers.zeros, ("vocab",)))(
+                                   y).astype(jnp.float32)
+    if cfg.logits_bias:  # Marian's final_logits_bias `[vocab]`, float32
+      logits = logits + self.param("logits_bias", nn.with_logical_partitioning(nn.initializers.zeros, ("vocab",)),
+                                   (cfg.vocab_size,), jnp.float32)
+    return logits
 
 
 class Transformer(nn.Module):

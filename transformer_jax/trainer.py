@@ -281,7 +281,7 @@ def prepare(config: Any, workdir: str) -> Run:
   model_config = model_config_from(config, data.tokenizer.vocab_size)
   resolved = to_jsonable(config)
   resolved["model"] = to_jsonable(model_config)
-  run_dir.check_compatible(resolved, keys=MODEL_KEYS)
+  run_dir.check_compatible(resolved, keys=MODEL_KEYS, defaults={"model": ModelConfig()})
   if jax.process_index() == 0:
     write_json_atomically(run_dir.config_json, resolved)
   mesh = sharding.mesh_from_config(config.mesh)

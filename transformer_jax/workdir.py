@@ -91,15 +91,30 @@ class Workdir:
       raise FileNotFoundError(f"{self.config_json} not found: is {self.root} the --workdir of a training run?")
     return config
 
-  def check_compatible(self, requested: Mapping, keys: Sequence[str]) -> None:
-    """Refuses (ValueError, naming each differing key) a config that differs from the saved one under `keys`."""
+  def check_compatible(self, requested: Mapping, keys: Sequence[str], defaults: Mapping | None = None) -> None:
+    """Refuses (ValueError, naming each differing key) a config that differs from the saved one under `keys`.
+
+    `defaults` fill the keys a saved config predates (a run saved before a model option existed ran with
+    that option's default), so adding an option does not lock old workdirs out.
+    """
     saved = self.read_config()
     if saved is None:
       return
-    diffs = config_diff(saved, requested, keys=keys)
+    diffs = config_diff(_fill(saved, to_jsonable(defaults or {})), requested, keys=keys)
     if diffs:
       raise ValueError(f"{self.root} holds a run with an incompatible config ({'; '.join(diffs)}); use another "
                        "--workdir or the saved values")
+
+
+def _fill(saved: Mapping, defaults: Mapping) -> dict:
+  """`saved` with the keys it lacks taken from `defaults`, recursively."""
+  filled = dict(saved)
+  for key, value in defaults.items():
+    if key not in filled:
+      filled[key] = value
+    elif isinstance(value, Mapping) and isinstance(filled[key], Mapping):
+      filled[key] = _fill(filled[key], value)
+  return filled
 
 
 def read_json(path: PathLike) -> Any:

@@ -17,6 +17,8 @@ Sections (each in its own process, so peak memory is per configuration):
   decode        greedy and beam 4 over 500 multi30k test sources (CPU preset), cached vs uncached, the
                 encoder alone, compilations per file
   scaling       step time vs row length 64..512 (fixed 4096 tokens/batch) and vs tokens/batch
+  ctranslate2   our greedy and beam 4 vs CTranslate2 fp32 and int8 on the same model (base preset, random
+                init) and the same 500 test2016 sources, 2 CTranslate2 threads (needs the interop extra)
 
 Needs `pip install -e '.[bench]'` for the PyTorch peer (skipped with a note otherwise). Not part of the tests.
 """
@@ -42,7 +44,7 @@ TABLE_START, TABLE_END = "<!-- bench:table:start -->", "<!-- bench:table:end -->
 
 TINY_VARIANTS = "flax_dropout,autodiff_logits,autodiff_loss,unoptimized,no_dropout"
 BASE_VARIANTS = "unoptimized"
-ALL_SECTIONS = ["machine", "train_tiny", "hugepages_off", "train_base", "decode", "scaling"]
+ALL_SECTIONS = ["machine", "train_tiny", "hugepages_off", "train_base", "decode", "scaling", "ctranslate2"]
 
 
 def section_args(name: str, quick: bool, torch: bool) -> list[str]:
@@ -66,6 +68,10 @@ def section_args(name: str, quick: bool, torch: bool) -> list[str]:
     if quick:
       return ["decode", "--sources=48", "--rounds=1", "--subset=8"]
     return ["decode", "--sources=500", "--rounds=2", "--subset=32"]
+  if name == "ctranslate2":
+    if quick:
+      return ["ctranslate2", "--preset=tiny", "--sources=16", "--rounds=1", "--threads=2"]
+    return ["ctranslate2", "--preset=base", "--sources=500", "--rounds=1", "--threads=2"]
   if name == "scaling":
     if quick:
       return ["scaling", "--lengths=64,256", "--batch_tokens=2048", "--rounds=1", "--block=2"]
@@ -288,6 +294,8 @@ def render(results: dict) -> str:
                    f"{d.get('cached_same_tokens', {}).get(key, 'n/a')} |")
     lines.append("")
 
+  lines += _render_ctranslate2(results.get("ctranslate2", {}))
+
   s = results.get("scaling", {})
   if "points" in s:
     lines += [f"**5. Scaling** ({s['preset']} preset, packed multi30k, step time relative to the first row)", "",
@@ -362,6 +370,24 @@ def targets(results: dict) -> list[str]:
          "|---|---|---|---|"]
   out += [f"| {name} | {value} | {'yes' if ok else 'NO'} | {before} |" for name, value, ok, before in rows]
   return out + [""]
+
+
+def _render_ctranslate2(c: dict) -> list[str]:
+  """Section 6: our searches vs CTranslate2 fp32/int8 (experiments/benchmarks/ctranslate2_bench.py)."""
+  if "ours_greedy" not in c:
+    return [f"**6. Decoding vs CTranslate2**: {c['error']}", ""] if "error" in c else []
+  lines = [f"**6. Decoding vs CTranslate2** ({c['preset']} preset, vocabulary {c['vocab_size']}, random init, "
+           f"{c['sources']} multi30k test2016 sources, outputs capped at len(source)+{c['extra_len']}; "
+           f"CTranslate2 {c['ct2_threads']} intra-op threads, max_batch_size {c['ct2_max_batch_size']}; "
+           f"ours: {c['jax_threads']}, {c['max_tokens_per_batch']} source tokens/batch)", "",
+           "| runner | search | sentences/s | target tokens/s | ours / CTranslate2 fp32 |", "|---|---|---|---|---|"]
+  for runner in ("ours", "ct2_float32", "ct2_int8"):
+    for search in ("greedy", "beam4"):
+      r = c[f"{runner}_{search}"]
+      ratio = c[f"ours_vs_ct2_float32_{search}"] if runner == "ours" else ""
+      lines.append(f"| {runner} | {search} | {r['sentences_per_s']:.1f} | {_g(r['tokens_per_s'])} | "
+                   f"{_x(ratio) if ratio != '' else ''} |")
+  return lines + [""]
 
 
 def update_doc(table: str) -> bool:

@@ -395,6 +395,20 @@ def decode(args) -> dict:
   return out
 
 
+def ctranslate2(args) -> dict:
+  """Our greedy/beam 4 vs CTranslate2 fp32/int8 on the same random model and sources (ctranslate2_bench.py)."""
+  from flax import linen as nn
+  from transformer_jax.training.steps import init_params
+  try:
+    from experiments.benchmarks import ctranslate2_bench
+  except ImportError as e:  # the interop extra is not installed
+    return {"error": f"needs the interop extra ({e})"}
+  corpus = common.load_corpus()
+  cfg = preset_config(args.preset, args.vocab or corpus.vocab_size)
+  params = jax.device_put(nn.unbox(init_params(cfg, jax.random.key(0))))
+  return ctranslate2_bench.run(args, corpus, cfg, params)
+
+
 # ----------------------------------------------------------------------------------------------------------
 # 5. Scaling: step time vs row length (fixed tokens/batch) and vs tokens/batch (fixed row length)
 # ----------------------------------------------------------------------------------------------------------
@@ -460,7 +474,7 @@ def scaling(args) -> dict:
 
 def main(argv=None):
   parser = argparse.ArgumentParser()
-  parser.add_argument("section", choices=("machine", "train", "decode", "scaling"))
+  parser.add_argument("section", choices=("machine", "train", "decode", "scaling", "ctranslate2"))
   parser.add_argument("--out", required=True)
   parser.add_argument("--quick", action="store_true")
   parser.add_argument("--preset", default="tiny")
@@ -484,6 +498,8 @@ def main(argv=None):
   parser.add_argument("--max_tokens", type=int, default=4096)
   parser.add_argument("--subset", type=int, default=32)
   parser.add_argument("--gen_len", type=int, default=50)
+  parser.add_argument("--threads", type=int, default=2, help="CTranslate2 intra-op threads")
+  parser.add_argument("--ct2_batch", type=int, default=64, help="CTranslate2 max_batch_size (sentences)")
   parser.add_argument("--lengths", type=lambda s: [int(x) for x in s.split(",")], default=[64, 128, 256, 512])
   parser.add_argument("--batch_tokens", type=lambda s: [int(x) for x in s.split(",")],
                       default=[1024, 2048, 4096, 8192])

@@ -35,6 +35,7 @@ def get_config() -> ml_collections.ConfigDict:
   config.data.target_lang = "de"              # target language code
   config.data.download = False                # let tfds download and prepare a WMT dataset (network, hours)
   config.data.tfds_data_dir = ""              # prepared tfds data; "" = <workdir>/tfds
+  config.data.tokenizer = "sentencepiece"     # sentencepiece (ours, one shared model) | marian (an imported model)
   config.data.vocab_path = ""                 # SentencePiece model; "" = <workdir>/vocab/spm.model, trained on first run
   config.data.vocab_size = 37000              # one shared BPE vocabulary for both languages (section 5.1)
   config.data.vocab_model_type = "bpe"        # SentencePiece model type: bpe | unigram
@@ -146,6 +147,7 @@ RULES = {
     "data.source_lang": _text(),
     "data.target_lang": _text(),
     "data.download": _one_of(False, True),
+    "data.tokenizer": _one_of("sentencepiece", "marian"),
     "data.vocab_size": _integer(16),
     "data.vocab_model_type": _one_of("bpe", "unigram"),
     "data.vocab_max_sentences": _integer(1),

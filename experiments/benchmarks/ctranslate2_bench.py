@@ -1,0 +1,88 @@
+"""Decoding side by side: our greedy and beam 4 vs CTranslate2 fp32 and int8, same model, same sources.
+
+The model (random init, like the `decode` section) is exported with `transformer_jax.interop.ctranslate2`;
+the int8 runner loads the same fp32 export with `compute_type="int8"` (CTranslate2 quantises on load).
+Every runner translates the same sources with the same output caps (`len(source) + extra_len`) and the
+same banned tokens (pad, BOS), in rounds that interleave the runners (the machine is shared); times are
+medians over rounds after one untimed warm-up pass each (which compiles ours). Beam search: ours with
+GNMT alpha 0.6, CTranslate2 with length_penalty 0.6 (|Y|^0.6): the same work per step.
+Needs the `interop` extra; the section records an error note without it.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+from transformer_jax import inference
+from transformer_jax.data.tokenizer import Tokenizer
+from transformer_jax.interop import ctranslate2 as ct2
+
+
+def _log(*args):
+  print(*args, file=sys.stderr, flush=True)
+
+
+def _runners(params, cfg, sources, pieces, banned, args, translators):
+  def ours(beam):
+    outs = inference.translate_ids(params, cfg, sources, beam_size=beam, alpha=0.6, extra_len=args.extra_len,
+                                   max_tokens_per_batch=args.max_tokens)
+    return sum(len(o) + 1 for o in outs)
+
+  def theirs(translator, beam):
+    outs = ct2.translate_pieces(translator, pieces, beam_size=beam, length_penalty=0.6 if beam > 1 else 0.0,
+                                extra_len=args.extra_len, banned=banned, max_batch_size=args.ct2_batch)
+    return sum(len(o) + 1 for o in outs)
+
+  runners = {"ours_greedy": lambda: ours(1), "ours_beam4": lambda: ours(4)}
+  for name, translator in translators.items():
+    runners[f"{name}_greedy"] = lambda t=translator: theirs(t, 1)
+    runners[f"{name}_beam4"] = lambda t=translator: theirs(t, 4)
+  return runners
+
+
+def run(args, corpus, cfg, params) -> dict:
+  """Times every runner over `args.sources` test sources; returns sentences/s and target tokens/s."""
+  rng = np.random.default_rng(0)
+  pick = rng.choice(len(corpus.test_sources), size=min(args.sources, len(corpus.test_sources)), replace=False)
+  sources = [[int(x) for x in corpus.test_sources[i]] for i in pick]  # each ends with EOS
+  tokenizer = Tokenizer(corpus.tokenizer_path)
+  pieces = [tokenizer.pieces(s) for s in sources]
+  banned = tokenizer.pieces(sorted({cfg.pad_id, cfg.bos_id}))
+  out = {"preset": args.preset, "vocab_size": cfg.vocab_size, "sources": len(sources), "extra_len": args.extra_len,
+         "ct2_threads": args.threads, "jax_threads": f"XLA CPU default ({os.cpu_count()} logical CPUs)",
+         "ct2_max_batch_size": args.ct2_batch, "max_tokens_per_batch": args.max_tokens,
+         "model": "random init (untrained): outputs mostly run to their cap len(source)+extra_len"}
+  with tempfile.TemporaryDirectory() as tmp:
+    start = time.perf_counter()
+    model_dir = ct2.export_ctranslate2(params, cfg, os.path.join(tmp, "ct2"), tokenizer_path=corpus.tokenizer_path)
+    out["export_s"] = time.perf_counter() - start
+    translators = {f"ct2_{c}": ct2.translator(model_dir, compute_type=c, threads=args.threads)
+                   for c in ("float32", "int8")}
+    runners = _runners(params, cfg, sources, pieces, banned, args, translators)
+    tokens, times = {}, {name: [] for name in runners}
+    for name, fn in runners.items():
+      tokens[name], first = _timed(fn)
+      _log(f"[ctranslate2] {name}: warm-up pass {first:.1f}s, {tokens[name]} target tokens")
+    for r in range(args.rounds):
+      for name, fn in runners.items():
+        times[name].append(_timed(fn)[1])
+      _log(f"[ctranslate2] round {r + 1}/{args.rounds}: " + ", ".join(f"{n} {t[-1]:.2f}s" for n, t in times.items()))
+  for name, t in times.items():
+    s = float(np.median(t))
+    out[name] = {"file_s": s, "sentences_per_s": len(sources) / s, "target_tokens": tokens[name],
+                 "tokens_per_s": tokens[name] / s, "times": t}
+  for search in ("greedy", "beam4"):
+    out[f"ours_vs_ct2_float32_{search}"] = (out[f"ours_{search}"]["tokens_per_s"]
+                                            / out[f"ct2_float32_{search}"]["tokens_per_s"])
+  return out
+
+
+def _timed(fn):
+  start = time.perf_counter()
+  value = fn()
+  return value, time.perf_counter() - start

@@ -1,0 +1,53 @@
+r"""Export a workdir's model to a Hugging Face Marian directory or a CTranslate2 model directory.
+
+    python -m experiments.export --workdir=DIR --format=marian --output=OUT
+    python -m experiments.export --workdir=DIR --format=ctranslate2 --output=OUT [--quantization=int8]
+
+The Marian directory loads with `MarianMTModel.from_pretrained` / `MarianTokenizer.from_pretrained`; the
+CTranslate2 directory with `ctranslate2.Translator` (SentencePiece models included). Needs the `interop` extra.
+"""
+
+import os
+
+from absl import app, flags
+
+from experiments import common
+
+FLAGS = flags.FLAGS
+flags.DEFINE_string("workdir", None, "A training run's (or an imported model's) --workdir.")
+flags.DEFINE_enum("format", None, ["marian", "ctranslate2"], "Output format.")
+flags.DEFINE_string("output", None, "Output directory (must not exist or be empty).")
+flags.DEFINE_string("checkpoint", None, "A step, or a checkpoint directory (default: the latest).")
+flags.DEFINE_string("quantization", None, "CTranslate2 weight type, e.g. int8 (default: float32).")
+flags.mark_flags_as_required(["workdir", "format", "output"])
+
+
+def tokenizer_files(tokenizer) -> str:
+  """Our spm.model path, or the directory of an imported model's Marian tokenizer files."""
+  return tokenizer.path
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+  common.setup_logging()
+  if os.path.isdir(FLAGS.output) and os.listdir(FLAGS.output):
+    common.fail(f"{FLAGS.output} exists and is not empty; choose a new --output")
+  from transformer_jax.interop import marian
+  try:
+    model_config, params, tokenizer = common.load_for_inference(FLAGS.workdir, FLAGS.checkpoint)
+    data = common.load_workdir_config(FLAGS.workdir).get("data", {})
+    if FLAGS.format == "marian":
+      marian.save_marian(params, model_config, FLAGS.output, tokenizer_path=tokenizer_files(tokenizer),
+                         source_lang=data.get("source_lang"), target_lang=data.get("target_lang"))
+    else:
+      from transformer_jax.interop import ctranslate2 as ct2
+      ct2.export_ctranslate2(params, model_config, FLAGS.output, tokenizer_path=tokenizer_files(tokenizer),
+                             quantization=FLAGS.quantization)
+  except common.USER_ERRORS + (FileExistsError,) as e:
+    common.fail(str(e))
+  print(f"Exported {FLAGS.workdir} ({FLAGS.format}) -> {FLAGS.output}")
+
+
+if __name__ == "__main__":
+  app.run(main)

@@ -1,0 +1,37 @@
+r"""Import a Hugging Face Marian (OPUS-MT) model as a workdir that translate/evaluate/attention_map accept.
+
+    python -m experiments.import_marian --model_dir=DIR --workdir=OUT
+
+`DIR` is a `save_pretrained` directory (config.json, model.safetensors or pytorch_model.bin, source.spm,
+target.spm, vocab.json). Unsupported variants (separate embeddings or vocabularies, pre-LN, learned positions,
+...) and mismatched vocabulary files are refused with a one-line error; nothing is written then.
+Needs the `interop` extra only for pytorch_model.bin weights (torch) and safetensors.
+"""
+
+from absl import app, flags
+
+from experiments import common
+
+FLAGS = flags.FLAGS
+flags.DEFINE_string("model_dir", None, "A save_pretrained MarianMTModel directory.")
+flags.DEFINE_string("workdir", None, "The new workdir (must not exist or be empty).")
+flags.mark_flags_as_required(["model_dir", "workdir"])
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+  common.setup_logging()
+  from transformer_jax.interop import marian
+  try:
+    value = marian.import_to_workdir(FLAGS.model_dir, FLAGS.workdir)
+  except common.USER_ERRORS + (FileExistsError,) as e:
+    common.fail(str(e))
+  model = value["model"]
+  print(f"Imported {FLAGS.model_dir} -> {FLAGS.workdir}: {model['num_encoder_layers']}+"
+        f"{model['num_decoder_layers']} layers, d_model {model['d_model']}, vocabulary {model['vocab_size']}, "
+        f"activation {model['activation']}")
+
+
+if __name__ == "__main__":
+  app.run(main)
