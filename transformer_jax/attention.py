@@ -104,13 +104,13 @@ def dot_product_attention(query: Array, key: Array, value: Array, mask: Optional
 class MultiHeadAttention(nn.Module):
   """Multi-head attention with h parallel heads and an output projection W^O (section 3.2.2).
 
-  Projections are Xavier-uniform with zero biases. In `decode` mode the module keeps a KV cache in the
+  Projections are Xavier-uniform with zero biases. With `use_cache=True` the module keeps a KV cache in the
   `cache` collection and takes one query position per call:
     * self-attention (`is_cross=False`): keys/values of each new position are written at `cache_index`
       into `cached_key`/`cached_value` `[batch, max_decode_len, heads, head_dim]`;
     * cross-attention (`is_cross=True`): the encoder memory is projected once, when the cache is created,
       and reused at every step.
-  Passing `return_weights=True` sows the attention weights `[batch, heads, q_len, kv_len]` into the
+  Passing `sow_attention_weights=True` sows the attention weights `[batch, heads, q_len, kv_len]` into the
   `intermediates` collection under `attention_weights`.
   """
 
@@ -123,16 +123,16 @@ class MultiHeadAttention(nn.Module):
 
   @nn.compact
   def __call__(self, inputs_q: Array, inputs_kv: Array, mask: Optional[Array], *,
-               deterministic: bool = True, decode: bool = False,
-               max_decode_len: Optional[int] = None, return_weights: bool = False) -> Array:
+               deterministic: bool = True, use_cache: bool = False,
+               max_decode_len: Optional[int] = None, sow_attention_weights: bool = False) -> Array:
     """inputs_q `[batch, q_len, d_model]`, inputs_kv `[batch, kv_len, d_model]` -> `[batch, q_len, d_model]`."""
     cfg = self.config
     query = self._projection("query")(inputs_q)  # [batch, q_len, heads, head_dim]
     key_proj, value_proj = self._projection("key"), self._projection("value")
 
-    if decode and self.is_cross:
+    if use_cache and self.is_cross:
       key, value = self._cached_memory(key_proj, value_proj, inputs_kv)
-    elif decode:
+    elif use_cache:
       key, value, mask = self._update_self_cache(key_proj(inputs_kv), value_proj(inputs_kv), mask,
                                                  max_decode_len)
     else:
@@ -143,8 +143,9 @@ class MultiHeadAttention(nn.Module):
       dropout_rng = self.make_rng("dropout")
     result = dot_product_attention(
         query, key, value, mask, implementation=cfg.attention_impl,
-        dropout_rate=cfg.attention_dropout_rate, dropout_rng=dropout_rng, return_weights=return_weights)
-    if return_weights:
+        dropout_rate=cfg.attention_dropout_rate, dropout_rng=dropout_rng,
+        return_weights=sow_attention_weights)
+    if sow_attention_weights:
       result, weights = result
       self.sow("intermediates", "attention_weights", weights)
 
@@ -178,7 +179,7 @@ class MultiHeadAttention(nn.Module):
     if not is_initialized:
       return key, value, mask
     if q_len != 1:
-      raise ValueError(f"decode mode takes one target position per call, got q_len={q_len}")
+      raise ValueError(f"use_cache=True takes one target position per call, got q_len={q_len}")
     index = cache_index.value
     cached_key.value = jax.lax.dynamic_update_slice(
         cached_key.value, jnp.swapaxes(key, 1, 2).astype(cached_key.value.dtype), (0, 0, index, 0))

@@ -127,17 +127,17 @@ class Embed(nn.Module):
 class AddPositions(nn.Module):
   """Adds sinusoidal (default) or learned position encodings, then dropout (section 3.5, 5.4).
 
-  In decode mode the position is the number of tokens decoded so far, kept in the `cache` collection.
+  With `use_cache` the position is the number of tokens decoded so far, kept in the `cache` collection.
   """
 
   config: ModelConfig
 
   @nn.compact
   def __call__(self, x: Array, positions: Optional[Array] = None, *, deterministic: bool = True,
-               decode: bool = False) -> Array:
+               use_cache: bool = False) -> Array:
     cfg = self.config
     batch, length, _ = x.shape
-    if decode:
+    if use_cache:
       is_initialized = self.has_variable("cache", "position")
       position = self.variable("cache", "position", lambda: jnp.array(0, dtype=jnp.int32))
       positions = jnp.broadcast_to(position.value, (batch, length))
@@ -211,11 +211,11 @@ class EncoderLayer(nn.Module):
 
   @nn.compact
   def __call__(self, x: Array, mask: Array, deterministic: bool = True,
-               return_weights: bool = False) -> Array:
+               sow_attention_weights: bool = False) -> Array:
     cfg = self.config
     attn = MultiHeadAttention(cfg, name="self_attention")
     x = SublayerConnection(cfg, name="attention_block")(
-        x, lambda h: attn(h, h, mask, deterministic=deterministic, return_weights=return_weights),
+        x, lambda h: attn(h, h, mask, deterministic=deterministic, sow_attention_weights=sow_attention_weights),
         deterministic=deterministic)
     ffn = FeedForward(cfg, name="ffn")
     x = SublayerConnection(cfg, name="ffn_block")(
@@ -230,18 +230,18 @@ class DecoderLayer(nn.Module):
 
   @nn.compact
   def __call__(self, y: Array, memory: Array, self_mask: Optional[Array], cross_mask: Array,
-               deterministic: bool = True, decode: bool = False, max_decode_len: Optional[int] = None,
-               return_weights: bool = False) -> Array:
+               deterministic: bool = True, use_cache: bool = False, max_decode_len: Optional[int] = None,
+               sow_attention_weights: bool = False) -> Array:
     cfg = self.config
     self_attn = MultiHeadAttention(cfg, name="self_attention")
     y = SublayerConnection(cfg, name="self_attention_block")(
-        y, lambda h: self_attn(h, h, self_mask, deterministic=deterministic, decode=decode,
-                               max_decode_len=max_decode_len, return_weights=return_weights),
+        y, lambda h: self_attn(h, h, self_mask, deterministic=deterministic, use_cache=use_cache,
+                               max_decode_len=max_decode_len, sow_attention_weights=sow_attention_weights),
         deterministic=deterministic)
     cross_attn = MultiHeadAttention(cfg, is_cross=True, name="cross_attention")
     y = SublayerConnection(cfg, name="cross_attention_block")(
-        y, lambda h: cross_attn(h, memory, cross_mask, deterministic=deterministic, decode=decode,
-                                return_weights=return_weights),
+        y, lambda h: cross_attn(h, memory, cross_mask, deterministic=deterministic, use_cache=use_cache,
+                                sow_attention_weights=sow_attention_weights),
         deterministic=deterministic)
     ffn = FeedForward(cfg, name="ffn")
     y = SublayerConnection(cfg, name="ffn_block")(
@@ -261,7 +261,7 @@ class Encoder(nn.Module):
 
   @nn.compact
   def __call__(self, inputs: Array, mask: Array, inputs_position: Optional[Array] = None, *,
-               deterministic: bool = True, return_weights: bool = False) -> Array:
+               deterministic: bool = True, sow_attention_weights: bool = False) -> Array:
     """inputs `[batch, src_len]` ids, mask `[batch, 1, src_len, src_len]` -> `[batch, src_len, d_model]`."""
     cfg = self.config
     x = self.embed(inputs)
@@ -269,7 +269,7 @@ class Encoder(nn.Module):
     x = nn.with_logical_constraint(x, ("batch", "length", "embed"))
     layer_cls = nn.remat(EncoderLayer, static_argnums=(3, 4)) if cfg.remat else EncoderLayer
     for i in range(cfg.num_encoder_layers):
-      x = layer_cls(cfg, name=f"layer_{i}")(x, mask, deterministic, return_weights)
+      x = layer_cls(cfg, name=f"layer_{i}")(x, mask, deterministic, sow_attention_weights)
     if cfg.pre_ln:
       x = _layer_norm(cfg, "final_layer_norm")(x)
     return x
@@ -285,17 +285,17 @@ class Decoder(nn.Module):
   @nn.compact
   def __call__(self, decoder_inputs: Array, memory: Array, self_mask: Optional[Array], cross_mask: Array,
                targets_position: Optional[Array] = None, *, deterministic: bool = True,
-               decode: bool = False, max_decode_len: Optional[int] = None,
-               return_weights: bool = False) -> Array:
+               use_cache: bool = False, max_decode_len: Optional[int] = None,
+               sow_attention_weights: bool = False) -> Array:
     """decoder_inputs `[batch, tgt_len]` (shifted right) -> logits `[batch, tgt_len, vocab]` (float32)."""
     cfg = self.config
     y = self.embed(decoder_inputs)
-    y = AddPositions(cfg, name="positions")(y, targets_position, deterministic=deterministic, decode=decode)
+    y = AddPositions(cfg, name="positions")(y, targets_position, deterministic=deterministic, use_cache=use_cache)
     y = nn.with_logical_constraint(y, ("batch", "length", "embed"))
     layer_cls = nn.remat(DecoderLayer, static_argnums=(5, 6, 7, 8)) if cfg.remat else DecoderLayer
     for i in range(cfg.num_decoder_layers):
-      y = layer_cls(cfg, name=f"layer_{i}")(y, memory, self_mask, cross_mask, deterministic, decode,
-                                            max_decode_len, return_weights)
+      y = layer_cls(cfg, name=f"layer_{i}")(y, memory, self_mask, cross_mask, deterministic, use_cache,
+                                            max_decode_len, sow_attention_weights)
     if cfg.pre_ln:
       y = _layer_norm(cfg, "final_layer_norm")(y)
     if self.output_embed is not None:
@@ -311,7 +311,7 @@ class Transformer(nn.Module):
 
   `__call__(inputs, targets)` runs teacher forcing and returns logits `[batch, tgt_len, vocab]` for
   predicting `targets` from `targets` shifted right (BOS first). `encode` and `decode` expose the two halves
-  for inference; `decode(..., decode=True)` takes one target position per call against a KV cache
+  for inference; `decode(..., use_cache=True)` takes one target position per call against a KV cache
   (`cache` collection). Pass `rngs={'dropout': key}` and `deterministic=False` to train.
   """
 
@@ -331,25 +331,25 @@ class Transformer(nn.Module):
 
   def encode(self, inputs: Array, inputs_position: Optional[Array] = None,
              inputs_segmentation: Optional[Array] = None, *, deterministic: bool = True,
-             return_weights: bool = False) -> Array:
+             sow_attention_weights: bool = False) -> Array:
     """Source ids `[batch, src_len]` (pad = config.pad_id) -> memory `[batch, src_len, d_model]`."""
     mask = attention_mask(inputs != self.config.pad_id, inputs_segmentation, inputs_segmentation)
     return self.encoder(inputs, mask, inputs_position, deterministic=deterministic,
-                        return_weights=return_weights)
+                        sow_attention_weights=sow_attention_weights)
 
   def decode(self, encoded: Array, inputs: Array, targets: Array, targets_position: Optional[Array] = None,
              inputs_segmentation: Optional[Array] = None, targets_segmentation: Optional[Array] = None, *,
-             deterministic: bool = True, decode: bool = False, max_decode_len: Optional[int] = None,
-             return_weights: bool = False) -> Array:
+             deterministic: bool = True, use_cache: bool = False, max_decode_len: Optional[int] = None,
+             sow_attention_weights: bool = False) -> Array:
     """Logits `[batch, tgt_len, vocab]` (float32) for the targets, given the memory `encoded`.
 
-    Teacher forcing (`decode=False`): `targets` `[batch, tgt_len]` are the gold ids, shifted right here.
-    Cached decoding (`decode=True`): `targets` `[batch, 1]` is the previously emitted token (BOS first);
+    Teacher forcing (`use_cache=False`): `targets` `[batch, tgt_len]` are the gold ids, shifted right here.
+    Cached decoding (`use_cache=True`): `targets` `[batch, 1]` is the previously emitted token (BOS first);
     `max_decode_len` sizes the self-attention cache on the call that creates it.
     """
     cfg = self.config
     source_valid = inputs != cfg.pad_id
-    if decode:
+    if use_cache:
       decoder_inputs = targets
       self_mask = None  # causal masking over the cache is done by the attention module
       cross_mask = attention_mask(source_valid)
@@ -359,15 +359,16 @@ class Transformer(nn.Module):
       self_mask = attention_mask(target_valid, targets_segmentation, targets_segmentation, causal=True)
       cross_mask = attention_mask(source_valid, targets_segmentation, inputs_segmentation)
     return self.decoder(decoder_inputs, encoded, self_mask, cross_mask, targets_position,
-                        deterministic=deterministic, decode=decode, max_decode_len=max_decode_len,
-                        return_weights=return_weights)
+                        deterministic=deterministic, use_cache=use_cache, max_decode_len=max_decode_len,
+                        sow_attention_weights=sow_attention_weights)
 
   def __call__(self, inputs: Array, targets: Array, inputs_position: Optional[Array] = None,
                targets_position: Optional[Array] = None, inputs_segmentation: Optional[Array] = None,
                targets_segmentation: Optional[Array] = None, *, deterministic: bool = True,
-               return_weights: bool = False) -> Array:
+               sow_attention_weights: bool = False) -> Array:
     """Teacher-forced logits `[batch, tgt_len, vocab]` for source `[batch, src_len]`, targets `[batch, tgt_len]`."""
     encoded = self.encode(inputs, inputs_position, inputs_segmentation, deterministic=deterministic,
-                          return_weights=return_weights)
+                          sow_attention_weights=sow_attention_weights)
     return self.decode(encoded, inputs, targets, targets_position, inputs_segmentation,
-                       targets_segmentation, deterministic=deterministic, return_weights=return_weights)
+                       targets_segmentation, deterministic=deterministic,
+                       sow_attention_weights=sow_attention_weights)
