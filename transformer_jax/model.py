@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from transformer_jax.attention import MultiHeadAttention
+from transformer_jax.attention import AttentionMask, MultiHeadAttention
 from transformer_jax.config import ModelConfig
 from transformer_jax.dropout import Dropout
 
@@ -67,6 +67,25 @@ def attention_mask(key_valid: Array, query_segments: Optional[Array] = None,
     length = key_valid.shape[-1]
     mask = jnp.logical_and(mask, jnp.tril(jnp.ones((length, length), dtype=bool))[None, None])
   return mask
+
+
+def self_attention_mask(valid: Array, positions: Optional[Array], segments: Optional[Array], *,
+                        causal: bool, window: int) -> AttentionMask:
+  """Factorised self-attention mask over `[batch, length]` tokens (same rule as `attention_mask`).
+
+  `positions` (default 0..length-1) are the positions inside each packed example: the local window and
+  relative distances are measured in them, so neither crosses or depends on packing.
+  """
+  if positions is None:
+    positions = jnp.broadcast_to(jnp.arange(valid.shape[1], dtype=jnp.int32), valid.shape)
+  return AttentionMask(valid, positions, positions, segments, segments, causal=causal, window=window)
+
+
+def cross_attention_mask(source_valid: Array, target_length: int, target_segments: Optional[Array],
+                         source_segments: Optional[Array]) -> AttentionMask:
+  """Factorised encoder-decoder mask: target queries `[batch, tgt_len]` over source keys `[batch, src_len]`."""
+  mask = AttentionMask.from_dense(None, source_valid.shape[0], target_length, source_valid.shape[1])
+  return mask.replace(key_valid=source_valid, query_segments=target_segments, key_segments=source_segments)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -146,6 +165,8 @@ class AddPositions(nn.Module):
     elif positions is None:
       positions = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (batch, length))
 
+    if cfg.position_embedding == "none":  # relative positions only (max_relative_position > 0)
+      return Dropout(rate=cfg.dropout_rate)(x, deterministic=deterministic)
     if cfg.position_embedding == "learned":
       table = self.param("position_embedding",
                          nn.with_logical_partitioning(nn.initializers.normal(stddev=0.02), (None, "embed")),
@@ -262,7 +283,8 @@ class Encoder(nn.Module):
   @nn.compact
   def __call__(self, inputs: Array, mask: Array, inputs_position: Optional[Array] = None, *,
                deterministic: bool = True, sow_attention_weights: bool = False) -> Array:
-    """inputs `[batch, src_len]` ids, mask `[batch, 1, src_len, src_len]` -> `[batch, src_len, d_model]`."""
+    """inputs `[batch, src_len]` ids, mask `[batch, 1, src_len, src_len]` or an `AttentionMask` ->
+    `[batch, src_len, d_model]`."""
     cfg = self.config
     x = self.embed(inputs)
     x = AddPositions(cfg, name="positions")(x, inputs_position, deterministic=deterministic)
@@ -333,7 +355,8 @@ class Transformer(nn.Module):
              inputs_segmentation: Optional[Array] = None, *, deterministic: bool = True,
              sow_attention_weights: bool = False) -> Array:
     """Source ids `[batch, src_len]` (pad = config.pad_id) -> memory `[batch, src_len, d_model]`."""
-    mask = attention_mask(inputs != self.config.pad_id, inputs_segmentation, inputs_segmentation)
+    mask = self_attention_mask(inputs != self.config.pad_id, inputs_position, inputs_segmentation,
+                               causal=False, window=self.config.attention_window)
     return self.encoder(inputs, mask, inputs_position, deterministic=deterministic,
                         sow_attention_weights=sow_attention_weights)
 
@@ -356,8 +379,10 @@ class Transformer(nn.Module):
     else:
       decoder_inputs = shift_right(targets, cfg.bos_id, targets_position)
       target_valid = targets != cfg.pad_id
-      self_mask = attention_mask(target_valid, targets_segmentation, targets_segmentation, causal=True)
-      cross_mask = attention_mask(source_valid, targets_segmentation, inputs_segmentation)
+      self_mask = self_attention_mask(target_valid, targets_position, targets_segmentation, causal=True,
+                                      window=cfg.attention_window)
+      cross_mask = cross_attention_mask(source_valid, targets.shape[1], targets_segmentation,
+                                        inputs_segmentation)
     return self.decoder(decoder_inputs, encoded, self_mask, cross_mask, targets_position,
                         deterministic=deterministic, use_cache=use_cache, max_decode_len=max_decode_len,
                         sow_attention_weights=sow_attention_weights)
