@@ -294,20 +294,19 @@ def blocked_attention(query: Array, key: Array, value: Array, mask: AttentionMas
   @jax.checkpoint
   def one_chunk(q_chunk: Array, q_start: Array) -> Array:
     """q_chunk `[batch, chunk, heads, head_dim]` -> `[batch, chunk, heads, head_dim]` float32."""
-    first = (q_start - band) // block if band else 0
+    # The key blocks within `band` of this chunk, shifted to stay inside [0, num_blocks) (no duplicates).
+    first = jnp.clip((q_start - band) // block, 0, num_blocks - visits) if band else 0
 
     def visit(carry, j):
       running_max, normaliser, acc = carry  # [b, h, chunk], [b, h, chunk], [b, chunk, h, d]
       index = first + j
-      k_start = jnp.clip(index, 0, num_blocks - 1) * block
+      k_start = index * block
       k_blk = jax.lax.dynamic_slice_in_dim(key, k_start, block, axis=1)
       v_blk = jax.lax.dynamic_slice_in_dim(value, k_start, block, axis=1)
       logits = _block_logits(q_chunk, k_blk, mask, q_start, k_start, relative)  # [b, h, chunk, block]
-      in_range = (index >= 0) & (index < num_blocks)  # blocks past either end are clamped duplicates
-      logits = jnp.where(in_range, logits, _MASKED)
       new_max = jnp.maximum(running_max, logits.max(axis=-1))
       correction = jnp.exp(running_max - new_max)
-      probs = jnp.exp(logits - new_max[..., None]) * in_range
+      probs = jnp.exp(logits - new_max[..., None])
       normaliser = normaliser * correction + probs.sum(axis=-1)
       acc = acc * jnp.swapaxes(correction, 1, 2)[..., None] + _block_values(
           probs, v_blk, mask, q_start, k_start, relative)
