@@ -3,7 +3,8 @@ r"""Draw attention heatmaps (encoder self, decoder self, cross; every layer and 
     python -m experiments.attention_map --workdir=DIR --source="twenty-one" [--target="einundzwanzig"] \
         --output=attention.png
 
-Without --target the model's own greedy translation is used.
+Without --target the model's own greedy translation is used. Also prints, per layer and head, the mean
+entropy of the attention distribution and which heads are near-uniform (`transformer_jax.diagnostics`).
 """
 
 from absl import app, flags
@@ -23,7 +24,9 @@ def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
   common.setup_logging()
-  from transformer_jax import visualize
+  import jax.numpy as jnp
+
+  from transformer_jax import diagnostics, visualize
   try:
     model_config, params, tokenizer = common.load_for_inference(FLAGS.workdir, FLAGS.checkpoint)
   except common.USER_ERRORS as e:
@@ -34,7 +37,10 @@ def main(argv):
   source_ids, target_ids = tokenizer.encode(FLAGS.source), tokenizer.encode(target)
   maps = visualize.attention_maps(params, model_config, source_ids, target_ids)
   visualize.plot_attention(maps, tokenizer.pieces(source_ids), tokenizer.pieces(target_ids), FLAGS.output)
+  statistics = diagnostics.attention_statistics(params, model_config, jnp.asarray([source_ids], jnp.int32),
+                                                jnp.asarray([target_ids], jnp.int32))
   print(f"{FLAGS.source} -> {target}\nwrote {FLAGS.output}")
+  print(diagnostics.format_table(statistics))
 
 
 if __name__ == "__main__":

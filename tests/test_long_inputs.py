@@ -14,6 +14,7 @@ import pytest
 from test_model import _batch, _ids, cached_decode_logits, logits_fn, params_for, small
 from transformer_jax.attention import (AttentionMask, RelativePositions, blocked_attention,
                                        dot_product_attention, full_attention_weights)
+from transformer_jax import diagnostics
 from transformer_jax.config import ModelConfig
 from transformer_jax.model import Transformer
 
@@ -257,3 +258,44 @@ def test_sown_weights_with_options_are_normalised_and_windowed():
 def test_config_rejects_bad_long_input_options(changes, message):
   with pytest.raises(ValueError, match=message):
     ModelConfig(**changes)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Diagnostics
+# ----------------------------------------------------------------------------------------------------------
+
+def test_head_entropy_matches_numpy():
+  rng = np.random.default_rng(0)
+  logits = rng.normal(size=(2, 3, 4, 5)) * np.array([0.0, 1.0, 8.0])[None, :, None, None]  # uniform..peaked
+  logits[1, :, :, 3:] = -np.inf  # row 1: two masked keys, support 3
+  weights = np.exp(logits - logits.max(-1, keepdims=True))
+  weights /= weights.sum(-1, keepdims=True)
+  query_valid = np.array([[True] * 4, [True, True, False, False]])
+  entropy, normalised = diagnostics.head_entropy(jnp.asarray(weights, jnp.float32), jnp.asarray(query_valid))
+  with np.errstate(divide="ignore", invalid="ignore"):
+    h = -np.nansum(weights * np.log(weights), axis=-1)  # [b, heads, q]
+  n = h / np.log(np.array([5, 3]))[:, None, None]
+  keep = np.broadcast_to(query_valid[:, None, :], h.shape)
+  expected_h = np.array([h[:, i][keep[:, i]].mean() for i in range(3)])
+  expected_n = np.array([n[:, i][keep[:, i]].mean() for i in range(3)])
+  np.testing.assert_allclose(np.asarray(entropy), expected_h, rtol=1e-5)
+  np.testing.assert_allclose(np.asarray(normalised), expected_n, rtol=1e-5)
+  np.testing.assert_allclose(np.asarray(normalised)[0], 1.0, rtol=1e-6)  # head 0 is exactly uniform
+
+
+def test_attention_statistics_flag_uniform_heads():
+  """With zero query/key kernels every self-attention head is uniform over its support: share 100%."""
+  cfg = small()
+  params = jax.tree_util.tree_map(lambda x: x, params_for(cfg))
+  for stack, n in (("encoder", cfg.num_encoder_layers), ("decoder", cfg.num_decoder_layers)):
+    for i in range(n):
+      attn = params[stack][f"layer_{i}"]["self_attention"]
+      attn["query"] = {k: jnp.zeros_like(v) for k, v in attn["query"].items()}
+  src, tgt = _batch(seed=4)
+  stats = diagnostics.attention_statistics(params, cfg, src, tgt)
+  assert float(stats["encoder_self"]["near_uniform_share"]) == 1.0
+  assert float(stats["decoder_self"]["near_uniform_share"]) == 1.0
+  np.testing.assert_allclose(np.asarray(stats["encoder_self"]["normalised_entropy"]), 1.0, rtol=1e-5)
+  scalars = diagnostics.summary_scalars(stats)
+  assert scalars["attention/encoder_self/near_uniform_share"] == 1.0
+  assert len(scalars) == 3 + cfg.num_heads * (2 * cfg.num_decoder_layers + cfg.num_encoder_layers)

@@ -55,6 +55,7 @@ def get_config() -> ml_collections.ConfigDict:
 
   config.log_every_steps = 100
   config.eval_every_steps = 200
+  config.attention_diagnostics_rows = 16  # attention entropy per layer/head on this many eval pairs (0 = off)
   config.eval_tokens_per_batch = 8192
   config.checkpoint_every_steps = 100
   config.checkpoint_every_minutes = 0.0

@@ -79,6 +79,7 @@ def get_config() -> ml_collections.ConfigDict:
 
   config.log_every_steps = 100
   config.eval_every_steps = 5000          # loss / perplexity on newstest2013
+  config.attention_diagnostics_rows = 16  # attention entropy per layer/head on this many eval pairs (0 = off)
   config.eval_tokens_per_batch = 16384
   # Section 6.1: a checkpoint every 10 minutes; keep enough to average the last 5.
   config.checkpoint_every_steps = 0

@@ -81,6 +81,16 @@ def evaluate_loss(eval_fn, params, eval_set, max_tokens: int) -> dict[str, float
   return metrics
 
 
+def evaluate_attention(params, model_config: ModelConfig, eval_set, rows: int) -> dict[str, float]:
+  """Attention entropy per layer/head and the share of near-uniform heads on the first `rows` eval pairs."""
+  from transformer_jax import diagnostics
+  from transformer_jax.data.pipeline import eval_batches
+  batch = next(eval_batches(eval_set.sources[:rows], eval_set.targets[:rows], max_tokens=1 << 30))
+  statistics = jax.jit(diagnostics.attention_statistics, static_argnums=1)(
+      params, model_config, jnp.asarray(batch["inputs"]), jnp.asarray(batch["targets"]))
+  return diagnostics.summary_scalars(statistics)
+
+
 def _read_json(path: str) -> dict | None:
   if not os.path.exists(path):
     return None
@@ -267,6 +277,10 @@ def train_and_evaluate(config: Any, workdir: str) -> dict[str, Any]:
           logging.info("eval %s at step %d: loss %.3f | nll %.3f | ppl %.2f | acc %.3f", name, step,
                        metrics["loss"], metrics["nll"], metrics["perplexity"], metrics["accuracy"])
           eval_metrics.update({f"{name}/{k}": v for k, v in metrics.items()})
+          diagnostics_rows = config.get("attention_diagnostics_rows", 16)  # 0 = off
+          if diagnostics_rows:
+            attention = evaluate_attention(state.params, model_config, eval_set, diagnostics_rows)
+            eval_metrics.update({f"{name}/{k}": v for k, v in attention.items()})
       bleu_every = config.get("bleu_every_steps", 0)
       if bleu_every and (step % bleu_every == 0 or step == num_steps):
         for name, eval_set in data.eval_sets.items():
