@@ -14,7 +14,7 @@ import pytest
 from test_model import _batch, _ids, cached_decode_logits, logits_fn, params_for, small
 from transformer_jax.attention import (AttentionMask, RelativePositions, blocked_attention,
                                        dot_product_attention, full_attention_weights)
-from transformer_jax import diagnostics
+from transformer_jax import decode, diagnostics
 from transformer_jax.config import ModelConfig
 from transformer_jax.model import Transformer
 
@@ -299,3 +299,13 @@ def test_attention_statistics_flag_uniform_heads():
   scalars = diagnostics.summary_scalars(stats)
   assert scalars["attention/encoder_self/near_uniform_share"] == 1.0
   assert len(scalars) == 3 + cfg.num_heads * (2 * cfg.num_decoder_layers + cfg.num_encoder_layers)
+
+
+def test_beam_search_with_every_option_cached_equals_uncached():
+  """The ring-buffer cache survives the beam search's reordering: same beams as recomputing every prefix."""
+  cfg = OPTIONS["all"]
+  params, src = params_for(cfg), _ids(3, (2, 7))
+  out = decode.beam_search(params, cfg, src, 3, 0.6, 9, full_output=True)
+  ref = decode.beam_search_uncached(params, cfg, src, 3, 0.6, 9, full_output=True)
+  np.testing.assert_array_equal(out.tokens, ref.tokens)
+  np.testing.assert_allclose(out.scores, ref.scores, rtol=1e-5, atol=1e-5)

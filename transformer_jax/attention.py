@@ -454,6 +454,7 @@ class MultiHeadAttention(nn.Module):
     if q_len != 1:
       raise ValueError(f"use_cache=True takes one target position per call, got q_len={q_len}")
     index = cache_index.value
+    cache_len = cached_key.value.shape[2]  # later calls need not pass max_decode_len
     slot = index % cache_len
     cached_key.value = jax.lax.dynamic_update_slice(
         cached_key.value, jnp.swapaxes(key, 1, 2).astype(cached_key.value.dtype), (0, 0, slot, 0))
