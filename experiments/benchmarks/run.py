@@ -326,9 +326,10 @@ def render_long_inputs(s: dict) -> list[str]:
     rss = f"{p['peak_rss_gib']:.2f} GiB" if p.get("peak_rss_gib") else "-"
     xla = f"{p['predicted_gib']:.2f} GiB" if "predicted_gib" in p else "-"
     fits = "yes" if p["fits"] else f"no ({p.get('reason', '')})"
-    lines.append(f"| {p['mode']} | {p.get('options', '')} | {p['length']:,} | {step} | {per_1k} | {rss} | "
+    options = ", ".join(f"{k}={v}" for k, v in p.get("options", {}).items()) or "defaults (fused)"
+    lines.append(f"| {p['mode']} | {options} | {p['length']:,} | {step} | {per_1k} | {rss} | "
                  f"{xla} | {fits} |")
-  lines += ["", "Longest length that fits: " + ", ".join(
+  lines += ["", "Longest measured length that fits: " + ", ".join(
       f"{m} {L:,}" for m, L in s["longest_fitting"].items()) + "."]
   t = s.get("targets", {})
   ratio = t.get("chunked_over_full_per_token_at_1k")
