@@ -69,10 +69,11 @@ def _mask(valid, lq, *, causal=False, window=0, packed=False):
   pos_k = np.broadcast_to(np.arange(lk), (b, lk)).copy()
   seg_q = seg_k = None
   if packed:  # two examples per row: 0..4 | 0..(len - 6)
-    seg_q, seg_k = np.where(np.arange(lq) < 5, 1, 2)[None].repeat(b, 0), np.where(np.arange(lk) < 5, 1, 2)[None].repeat(b, 0)
+    seg_q = np.where(np.arange(lq) < 5, 1, 2)[None].repeat(b, 0)
+    seg_k = np.where(np.arange(lk) < 5, 1, 2)[None].repeat(b, 0)
     pos_q, pos_k = np.where(seg_q == 1, pos_q, pos_q - 5), np.where(seg_k == 1, pos_k, pos_k - 5)
-  mask = AttentionMask(jnp.asarray(valid), jnp.asarray(pos_q, jnp.int32), jnp.asarray(pos_k, jnp.int32),
-                       None if seg_q is None else jnp.asarray(seg_q), None if seg_k is None else jnp.asarray(seg_k),
+  as_array = lambda x: None if x is None else jnp.asarray(x, jnp.int32)
+  mask = AttentionMask(jnp.asarray(valid), as_array(pos_q), as_array(pos_k), as_array(seg_q), as_array(seg_k),
                        causal=causal, window=window)
   ref = dict(valid=valid, q_pos=pos_q, k_pos=pos_k, q_seg=seg_q, k_seg=seg_k, causal=causal, window=window)
   return mask, ref
@@ -114,7 +115,8 @@ def test_relative_key_embeddings_change_the_output():
   mask, ref = _mask(valid, q.shape[1])
   with_rel = _np_attention(q, k, v, **ref, rel_key=rel_key, rel_value=rel_value, max_distance=3)
   tables = RelativePositions(jnp.asarray(rel_key), None, max_distance=3)
-  keys_only = blocked_attention(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), mask, chunk_size=5, relative=tables)
+  keys_only = blocked_attention(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), mask, chunk_size=5,
+                                relative=tables)
   np.testing.assert_allclose(np.asarray(keys_only), _np_attention(q, k, v, **ref, rel_key=rel_key, max_distance=3),
                              **TOL)
   assert np.abs(np.asarray(keys_only) - with_rel).max() > 1e-2
@@ -171,12 +173,13 @@ def test_chunked_gradient_never_materialises_the_score_tensor():
 # The model: every option in training, packed batches and cached decoding
 # ----------------------------------------------------------------------------------------------------------
 
+ONE_LAYER = dict(num_encoder_layers=1, num_decoder_layers=1)  # eager step-by-step decoding is per layer
 OPTIONS = {
-    "relative": small(max_relative_position=3),
+    "relative": small(max_relative_position=3, **ONE_LAYER),
     "relative_keys_only_no_sinusoids": small(max_relative_position=2, relative_values=False,
-                                             position_embedding="none"),
-    "window": small(attention_window=2),
-    "chunked": small(query_chunk_size=4),
+                                             position_embedding="none", **ONE_LAYER),
+    "window": small(attention_window=2, **ONE_LAYER),
+    "chunked": small(query_chunk_size=4, **ONE_LAYER),
     "all": small(max_relative_position=3, attention_window=3, query_chunk_size=2, pre_ln=True),
 }
 

@@ -76,7 +76,10 @@ def attention_statistics(params, config: ModelConfig, inputs: Array, targets: Ar
 
 
 def summary_scalars(statistics: dict[str, dict], prefix: str = "attention") -> dict[str, float]:
-  """Flat TensorBoard scalars: `{prefix}/{kind}/layer_{i}/head_{h}/entropy` and `{prefix}/{kind}/near_uniform_share`."""
+  """Flat TensorBoard scalars.
+
+  Keys: `{prefix}/{kind}/layer_{i}/head_{h}/entropy` (nats) and `{prefix}/{kind}/near_uniform_share`.
+  """
   scalars = {}
   for kind, stats in statistics.items():
     entropy = np.asarray(stats["entropy"])

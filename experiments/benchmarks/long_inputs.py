@@ -10,8 +10,8 @@ One row per batch, `length` source and `length` target tokens (random ids), the 
   chunked   query_chunk_size=512 everywhere: exact attention, O(L·chunk) memory, O(L²) time
 
 Every (mode, length) runs in a fresh process, so its peak memory is its own: the process's peak resident set
-(VmHWM of /proc/self/status, compiler and runtime included) after a warm-up step and the timed steps (up to
-`--steps`, stopping once `--budget_s` has passed; a warm-up longer than the budget is taken as the one step). Before
+(VmHWM of /proc/self/status, compiler and runtime included) after a warm-up step and the timed steps (up
+to `--steps`, stopping once `--budget_s` has passed; a warm-up longer than the budget is the one step). Before
 running, XLA's buffer assignment for the compiled step (`compiled.memory_analysis()`: arguments + outputs +
 temporaries) is checked against the memory limit (16 GiB by default); a step that would not fit is not run and
 is reported as not fitting, as is a process that dies. Lengths above a mode's first non-fitting one are skipped.
@@ -129,7 +129,8 @@ def _targets(points, longest) -> dict:
   by = {(p["mode"], p["length"]): p for p in points if p.get("step_s")}
   full_1k, chunked_1k = by.get(("full", 1024)), by.get(("chunked", 1024))
   chunked_long = by.get(("chunked", longest.get("chunked", 0)))
-  result = {"chunked_fits_16k": longest.get("chunked", 0) >= 16384, "full_fits_16k": longest.get("full", 0) >= 16384}
+  result = {"chunked_fits_16k": longest.get("chunked", 0) >= 16384,
+            "full_fits_16k": longest.get("full", 0) >= 16384}
   if full_1k and chunked_1k:
     result["chunked_over_full_per_token_at_1k"] = chunked_1k["step_s"] / full_1k["step_s"]
   if full_1k and chunked_long:
