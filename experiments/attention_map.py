@@ -3,13 +3,15 @@ r"""Draw attention heatmaps (encoder self, decoder self, cross; every layer and 
     python -m experiments.attention_map --workdir=DIR --source="twenty-one" [--target="einundzwanzig"] \
         --output=attention.png
 
-Without --target the model's own greedy translation is used.
+Without --target the model's own greedy translation is used. Also prints, per layer and head, the mean
+entropy of the attention distribution and which heads are near-uniform (`transformer_jax.diagnostics`).
 """
 
+import jax.numpy as jnp
 from absl import app, flags
 
 from experiments import common, launch
-from transformer_jax import inference, visualize
+from transformer_jax import diagnostics, inference, visualize
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("workdir", None, "The training run's --workdir.")
@@ -20,21 +22,28 @@ flags.DEFINE_string("checkpoint", None, "A step, or a checkpoint directory (defa
 flags.mark_flags_as_required(["workdir", "source"])
 
 
-def main(argv):
-  if len(argv) > 1:
-    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-  common.setup_logging()
-  try:
-    model_config, params, tokenizer = common.load_for_inference(FLAGS.workdir, FLAGS.checkpoint)
-  except common.USER_ERRORS as e:
-    common.fail(str(e))
+def _draw() -> None:
+  model_config, params, tokenizer = common.load_for_inference(FLAGS.workdir, FLAGS.checkpoint)
   target = FLAGS.target
   if target is None:
     target = inference.translate_texts(params, model_config, tokenizer, [FLAGS.source])[0]
   source_ids, target_ids = tokenizer.encode(FLAGS.source), tokenizer.encode(target)
   maps = visualize.attention_maps(params, model_config, source_ids, target_ids)
   visualize.plot_attention(maps, tokenizer.pieces(source_ids), tokenizer.pieces(target_ids), FLAGS.output)
+  statistics = diagnostics.attention_statistics(params, model_config, jnp.asarray([source_ids], jnp.int32),
+                                                jnp.asarray([target_ids], jnp.int32))
   print(f"{FLAGS.source} -> {target}\nwrote {FLAGS.output}")
+  print(diagnostics.format_table(statistics))
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+  common.setup_logging()
+  try:
+    _draw()
+  except common.USER_ERRORS as e:
+    common.fail(str(e))
 
 
 if __name__ == "__main__":

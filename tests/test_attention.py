@@ -129,7 +129,7 @@ def test_multi_head_attention_matches_numpy(is_cross):
   out = module.apply({"params": params}, x_q, x_kv, mask)
   np.testing.assert_allclose(np.asarray(out), expected, rtol=1e-4, atol=1e-4)
 
-  out_w, state = module.apply({"params": params}, x_q, x_kv, mask, return_weights=True,
+  out_w, state = module.apply({"params": params}, x_q, x_kv, mask, sow_attention_weights=True,
                               mutable=["intermediates"])
   np.testing.assert_allclose(np.asarray(out_w), expected, rtol=1e-4, atol=1e-4)
   (sown,) = state["intermediates"]["attention_weights"]

@@ -94,8 +94,10 @@ def test_average_checkpoints_output_is_accepted_by_translate(workdir, tmp_path):
 
 def test_attention_map_writes_a_png_grid(workdir, tmp_path):
   png = tmp_path / "att.png"
-  _run(["experiments.attention_map", f"--workdir={workdir}", "--source=twenty-one",
-        "--target=einundzwanzig", f"--output={png}"])
+  result = _run(["experiments.attention_map", f"--workdir={workdir}", "--source=twenty-one",
+                 "--target=einundzwanzig", f"--output={png}"])
+  # The entropy table: one line per (kind, layer) with one cell per head, and the near-uniform share.
+  assert "encoder_self layer 0:" in result.stdout and "cross near-uniform heads:" in result.stdout
   data = png.read_bytes()
   assert data[:8] == b"\x89PNG\r\n\x1a\n"
   width, height = struct.unpack(">II", data[16:24])

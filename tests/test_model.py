@@ -151,12 +151,12 @@ def cached_decode_logits(cfg, params, src, tgt):
   batch, length = tgt.shape
   encoded = model.apply({"params": params}, src, method=Transformer.encode)
   bos = jnp.full((batch, 1), cfg.bos_id, jnp.int32)
-  _, variables = model.apply({"params": params}, encoded, src, bos, decode=True, max_decode_len=length,
+  _, variables = model.apply({"params": params}, encoded, src, bos, use_cache=True, max_decode_len=length,
                              mutable=["cache"], method=Transformer.decode)
   cache = variables["cache"]
 
   def step(cache, token):
-    logits, variables = model.apply({"params": params, "cache": cache}, encoded, src, token, decode=True,
+    logits, variables = model.apply({"params": params, "cache": cache}, encoded, src, token, use_cache=True,
                                     max_decode_len=length, mutable=["cache"], method=Transformer.decode)
     return logits[:, 0], variables["cache"]
 
@@ -432,13 +432,13 @@ def test_remat_gives_identical_logits_and_gradients():
     np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-5, atol=1e-6)
 
 
-def test_return_weights_sows_normalised_weights():
+def test_sow_attention_weights_sows_normalised_weights():
   cfg = CFG
   params = params_for(CFG)
   src, tgt = _batch()
   model = Transformer(cfg)
   default = np.asarray(model.apply({"params": params}, src, tgt))
-  out, state = model.apply({"params": params}, src, tgt, return_weights=True, mutable=["intermediates"])
+  out, state = model.apply({"params": params}, src, tgt, sow_attention_weights=True, mutable=["intermediates"])
   np.testing.assert_allclose(np.asarray(out), default, **TOL)
   inter = state["intermediates"]
   src_valid = np.asarray(src != 0)

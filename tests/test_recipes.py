@@ -202,6 +202,10 @@ def test_recipe_dry_run_train_resume_average_translate(name, tmp_path, caplog, q
     first = trainer.train_and_evaluate(_reduced(name, tmp_path, 4, evaluate=True), workdir)
     assert first.final_step == 4
     assert np.isfinite(first.eval_metrics["validation/loss"])
+    # Attention diagnostics at evaluation: a finite entropy per layer and head, a share in [0, 1].
+    share = first.eval_metrics["validation/attention/encoder_self/near_uniform_share"]
+    assert 0.0 <= share <= 1.0
+    assert np.isfinite(first.eval_metrics["validation/attention/cross/layer_0/head_1/entropy"])
     assert _saved_steps(ckpt_dir) == [2, 4]
     assert "Resumed" not in caplog.text
 

@@ -23,8 +23,9 @@ def test_itstime_every_n_steps_and_the_last():
 def test_evaluators_are_listed_by_the_config():
   config = number_words.get_config()
   config.evals.bleu.every_steps = 7
-  loss, bleu = trainer.make_evaluators(config)
+  loss, attention, bleu = trainer.make_evaluators(config)
   assert (loss.name, loss.every_steps, loss.tokens_per_batch) == ("loss", 500, 8192)
+  assert (attention.name, attention.every_steps, attention.rows) == ("attention", 500, 16)
   assert (bleu.name, bleu.every_steps, bleu.beam_size, bleu.alpha) == ("bleu", 7, 1, config.decode.alpha)
 
 
@@ -53,9 +54,12 @@ def test_train_and_evaluate_returns_a_typed_result_and_leaves_the_config_alone(t
   assert result.final_step == 6 and not result.stopped_early and int(result.state.step) == 6
   assert result.model_config.vocab_size == result.datasets.tokenizer.vocab_size
   assert set(result.train_metrics) >= {"loss", "accuracy", "learning_rate", "tokens_per_s", "steps_per_s"}
-  assert set(result.eval_metrics) == {"validation/loss", "validation/nll", "validation/accuracy",
-                                      "validation/perplexity", "validation/token_count", "validation/bleu",
-                                      "validation/chrf"}
+  assert {k for k in result.eval_metrics if "/attention/" not in k} == {
+      "validation/loss", "validation/nll", "validation/accuracy", "validation/perplexity",
+      "validation/token_count", "validation/bleu", "validation/chrf"}
+  # The attention evaluator (every 500 steps in this recipe) also runs at the last step.
+  assert 0.0 <= result.eval_metrics["validation/attention/cross/near_uniform_share"] <= 1.0
+  assert np.isfinite(result.eval_metrics["validation/attention/encoder_self/layer_0/head_1/entropy"])
   # Periodic actions: losses at 3 and 6, BLEU at 6, checkpoints at 4 and the last step.
   rows = [json.loads(line) for line in Workdir(tmp_path / "run").metrics_jsonl.read_text().splitlines()]
   assert [r["step"] for r in rows if "validation/loss" in r] == [3, 6]

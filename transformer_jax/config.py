@@ -12,7 +12,7 @@ from typing import Literal
 
 import jax.numpy as jnp
 
-PositionKind = Literal["sinusoidal", "learned"]
+PositionKind = Literal["sinusoidal", "learned", "none"]
 AttentionImpl = Literal["xla", "cudnn"]
 Activation = Literal["relu", "swish"]
 PositionLayout = Literal["interleaved", "halves"]
@@ -57,6 +57,16 @@ class ModelConfig:
   dtype: str = "float32"
   # Rematerialise each layer's activations in the backward pass (saves memory for long sequences).
   remat: bool = False
+  # Long inputs (see attention.py; 0 = off). Relative position representations (Shaw et al., 2018): learned
+  # key (and, with relative_values, value) embeddings of the distance clipped to +-max_relative_position, per
+  # self-attention layer; with position_embedding='none' they replace the absolute sinusoids.
+  max_relative_position: int = 0
+  relative_values: bool = True
+  # Local self-attention: query i sees keys j with |i - j| < attention_window (decoder: i - w < j <= i); the
+  # decoder's KV cache then keeps only the last attention_window positions.
+  attention_window: int = 0
+  # Memory-bounded exact attention (Rabe & Staats, 2021): this many queries (and keys) per block.
+  query_chunk_size: int = 0
   pad_id: int = PAD_ID
   bos_id: int = BOS_ID
   eos_id: int = EOS_ID
@@ -78,9 +88,9 @@ class ModelConfig:
     if self.d_model % self.num_heads:
       raise ValueError(
           f"d_model={self.d_model} is not divisible by num_heads={self.num_heads}")
-    if self.position_embedding not in ("sinusoidal", "learned"):
+    if self.position_embedding not in ("sinusoidal", "learned", "none"):
       raise ValueError(
-          f"position_embedding={self.position_embedding!r}; expected 'sinusoidal' or 'learned'")
+          f"position_embedding={self.position_embedding!r}; expected 'sinusoidal', 'learned' or 'none'")
     if self.attention_impl not in ("xla", "cudnn"):
       raise ValueError(f"attention_impl={self.attention_impl!r}; expected 'xla' or 'cudnn'")
     if self.dtype not in ("float32", "bfloat16", "float16"):
@@ -91,6 +101,20 @@ class ModelConfig:
     for name in ("dropout_rate", "attention_dropout_rate", "relu_dropout_rate"):
       if not 0.0 <= getattr(self, name) < 1.0:
         raise ValueError(f"{name}={getattr(self, name)} must be in [0, 1)")
+    self._validate_long_input_options()
+
+  def _validate_long_input_options(self):
+    """One-line errors for max_relative_position, attention_window and query_chunk_size."""
+    for name in ("max_relative_position", "attention_window", "query_chunk_size"):
+      value = getattr(self, name)
+      if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"{name}={value!r} must be an integer >= 0 (0 = off)")
+    if self.position_embedding == "none" and not self.max_relative_position:
+      raise ValueError("position_embedding='none' needs max_relative_position > 0 (no position signal at all)")
+    options = [n for n in ("max_relative_position", "attention_window", "query_chunk_size") if getattr(self, n)]
+    if options and self.attention_dropout_rate > 0.0:
+      raise ValueError(f"attention_dropout_rate={self.attention_dropout_rate} is not supported with "
+                       f"{', '.join(options)}; set it to 0")
 
   @property
   def head_dim(self) -> int:

@@ -103,7 +103,7 @@ def _make_stepper(model: Transformer, params, config: ModelConfig, inputs: Array
   if cached:
     # Create the cache on the un-tiled batch (cross-attention K/V projected once per source), then tile it.
     bos = jnp.full((batch, 1), config.bos_id, jnp.int32)
-    _, variables = model.apply({"params": params}, encoded, inputs, bos, decode=True,
+    _, variables = model.apply({"params": params}, encoded, inputs, bos, use_cache=True,
                                max_decode_len=max_decode_len, method=Transformer.decode, mutable=["cache"])
     cache = jax.tree_util.tree_map(lambda x: _repeat_rows(x, copies), variables["cache"])
     # The decoder reads only the cached cross-attention K/V and the source mask in decode mode.
@@ -112,7 +112,7 @@ def _make_stepper(model: Transformer, params, config: ModelConfig, inputs: Array
     def step(cache, seqs, t, prev):
       del seqs, t
       logits, variables = model.apply({"params": params, "cache": cache}, encoded_rows, inputs_rows,
-                                      prev[:, None], decode=True, method=Transformer.decode,
+                                      prev[:, None], use_cache=True, method=Transformer.decode,
                                       mutable=["cache"])
       return logits[:, 0], variables["cache"]
 

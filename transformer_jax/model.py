@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from transformer_jax.attention import MultiHeadAttention
+from transformer_jax.attention import AttentionMask, MultiHeadAttention
 from transformer_jax.config import ModelConfig
 from transformer_jax.dropout import Dropout
 
@@ -78,6 +78,25 @@ def attention_mask(key_valid: Array, query_segments: Optional[Array] = None,
     length = key_valid.shape[-1]
     mask = jnp.logical_and(mask, jnp.tril(jnp.ones((length, length), dtype=bool))[None, None])
   return mask
+
+
+def self_attention_mask(valid: Array, positions: Optional[Array], segments: Optional[Array], *,
+                        causal: bool, window: int) -> AttentionMask:
+  """Factorised self-attention mask over `[batch, length]` tokens (same rule as `attention_mask`).
+
+  `positions` (default 0..length-1) are the positions inside each packed example: the local window and
+  relative distances are measured in them, so neither crosses or depends on packing.
+  """
+  if positions is None:
+    positions = jnp.broadcast_to(jnp.arange(valid.shape[1], dtype=jnp.int32), valid.shape)
+  return AttentionMask(valid, positions, positions, segments, segments, causal=causal, window=window)
+
+
+def cross_attention_mask(source_valid: Array, target_length: int, target_segments: Optional[Array],
+                         source_segments: Optional[Array]) -> AttentionMask:
+  """Factorised encoder-decoder mask: target queries `[batch, tgt_len]` over source keys `[batch, src_len]`."""
+  mask = AttentionMask.from_dense(None, source_valid.shape[0], target_length, source_valid.shape[1])
+  return mask.replace(key_valid=source_valid, query_segments=target_segments, key_segments=source_segments)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -138,17 +157,17 @@ class Embed(nn.Module):
 class AddPositions(nn.Module):
   """Adds sinusoidal (default) or learned position encodings, then dropout (section 3.5, 5.4).
 
-  In decode mode the position is the number of tokens decoded so far, kept in the `cache` collection.
+  With `use_cache` the position is the number of tokens decoded so far, kept in the `cache` collection.
   """
 
   config: ModelConfig
 
   @nn.compact
   def __call__(self, x: Array, positions: Optional[Array] = None, *, deterministic: bool = True,
-               decode: bool = False) -> Array:
+               use_cache: bool = False) -> Array:
     cfg = self.config
     batch, length, _ = x.shape
-    if decode:
+    if use_cache:
       is_initialized = self.has_variable("cache", "position")
       position = self.variable("cache", "position", lambda: jnp.array(0, dtype=jnp.int32))
       positions = jnp.broadcast_to(position.value, (batch, length))
@@ -157,6 +176,8 @@ class AddPositions(nn.Module):
     elif positions is None:
       positions = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (batch, length))
 
+    if cfg.position_embedding == "none":  # relative positions only (max_relative_position > 0)
+      return Dropout(rate=cfg.dropout_rate)(x, deterministic=deterministic)
     if cfg.position_embedding == "learned":
       table = self.param("position_embedding",
                          nn.with_logical_partitioning(nn.initializers.normal(stddev=0.02), (None, "embed")),
@@ -222,11 +243,11 @@ class EncoderLayer(nn.Module):
 
   @nn.compact
   def __call__(self, x: Array, mask: Array, deterministic: bool = True,
-               return_weights: bool = False) -> Array:
+               sow_attention_weights: bool = False) -> Array:
     cfg = self.config
     attn = MultiHeadAttention(cfg, name="self_attention")
     x = SublayerConnection(cfg, name="attention_block")(
-        x, lambda h: attn(h, h, mask, deterministic=deterministic, return_weights=return_weights),
+        x, lambda h: attn(h, h, mask, deterministic=deterministic, sow_attention_weights=sow_attention_weights),
         deterministic=deterministic)
     ffn = FeedForward(cfg, name="ffn")
     x = SublayerConnection(cfg, name="ffn_block")(
@@ -241,18 +262,18 @@ class DecoderLayer(nn.Module):
 
   @nn.compact
   def __call__(self, y: Array, memory: Array, self_mask: Optional[Array], cross_mask: Array,
-               deterministic: bool = True, decode: bool = False, max_decode_len: Optional[int] = None,
-               return_weights: bool = False) -> Array:
+               deterministic: bool = True, use_cache: bool = False, max_decode_len: Optional[int] = None,
+               sow_attention_weights: bool = False) -> Array:
     cfg = self.config
     self_attn = MultiHeadAttention(cfg, name="self_attention")
     y = SublayerConnection(cfg, name="self_attention_block")(
-        y, lambda h: self_attn(h, h, self_mask, deterministic=deterministic, decode=decode,
-                               max_decode_len=max_decode_len, return_weights=return_weights),
+        y, lambda h: self_attn(h, h, self_mask, deterministic=deterministic, use_cache=use_cache,
+                               max_decode_len=max_decode_len, sow_attention_weights=sow_attention_weights),
         deterministic=deterministic)
     cross_attn = MultiHeadAttention(cfg, is_cross=True, name="cross_attention")
     y = SublayerConnection(cfg, name="cross_attention_block")(
-        y, lambda h: cross_attn(h, memory, cross_mask, deterministic=deterministic, decode=decode,
-                                return_weights=return_weights),
+        y, lambda h: cross_attn(h, memory, cross_mask, deterministic=deterministic, use_cache=use_cache,
+                                sow_attention_weights=sow_attention_weights),
         deterministic=deterministic)
     ffn = FeedForward(cfg, name="ffn")
     y = SublayerConnection(cfg, name="ffn_block")(
@@ -272,15 +293,16 @@ class Encoder(nn.Module):
 
   @nn.compact
   def __call__(self, inputs: Array, mask: Array, inputs_position: Optional[Array] = None, *,
-               deterministic: bool = True, return_weights: bool = False) -> Array:
-    """inputs `[batch, src_len]` ids, mask `[batch, 1, src_len, src_len]` -> `[batch, src_len, d_model]`."""
+               deterministic: bool = True, sow_attention_weights: bool = False) -> Array:
+    """inputs `[batch, src_len]` ids, mask `[batch, 1, src_len, src_len]` or an `AttentionMask` ->
+    `[batch, src_len, d_model]`."""
     cfg = self.config
     x = self.embed(inputs)
     x = AddPositions(cfg, name="positions")(x, inputs_position, deterministic=deterministic)
     x = nn.with_logical_constraint(x, ("batch", "length", "embed"))
     layer_cls = nn.remat(EncoderLayer, static_argnums=(3, 4)) if cfg.remat else EncoderLayer
     for i in range(cfg.num_encoder_layers):
-      x = layer_cls(cfg, name=f"layer_{i}")(x, mask, deterministic, return_weights)
+      x = layer_cls(cfg, name=f"layer_{i}")(x, mask, deterministic, sow_attention_weights)
     if cfg.pre_ln:
       x = _layer_norm(cfg, "final_layer_norm")(x)
     return x
@@ -296,17 +318,17 @@ class Decoder(nn.Module):
   @nn.compact
   def __call__(self, decoder_inputs: Array, memory: Array, self_mask: Optional[Array], cross_mask: Array,
                targets_position: Optional[Array] = None, *, deterministic: bool = True,
-               decode: bool = False, max_decode_len: Optional[int] = None,
-               return_weights: bool = False) -> Array:
+               use_cache: bool = False, max_decode_len: Optional[int] = None,
+               sow_attention_weights: bool = False) -> Array:
     """decoder_inputs `[batch, tgt_len]` (shifted right) -> logits `[batch, tgt_len, vocab]` (float32)."""
     cfg = self.config
     y = self.embed(decoder_inputs)
-    y = AddPositions(cfg, name="positions")(y, targets_position, deterministic=deterministic, decode=decode)
+    y = AddPositions(cfg, name="positions")(y, targets_position, deterministic=deterministic, use_cache=use_cache)
     y = nn.with_logical_constraint(y, ("batch", "length", "embed"))
     layer_cls = nn.remat(DecoderLayer, static_argnums=(5, 6, 7, 8)) if cfg.remat else DecoderLayer
     for i in range(cfg.num_decoder_layers):
-      y = layer_cls(cfg, name=f"layer_{i}")(y, memory, self_mask, cross_mask, deterministic, decode,
-                                            max_decode_len, return_weights)
+      y = layer_cls(cfg, name=f"layer_{i}")(y, memory, self_mask, cross_mask, deterministic, use_cache,
+                                            max_decode_len, sow_attention_weights)
     if cfg.pre_ln:
       y = _layer_norm(cfg, "final_layer_norm")(y)
     if self.output_embed is not None:
@@ -327,7 +349,7 @@ class Transformer(nn.Module):
 
   `__call__(inputs, targets)` runs teacher forcing and returns logits `[batch, tgt_len, vocab]` for
   predicting `targets` from `targets` shifted right (BOS first). `encode` and `decode` expose the two halves
-  for inference; `decode(..., decode=True)` takes one target position per call against a KV cache
+  for inference; `decode(..., use_cache=True)` takes one target position per call against a KV cache
   (`cache` collection). Pass `rngs={'dropout': key}` and `deterministic=False` to train.
   """
 
@@ -347,43 +369,47 @@ class Transformer(nn.Module):
 
   def encode(self, inputs: Array, inputs_position: Optional[Array] = None,
              inputs_segmentation: Optional[Array] = None, *, deterministic: bool = True,
-             return_weights: bool = False) -> Array:
+             sow_attention_weights: bool = False) -> Array:
     """Source ids `[batch, src_len]` (pad = config.pad_id) -> memory `[batch, src_len, d_model]`."""
-    mask = attention_mask(inputs != self.config.pad_id, inputs_segmentation, inputs_segmentation)
+    mask = self_attention_mask(inputs != self.config.pad_id, inputs_position, inputs_segmentation,
+                               causal=False, window=self.config.attention_window)
     return self.encoder(inputs, mask, inputs_position, deterministic=deterministic,
-                        return_weights=return_weights)
+                        sow_attention_weights=sow_attention_weights)
 
   def decode(self, encoded: Array, inputs: Array, targets: Array, targets_position: Optional[Array] = None,
              inputs_segmentation: Optional[Array] = None, targets_segmentation: Optional[Array] = None, *,
-             deterministic: bool = True, decode: bool = False, max_decode_len: Optional[int] = None,
-             return_weights: bool = False) -> Array:
+             deterministic: bool = True, use_cache: bool = False, max_decode_len: Optional[int] = None,
+             sow_attention_weights: bool = False) -> Array:
     """Logits `[batch, tgt_len, vocab]` (float32) for the targets, given the memory `encoded`.
 
-    Teacher forcing (`decode=False`): `targets` `[batch, tgt_len]` are the gold ids, shifted right here.
-    Cached decoding (`decode=True`): `targets` `[batch, 1]` is the previously emitted token (BOS first);
+    Teacher forcing (`use_cache=False`): `targets` `[batch, tgt_len]` are the gold ids, shifted right here.
+    Cached decoding (`use_cache=True`): `targets` `[batch, 1]` is the previously emitted token (BOS first);
     `max_decode_len` sizes the self-attention cache on the call that creates it.
     """
     cfg = self.config
     source_valid = inputs != cfg.pad_id
-    if decode:
+    if use_cache:
       decoder_inputs = targets
       self_mask = None  # causal masking over the cache is done by the attention module
       cross_mask = attention_mask(source_valid)
     else:
       decoder_inputs = shift_right(targets, cfg.bos_id, targets_position)
       target_valid = targets != cfg.pad_id
-      self_mask = attention_mask(target_valid, targets_segmentation, targets_segmentation, causal=True)
-      cross_mask = attention_mask(source_valid, targets_segmentation, inputs_segmentation)
+      self_mask = self_attention_mask(target_valid, targets_position, targets_segmentation, causal=True,
+                                      window=cfg.attention_window)
+      cross_mask = cross_attention_mask(source_valid, targets.shape[1], targets_segmentation,
+                                        inputs_segmentation)
     return self.decoder(decoder_inputs, encoded, self_mask, cross_mask, targets_position,
-                        deterministic=deterministic, decode=decode, max_decode_len=max_decode_len,
-                        return_weights=return_weights)
+                        deterministic=deterministic, use_cache=use_cache, max_decode_len=max_decode_len,
+                        sow_attention_weights=sow_attention_weights)
 
   def __call__(self, inputs: Array, targets: Array, inputs_position: Optional[Array] = None,
                targets_position: Optional[Array] = None, inputs_segmentation: Optional[Array] = None,
                targets_segmentation: Optional[Array] = None, *, deterministic: bool = True,
-               return_weights: bool = False) -> Array:
+               sow_attention_weights: bool = False) -> Array:
     """Teacher-forced logits `[batch, tgt_len, vocab]` for source `[batch, src_len]`, targets `[batch, tgt_len]`."""
     encoded = self.encode(inputs, inputs_position, inputs_segmentation, deterministic=deterministic,
-                          return_weights=return_weights)
+                          sow_attention_weights=sow_attention_weights)
     return self.decode(encoded, inputs, targets, targets_position, inputs_segmentation,
-                       targets_segmentation, deterministic=deterministic, return_weights=return_weights)
+                       targets_segmentation, deterministic=deterministic,
+                       sow_attention_weights=sow_attention_weights)

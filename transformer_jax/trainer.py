@@ -14,7 +14,7 @@ named steps, each small enough to read at once:
    actions (logging, evaluators, checkpoints, stop signals) are each decided by `itstime`.
 
 Periodic decisions follow big_vision's `itstime(step, every, total)`; evaluators are small objects listed by
-`config.evals` (`loss`, `bleu`), each with its own `every_steps`.
+`config.evals` (`loss`, `attention`, `bleu`), each with its own `every_steps`.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from jax.experimental import multihost_utils
 from tensorboardX import SummaryWriter
 
 from transformer_jax import checkpoint as checkpoint_lib
-from transformer_jax import inference, metrics as metrics_lib, sharding
+from transformer_jax import diagnostics, inference, metrics as metrics_lib, sharding
 from transformer_jax.config import ModelConfig
 from transformer_jax.data import batching, datasets as datasets_lib
 from transformer_jax.training import schedule as schedule_lib
@@ -222,9 +222,35 @@ class BleuEvaluator:
     return {"bleu": scores["bleu"], "chrf": scores["chrf"]}
 
 
+@dataclasses.dataclass
+class AttentionEvaluator:
+  """Per layer and head, the mean entropy of the attention distributions and the share of near-uniform heads.
+
+  On the first `rows` pairs of an eval split, teacher-forced (`transformer_jax.diagnostics`); logged as
+  `<split>/attention/<kind>/layer_<l>/head_<h>/entropy` and `<split>/attention/<kind>/near_uniform_share`.
+  """
+
+  every_steps: int
+  rows: int
+  name: str = "attention"
+
+  def __call__(self, run: "Run", params: Any, split: str, eval_set: datasets_lib.EvalSet) -> dict[str, float]:
+    if not self.rows or not eval_set.sources:
+      return {}
+    batch = next(batching.eval_batches(eval_set.sources[:self.rows], eval_set.targets[:self.rows],
+                                       max_tokens=1 << 30))
+    statistics = _attention_statistics(params, run.model_config, jnp.asarray(batch["inputs"]),
+                                       jnp.asarray(batch["targets"]))
+    return diagnostics.summary_scalars(statistics)
+
+
+_attention_statistics = jax.jit(diagnostics.attention_statistics, static_argnums=1)
+
+
 def make_evaluators(config: Any) -> list[Evaluator]:
   """The evaluators `config.evals` lists (each runs every `every_steps` steps and at the end; 0 = off)."""
   return [LossEvaluator(config.evals.loss.every_steps, config.evals.loss.tokens_per_batch),
+          AttentionEvaluator(config.evals.attention.every_steps, config.evals.attention.rows),
           BleuEvaluator(config.evals.bleu.every_steps, config.evals.bleu.max_examples,
                         config.evals.bleu.beam_size, config.decode.alpha)]
 

@@ -20,11 +20,11 @@ def attention_maps(params, config: ModelConfig, source_ids: Sequence[int],
 
   `encoder_self` is `[layers, heads, src, src]`, `decoder_self` `[layers, heads, tgt, tgt]` and `cross`
   `[layers, heads, tgt, src]`; decoder query t is the position predicting `target_ids[t]`. The weights are
-  sown by `MultiHeadAttention` (`return_weights=True`), i.e. computed by the model itself.
+  sown by `MultiHeadAttention` (`sow_attention_weights=True`), i.e. computed by the model itself.
   """
   inputs = jnp.asarray([list(source_ids)], jnp.int32)
   targets = jnp.asarray([list(target_ids)], jnp.int32)
-  _, variables = Transformer(config).apply({"params": params}, inputs, targets, return_weights=True,
+  _, variables = Transformer(config).apply({"params": params}, inputs, targets, sow_attention_weights=True,
                                            mutable=["intermediates"])
   inter = variables["intermediates"]
 

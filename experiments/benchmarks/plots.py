@@ -127,8 +127,31 @@ def scaling(results: dict, path: Path):
   return _save(fig, path)
 
 
+def long_inputs(results: dict, path: Path):
+  """Step time and peak RSS against length, one line per attention mode; the memory limit dashed."""
+  s = results.get("long_inputs", {})
+  if "points" not in s:
+    return None
+  fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+  for mode in s["longest_fitting"]:
+    pts = [p for p in s["points"] if p["mode"] == mode and p.get("step_s")]
+    lengths = [p["length"] for p in pts]
+    axes[0].plot(lengths, [p["step_s"] for p in pts], "o-", label=mode)
+    axes[1].plot(lengths, [p["peak_rss_gib"] for p in pts], "o-", label=mode)
+  axes[1].axhline(s["memory_limit_gib"], color="gray", linestyle="--", label=f"{s['memory_limit_gib']:g} GiB")
+  for ax, label in ((axes[0], "training step (s)"), (axes[1], "peak RSS (GiB)")):
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("tokens per row (source = target length, batch of one)")
+    ax.set_ylabel(label)
+    ax.legend(fontsize=8)
+  axes[0].set_title(f"{s['preset']} preset: step time vs length")
+  axes[1].set_title("peak memory vs length")
+  return _save(fig, path)
+
+
 def write_all(results: dict, directory: Path) -> list[str]:
   directory = Path(directory)
   written = [training(results, directory / "training.png"), decoding(results, directory / "decoding.png"),
-             scaling(results, directory / "scaling.png")]
+             scaling(results, directory / "scaling.png"), long_inputs(results, directory / "long_inputs.png")]
   return [p for p in written if p]

@@ -19,6 +19,9 @@ Sections (each in its own process, so peak memory is per configuration):
   scaling       step time vs row length 64..512 (fixed 4096 tokens/batch) and vs tokens/batch
   ctranslate2   our greedy and beam 4 vs CTranslate2 fp32 and int8 on the same model (base preset, random
                 init) and the same 500 test2016 sources, 2 CTranslate2 threads (needs the interop extra)
+  long_inputs   step time and peak memory vs length 512..16,384 (one row, CPU preset) for full, windowed
+                and chunked attention, one process per point; the longest length each fits in 16 GiB
+                (experiments/benchmarks/long_inputs.py)
 
 Needs `pip install -e '.[bench]'` for the PyTorch peer (skipped with a note otherwise). Not part of the tests.
 """
@@ -44,7 +47,8 @@ TABLE_START, TABLE_END = "<!-- bench:table:start -->", "<!-- bench:table:end -->
 
 TINY_VARIANTS = "flax_dropout,autodiff_logits,autodiff_loss,unoptimized,no_dropout"
 BASE_VARIANTS = "unoptimized"
-ALL_SECTIONS = ["machine", "train_tiny", "hugepages_off", "train_base", "decode", "scaling", "ctranslate2"]
+ALL_SECTIONS = ["machine", "train_tiny", "hugepages_off", "train_base", "decode", "scaling", "ctranslate2",
+                "long_inputs"]
 
 
 def section_args(name: str, quick: bool, torch: bool) -> list[str]:
@@ -77,6 +81,11 @@ def section_args(name: str, quick: bool, torch: bool) -> list[str]:
       return ["scaling", "--lengths=64,256", "--batch_tokens=2048", "--rounds=1", "--block=2"]
     return ["scaling", "--lengths=64,128,256,512", "--batch_tokens=1024,2048,4096,8192", "--rounds=3",
             "--block=2"]
+  if name == "long_inputs":
+    if quick:
+      return ["long_inputs", "--lengths=256,512,1024", "--steps=2", "--budget_s=20", "--vocab=8192"]
+    return ["long_inputs", "--lengths=512,1024,2048,4096,8192,16384", "--steps=3", "--budget_s=90",
+            "--vocab=8192", "--limit_gib=16"]
   raise ValueError(name)
 
 
@@ -308,8 +317,39 @@ def render(results: dict) -> str:
                    f"{_pct(p['mfu_vs_matmul'])} |")
     lines.append("")
 
+  lines += render_long_inputs(results.get("long_inputs", {}))
   lines += targets(results)
   return "\n".join(lines)
+
+
+def render_long_inputs(s: dict) -> list[str]:
+  """Section 6: one row per (mode, length), then the longest length each mode fits and the target."""
+  if "points" not in s:
+    return []
+  lines = [f"**6. Long inputs** ({s['preset']} preset, one row of L source + L target tokens, vocabulary "
+           f"{s['vocab_size']}; peak RSS of a fresh process per point; limit {s['memory_limit_gib']:g} GiB)", "",
+           "| mode | options | length | step | s per 1k target tokens | peak RSS | XLA buffers | fits |",
+           "|" + "---|" * 8]
+  for p in s["points"]:
+    step = f"{p['step_s']:.3f}s ({p['steps']})" if p.get("step_s") else "-"
+    per_1k = f"{p['seconds_per_1k_target_tokens']:.3f}" if p.get("step_s") else "-"
+    rss = f"{p['peak_rss_gib']:.2f} GiB" if p.get("peak_rss_gib") else "-"
+    xla = f"{p['predicted_gib']:.2f} GiB" if "predicted_gib" in p else "-"
+    fits = "yes" if p["fits"] else f"no ({p.get('reason', '')})"
+    options = ", ".join(f"{k}={v}" for k, v in p.get("options", {}).items()) or "defaults (fused)"
+    lines.append(f"| {p['mode']} | {options} | {p['length']:,} | {step} | {per_1k} | {rss} | "
+                 f"{xla} | {fits} |")
+  lines += ["", "Longest measured length that fits: " + ", ".join(
+      f"{m} {L:,}" for m, L in s["longest_fitting"].items()) + "."]
+  t = s.get("targets", {})
+  ratio = t.get("chunked_over_full_per_token_at_1k")
+  if ratio is not None:
+    lines.append(f"Chunked vs full time per token at 1k: {ratio:.2f}x (target <= 1.5x).")
+  long_ratio = t.get("chunked_longest_per_token_over_full_1k")
+  if long_ratio is not None:
+    lines.append(f"Chunked at its longest length vs full at 1k, time per token: {long_ratio:.2f}x (attention's "
+                 "O(L) cost per token grows with L; the chunking itself is what the 1k ratio measures).")
+  return lines + [""]
 
 
 def machine_rate(results: dict) -> tuple[float, str]:
@@ -360,6 +400,12 @@ def targets(results: dict) -> list[str]:
     if "pipeline" in t:
       r = t["pipeline"]["ratio_vs_training"]
       rows.append((f"data pipeline >= 3x training tokens/s ({preset})", _x(r, 0), r >= 3, ""))
+  li = results.get("long_inputs", {}).get("targets", {})
+  if "chunked_over_full_per_token_at_1k" in li:
+    r = li["chunked_over_full_per_token_at_1k"]
+    ok = li["chunked_fits_16k"] and not li["full_fits_16k"] and r <= 1.5
+    rows.append(("chunked attention trains at 16k where full cannot, within 1.5x of full's time per token at 1k",
+                 f"chunked fits 16k: {li['chunked_fits_16k']}, full: {li['full_fits_16k']}; {_x(r)}", ok, ""))
   d = results.get("decode", {})
   if "cache" in d:
     r = d["cache"]["beam4"]["speedup"]

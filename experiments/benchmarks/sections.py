@@ -4,6 +4,7 @@ r"""The benchmark sections; each runs in its own process (`run.py` starts them) 
     python -m experiments.benchmarks.sections train    --out=/tmp/t.json --preset=tiny --steps=20 --torch
     python -m experiments.benchmarks.sections decode   --out=/tmp/d.json --sources=500
     python -m experiments.benchmarks.sections scaling  --out=/tmp/s.json
+    python -m experiments.benchmarks.sections long_inputs --out=/tmp/l.json --lengths=512,1024 --steps=2
 
 The machine is shared, so nothing is timed alone: every section interleaves what it compares in rounds
 (ours, the peer, the ablation variants, the data pipeline and a 2048^2 matmul probe take turns inside each
@@ -471,10 +472,20 @@ def scaling(args) -> dict:
 
 
 # ----------------------------------------------------------------------------------------------------------
+# 6. Long inputs: full vs windowed vs chunked attention, 512 .. 16,384 tokens (one process per point)
+# ----------------------------------------------------------------------------------------------------------
+
+def long_inputs(args) -> dict:
+  from experiments.benchmarks import long_inputs as long_inputs_lib
+  return long_inputs_lib.sweep(args.modes, args.lengths, args.steps, args.vocab or 8192, args.limit_gib,
+                               args.budget_s)
+
+
+# ----------------------------------------------------------------------------------------------------------
 
 def main(argv=None):
   parser = argparse.ArgumentParser()
-  parser.add_argument("section", choices=("machine", "train", "decode", "scaling", "ctranslate2"))
+  parser.add_argument("section", choices=("machine", "train", "decode", "scaling", "ctranslate2", "long_inputs"))
   parser.add_argument("--out", required=True)
   parser.add_argument("--quick", action="store_true")
   parser.add_argument("--preset", default="tiny")
@@ -503,6 +514,9 @@ def main(argv=None):
   parser.add_argument("--lengths", type=lambda s: [int(x) for x in s.split(",")], default=[64, 128, 256, 512])
   parser.add_argument("--batch_tokens", type=lambda s: [int(x) for x in s.split(",")],
                       default=[1024, 2048, 4096, 8192])
+  parser.add_argument("--modes", type=lambda s: s.split(","), default=["full", "windowed", "chunked"])
+  parser.add_argument("--limit_gib", type=float, default=16.0, help="long_inputs: the memory a point may use")
+  parser.add_argument("--budget_s", type=float, default=60.0, help="long_inputs: timing budget per point")
   args = parser.parse_args(argv)
   start = time.perf_counter()
   load_start = os.getloadavg()

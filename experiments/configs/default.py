@@ -67,6 +67,9 @@ def get_config() -> ml_collections.ConfigDict:
   config.evals.loss = ml_collections.ConfigDict()
   config.evals.loss.every_steps = 5000        # token-weighted loss, NLL, perplexity and accuracy
   config.evals.loss.tokens_per_batch = 16_384  # eval batch size (padded tokens)
+  config.evals.attention = ml_collections.ConfigDict()
+  config.evals.attention.every_steps = 5000   # attention entropy per layer/head, near-uniform heads (diagnostics)
+  config.evals.attention.rows = 16            # on this many pairs of each split
   config.evals.bleu = ml_collections.ConfigDict()
   config.evals.bleu.every_steps = 0           # sacreBLEU/chrF of translations (a progress signal; alpha: decode.alpha)
   config.evals.bleu.max_examples = 1000       # the first examples of each split; 0 = all
@@ -171,6 +174,8 @@ RULES = {
     "log_every_steps": _integer(1),
     "evals.loss.every_steps": _integer(0),
     "evals.loss.tokens_per_batch": _integer(1),
+    "evals.attention.every_steps": _integer(0),
+    "evals.attention.rows": _integer(1),
     "evals.bleu.every_steps": _integer(0),
     "evals.bleu.max_examples": _integer(0),
     "evals.bleu.beam_size": _integer(1),

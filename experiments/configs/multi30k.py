@@ -32,6 +32,7 @@ def get_config() -> ml_collections.ConfigDict:
   config.warmup_steps = 600
 
   config.evals.loss.every_steps = 200
+  config.evals.attention.every_steps = 200
   config.evals.loss.tokens_per_batch = 8192
   config.evals.bleu.every_steps = 400
   config.evals.bleu.max_examples = 1014

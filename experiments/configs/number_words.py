@@ -29,6 +29,7 @@ def get_config() -> ml_collections.ConfigDict:
   config.warmup_steps = 300
 
   config.evals.loss.every_steps = 500
+  config.evals.attention.every_steps = 500
   config.evals.loss.tokens_per_batch = 8192
   config.evals.bleu.max_examples = 500
   config.checkpoint_every_steps = 500

@@ -31,6 +31,7 @@ def get_config() -> ml_collections.ConfigDict:
   # 300k steps (3.5 days on 8 P100s in the paper); warmup, Adam and label smoothing as for base.
   config.num_train_steps = 300_000
   config.evals.loss.every_steps = 10_000
+  config.evals.attention.every_steps = 10_000
   config.evals.bleu.every_steps = 20_000
 
   # A checkpoint every 10 minutes; the reported model averages the last 20 of them (section 6.1).
