@@ -60,7 +60,7 @@ PEER_KINDS = ("packed", "plain")
 # Plain batches: one shape of full rows per preset (rows x length per side); packed: 4096 slots in rows of 64.
 PLAIN_SHAPE = {"tiny": (32, 64), "base": (16, 256)}
 # Timed steps per peer process: rounds x block after `warmup` untimed steps (the first one compiles).
-PEER_STEPS = {"tiny": dict(rounds=4, block=3, warmup=2), "base": dict(rounds=3, block=2, warmup=1)}
+PEER_STEPS = {"tiny": dict(rounds=4, block=3, warmup=2), "base": dict(rounds=2, block=2, warmup=1)}
 
 
 def section_args(name: str, quick: bool) -> list[str]:
