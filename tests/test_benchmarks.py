@@ -10,9 +10,10 @@ import copy
 
 import jax
 import numpy as np
+import optax
 import pytest
 
-from experiments.benchmarks import ablations, common
+from experiments.benchmarks import ablations, common, flax_peer
 from experiments.configs import default, number_words
 from transformer_jax import sharding, trainer
 
@@ -113,3 +114,63 @@ def test_plain_batch_has_full_rows_of_real_ids():
     assert ids.shape == (32, 64) and ids.dtype == np.int32
     assert ids.min() >= 4 and ids.max() < 8000
   np.testing.assert_array_equal(common.plain_batch(32, 64, 8000)["inputs"], batch["inputs"])
+
+
+def _fake_sdist(path, version, member_text):
+  """A flax sdist stand-in holding `examples/wmt/models.py` (or not, with member_text None)."""
+  import io
+  import tarfile
+  with tarfile.open(path, "w:gz") as tar:
+    for name, text in ((f"flax-{version}/{flax_peer.MODELS_MEMBER}", member_text),
+                       (f"flax-{version}/README.md", "flax")):
+      if text is None:
+        continue
+      data = text.encode()
+      info = tarfile.TarInfo(name)
+      info.size = len(data)
+      tar.addfile(info, io.BytesIO(data))
+
+
+def test_flax_example_is_extracted_from_a_cached_sdist_and_imported(tmp_path):
+  _fake_sdist(tmp_path / "flax-9.9.9.tar.gz", "9.9.9", "ANSWER = 42\n")
+  path = flax_peer.ensure_example(tmp_path, "9.9.9")
+  assert path == tmp_path / "flax-9.9.9" / "examples" / "wmt" / "models.py"
+  assert flax_peer.load_models(path).ANSWER == 42
+
+
+def test_flax_sdist_without_the_example_is_one_line_error(tmp_path):
+  _fake_sdist(tmp_path / "flax-9.9.8.tar.gz", "9.9.8", None)
+  with pytest.raises(flax_peer.ExampleUnavailableError, match=r"has no flax-9.9.8/examples/wmt/models.py"):
+    flax_peer.ensure_example(tmp_path, "9.9.8")
+  assert not flax_peer.example_path(tmp_path, "9.9.8").exists()
+
+
+def test_flax_peer_loss_matches_optax_soft_target_cross_entropy():
+  rng = np.random.default_rng(0)
+  logits = rng.standard_normal((2, 5, 11)).astype(np.float32)
+  targets = rng.integers(0, 11, (2, 5)).astype(np.int32)
+  eps = 0.1
+  soft = np.full((2, 5, 11), eps / 10, np.float32)
+  np.put_along_axis(soft, targets[..., None], 1 - eps, axis=-1)
+  expected = optax.softmax_cross_entropy(logits, soft)
+  np.testing.assert_allclose(flax_peer.smoothed_cross_entropy(logits, targets, eps), expected, rtol=1e-6)
+
+
+def test_flax_peer_gets_packing_only_from_packed_batches():
+  plain = common.plain_batch(2, 4, 100)
+  assert set(flax_peer.model_inputs(plain)) == {"inputs", "targets"}
+  packed = dict(plain, inputs_position=plain["inputs"], targets_position=plain["targets"],
+                inputs_segmentation=plain["inputs"], targets_segmentation=plain["targets"])
+  assert set(flax_peer.model_inputs(packed)) == {"inputs", "targets", "inputs_positions", "targets_positions",
+                                                 "inputs_segmentation", "targets_segmentation"}
+
+
+def test_torch_plain_batch_has_the_causal_mask_only():
+  torch = pytest.importorskip("torch")
+  from experiments.benchmarks import torch_peer
+  batch = torch_peer.to_plain_torch_batch(common.plain_batch(3, 5, 100))
+  assert batch["src_mask"] is None and batch["memory_mask"] is None and batch["tgt_is_causal"]
+  blocked = np.isneginf(batch["tgt_mask"].numpy())
+  np.testing.assert_array_equal(blocked, np.triu(np.ones((5, 5), bool), k=1))
+  np.testing.assert_array_equal(batch["targets_position"].numpy(), np.tile(np.arange(5), (3, 1)))
+  assert batch["token_count"] == 15 and batch["inputs"].dtype == torch.int64
