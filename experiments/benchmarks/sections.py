@@ -148,6 +148,26 @@ def _runner_result(run: dict, per_round: dict, name: str, flops: dict, matmul: f
           "speedup_vs_baseline": common.median([b / v for b, v in zip(per_round["baseline"], per_round[name])])}
 
 
+def _train_rounds(args, runners: dict, dev_batches: list, pipeline: "_Pipeline", probe) -> dict:
+  """Timed rounds: matmul probe, each JAX variant, pipeline - `block` steps each per round (the ablation
+  variants may take fewer per round: --variant_block). Returns each runner's per-round median step time."""
+  rounds = -(-args.steps // args.block)
+  per_round = {name: [] for name in runners}
+  per_round["matmul"] = []
+  k = 0
+  for r in range(rounds):
+    per_round["matmul"].append(probe.rate(2))
+    for name, run in runners.items():
+      times, k = _step_block(run, dev_batches, k,
+                             args.block if name == "baseline" else (args.variant_block or args.block))
+      per_round[name].append(common.median(times))
+    pipeline.build(args.block)
+    _log(f"[train {args.preset}] round {r + 1}/{rounds}: " + " ".join(
+        f"{n}={v[-1]:.3f}s" for n, v in per_round.items() if v and "matmul" not in n)
+        + f" matmul={per_round['matmul'][-1] / 1e9:.0f}GF/s")
+  return per_round
+
+
 def train(args) -> dict:
   """The trainer's compiled step ("baseline") and the ablation variants on packed multi30k batches."""
   corpus = common.load_corpus(args.row_length)
@@ -185,23 +205,7 @@ def train(args) -> dict:
          f"{runners[name]['compile_s']:.1f}s loss {runners[name]['losses']}")
     gc.collect()
 
-  # Timed rounds: matmul probe, each JAX variant, pipeline - `block` steps each per round (the ablation
-  # variants may take fewer per round: --variant_block).
-  rounds = -(-args.steps // args.block)
-  per_round = {name: [] for name in runners}
-  per_round["matmul"] = []
-  k = 0
-  for r in range(rounds):
-    per_round["matmul"].append(probe.rate(2))
-    for name, run in runners.items():
-      times, k = _step_block(run, dev_batches, k,
-                             args.block if name == "baseline" else (args.variant_block or args.block))
-      per_round[name].append(common.median(times))
-    pipeline.build(args.block)
-    _log(f"[train {args.preset}] round {r + 1}/{rounds}: " + " ".join(
-        f"{n}={v[-1]:.3f}s" for n, v in per_round.items() if v and "matmul" not in n)
-        + f" matmul={per_round['matmul'][-1] / 1e9:.0f}GF/s")
-
+  per_round = _train_rounds(args, runners, dev_batches, pipeline, probe)
   matmul = common.median(per_round["matmul"])
   out["matmul_flops"] = matmul
   out["matmul_flops_samples"] = per_round["matmul"]
