@@ -36,6 +36,7 @@ test-all: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python -m pip install -q -e '.[bench]'
+	$(BIN)/python -m experiments.benchmarks.flax_peer   # the Flax example's models.py from the flax sdist (PyPI)
 	$(BIN)/python -m experiments.benchmarks.run $(BENCH_ARGS)
 
 clean:

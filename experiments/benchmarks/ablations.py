@@ -1,9 +1,9 @@
 """Ablations: each variant undoes one of the library's speed-ups, so the benchmark measures what each buys.
 
-The training section steps the library's train step ("baseline") and these variants in the same rounds;
-"library speed-up" = variant step time / library step time. Nothing here changes the library's files: a
-variant swaps a function in while the train step is *traced* (the first call of a fresh `jit_train_step`);
-the compiled step keeps it.
+The training section steps the library's train step ("baseline": the trainer's own compiled step,
+`common.build_train_step`) and these variants in the same rounds; "library speed-up" = variant step time /
+library step time. Nothing here changes the library's files: a variant builds that same step and swaps a
+function in while it is *traced* (its `.lower` or first call); the compiled step keeps it.
 
 * `flax_dropout`     - `flax.linen.Dropout` instead of `transformer_jax.dropout.Dropout`: the same masks,
                        drawn through `jax.random.bernoulli`, whose Threefry hash XLA:CPU runs as a rolled
@@ -25,11 +25,13 @@ setting; the suite's `hugepages_off` section reruns the CPU-preset step without 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from experiments.benchmarks import common
 from transformer_jax import model as model_lib
 from transformer_jax.training import steps
 
@@ -78,20 +80,30 @@ def variant(name: str):
 
 
 def variant_config(name: str, config):
-  return config.replace(dropout_rate=0.0) if name == "no_dropout" else config
+  """`config` (a training ConfigDict) for variant `name`: a copy with P_drop = 0 for 'no_dropout'."""
+  if name != "no_dropout":
+    return config
+  config = config.copy_and_resolve_references()
+  config.model.dropout_rate = 0.0
+  return config
 
 
-def variant_step(config, name: str, **kwargs):
-  """A jitted train step of variant `name`: call it like `jit_train_step(config)`'s result."""
-  fn = steps.jit_train_step(variant_config(name, config), **kwargs)
+class _VariantStep:
+  """The trainer's compiled step, traced (called or lowered) inside `variant(name)`."""
 
-  def call(*args):
-    with variant(name):  # only the first call traces; later calls hit the compiled cache
-      return fn(*args)
+  def __init__(self, step, name: str):
+    self._step, self._name = step, name
 
-  def lower(*args):
-    with variant(name):
-      return fn.lower(*args)
+  def __call__(self, *args):
+    with variant(self._name):  # only the first call traces; later calls hit the compiled cache
+      return self._step(*args)
 
-  call.lower = lower
-  return call
+  def lower(self, *args):
+    with variant(self._name):
+      return self._step.lower(*args)
+
+
+def variant_step(config, name: str, mesh=None) -> common.TrainStep:
+  """`common.build_train_step(config)` for variant `name` ('baseline' is the trainer's step unchanged)."""
+  built = common.build_train_step(variant_config(name, config), mesh=mesh)
+  return dataclasses.replace(built, step=_VariantStep(built.step, name))

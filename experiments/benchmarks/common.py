@@ -1,6 +1,10 @@
-"""Shared pieces of the benchmark suite: corpus, analytic FLOPs, matmul probe, memory, machine facts.
+"""Shared pieces of the benchmark suite: the trainer's step, corpus, analytic FLOPs, matmul probe, memory.
 
-Everything here is host-side and cheap; the sections in `sections.py` do the measuring.
+Every timed JAX training step of the suite (training sections, ablations, profile, sharding, scaling) comes
+from `build_train_step`: the trainer's own `trainer.create_state` + `trainer.make_train_step` on a config
+made by `train_config` (`experiments/configs/default.py` plus the preset's sizes), on a one-device mesh
+or the caller's. `tests/test_benchmarks.py` proves it lowers to the program `python -m experiments.train`
+runs. Everything else here is host-side and cheap; the sections in `sections.py` do the measuring.
 """
 
 from __future__ import annotations
@@ -16,12 +20,93 @@ import time
 from pathlib import Path
 from typing import Optional, Sequence
 
+import jax
+import jax.numpy as jnp
+import ml_collections
 import numpy as np
+
+from experiments.configs import default as default_config
+from transformer_jax import config as presets
+from transformer_jax import sharding, trainer
+from transformer_jax.config import ModelConfig
+from transformer_jax.data import number_words as nw
+from transformer_jax.data import tokenizer as tok_lib
+from transformer_jax.data.batching import filter_by_length
+from transformer_jax.training import steps
+
+PRESETS = {"tiny": presets.tiny, "base": presets.base, "big": presets.big}
 
 REPO = Path(__file__).resolve().parents[2]
 MULTI30K = Path(os.environ.get("BENCH_MULTI30K", REPO.parent / "shared" / "data" / "multi30k"))
 CACHE = Path(os.environ.get("BENCH_CACHE", REPO / "runs" / "benchmarks" / "cache"))
 VOCAB_SIZE = 8000  # shared SentencePiece BPE trained on multi30k train.en + train.de
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The trainer's own compiled step
+# ----------------------------------------------------------------------------------------------------------
+
+def preset_config(preset: str, vocab_size: int, **overrides) -> ModelConfig:
+  """The `ModelConfig` of a paper/CPU preset (`tiny`, `base`, `big`); ValueError names an unknown preset."""
+  if preset not in PRESETS:
+    raise ValueError(f"unknown preset {preset!r}; one of {sorted(PRESETS)}")
+  return PRESETS[preset](vocab_size=vocab_size, **overrides)
+
+
+def train_config(model_config: ModelConfig) -> ml_collections.ConfigDict:
+  """`experiments/configs/default.py` with `config.model` set to `model_config` (the preset's sizes).
+
+  Everything else (label smoothing 0.1, Adam(0.9, 0.98, 1e-9), the rsqrt schedule with 4000 warm-up steps,
+  no gradient accumulation, seed 0) is the default recipe's, as `python -m experiments.train` would use it.
+  """
+  config = default_config.get_config()
+  config.model.update(dataclasses.asdict(model_config))
+  config.data.vocab_size = model_config.vocab_size
+  return config
+
+
+@dataclasses.dataclass
+class TrainStep:
+  """A fresh train state and the trainer's compiled step for it: `step(state, batch, rng) -> (state, metrics)`."""
+
+  state: steps.TrainState
+  step: sharding.PartitionedFunction
+  rng: jax.Array                 # the typed dropout key, split from `config.seed` as the trainer does
+  model_config: ModelConfig
+  mesh: jax.sharding.Mesh
+  rules: tuple
+
+  def shard(self, batch: dict) -> dict:
+    """A host batch `{key: [rows, length] int32}` as the trainer hands it to the step (`shard_batch`)."""
+    return sharding.shard_batch(batch, self.mesh, self.rules)
+
+
+def build_train_step(config: ml_collections.ConfigDict, mesh: Optional[jax.sharding.Mesh] = None) -> TrainStep:
+  """The train state and compiled step `trainer.init_or_restore` builds for `config` (no checkpoint).
+
+  `config.model.vocab_size` must be set (the trainer takes it from the tokenizer); `mesh` defaults to the
+  one-device mesh. The same calls as the trainer: `trainer.model_config_from`,
+  `sharding.validate_model_for_mesh`, `trainer.create_state` with the first half of
+  `split(key(config.seed))`, `trainer.make_train_step`. Raises what those raise (ValueError on a model that
+  does not divide over the mesh, on unknown `config.model` fields).
+  """
+  mesh = sharding.single_device_mesh() if mesh is None else mesh
+  model_config = trainer.model_config_from(config, config.model.vocab_size)
+  rules = sharding.validate_model_for_mesh(model_config, mesh)
+  init_rng, rng = jax.random.split(jax.random.key(config.seed))
+  state = trainer.create_state(config, model_config, mesh, init_rng, rules)
+  step = trainer.make_train_step(config, model_config, mesh, state, rules)
+  return TrainStep(state=state, step=step, rng=rng, model_config=model_config, mesh=mesh, rules=rules)
+
+
+def plain_batch(rows: int, length: int, vocab_size: int, seed: int = 0) -> dict[str, np.ndarray]:
+  """One plain batch: random ids in [4, vocab) on both sides, `[rows, length]` int32, no padding, no packing.
+
+  The apples-to-apples kernel comparison: every framework gets full rows and needs no padding or segment
+  masks (the decoder's causal mask only).
+  """
+  rng = np.random.default_rng(seed)
+  return {side: rng.integers(4, vocab_size, (rows, length), dtype=np.int32) for side in ("inputs", "targets")}
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -41,14 +126,11 @@ class Corpus:
 
 def load_corpus(max_len: int = 512) -> Corpus:
   """multi30k train (29k pairs) tokenised with an 8k shared BPE (trained once, cached); number words if absent."""
-  from transformer_jax.data import tokenizer as tok_lib
-  from transformer_jax.data.batching import filter_by_length
   if (MULTI30K / "train.en").exists():
     read = lambda name: [l.rstrip("\n") for l in open(MULTI30K / name, encoding="utf-8")]  # noqa: E731
     en, de, test_en = read("train.en"), read("train.de"), read("test2016.en")
     name = "multi30k en-de"
   else:  # number words, built in-process (no tfds): the library's own toy task
-    from transformer_jax.data import number_words as nw
     splits = nw.split_numbers(0, {"train": 29_000, "test": 1_000})
     en, de = [nw.english(int(n)) for n in splits["train"]], [nw.german(int(n)) for n in splits["train"]]
     test_en = [nw.english(int(n)) for n in splits["test"]]
@@ -101,8 +183,6 @@ class MatmulProbe:
   """A jitted n x n fp32 matmul; `rate(reps)` is its median FLOP/s over `reps` timed calls."""
 
   def __init__(self, n: int = 2048):
-    import jax
-    import jax.numpy as jnp
     rng = np.random.default_rng(0)
     self.n = n
     self.a = jnp.asarray(rng.standard_normal((n, n), np.float32))

@@ -1,4 +1,4 @@
-"""PNG plots of the benchmark results (training, decoding, scaling) for docs/benchmarks/."""
+"""PNG plots of the benchmark results (training, peers, decoding, scaling) for docs/benchmarks/."""
 
 from __future__ import annotations
 
@@ -25,9 +25,8 @@ def training(results: dict, path: Path):
   fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
   width = 0.25
   for i, (_, t) in enumerate(trains):
-    bars = [("ours", t["jax"]["baseline"].get("target_tokens_per_s"), "tab:blue"),
-            ("unoptimized (ablation)", t["jax"].get("unoptimized", {}).get("target_tokens_per_s"), "tab:gray"),
-            ("torch nn.Transformer", t.get("torch", {}).get("target_tokens_per_s"), "tab:orange")]
+    bars = [("ours (trainer's step)", t["jax"]["baseline"].get("target_tokens_per_s"), "tab:blue"),
+            ("unoptimized (ablation)", t["jax"].get("unoptimized", {}).get("target_tokens_per_s"), "tab:gray")]
     for j, (label, value, color) in enumerate(bars):
       if value:
         axes[0].bar(i + (j - 1) * width, value, width, color=color, label=label if i == 0 else None)
@@ -38,9 +37,8 @@ def training(results: dict, path: Path):
         return entry["model_flops_per_s"] / machine
       return entry.get("mfu_vs_matmul")
     for j, (label, value, color) in enumerate(
-        [("ours", mfu("baseline", t["jax"]["baseline"]), "tab:blue"),
-         ("unoptimized (ablation)", mfu("unoptimized", t["jax"].get("unoptimized", {})), "tab:gray"),
-         ("torch", mfu("torch", t.get("torch", {})), "tab:orange")]):
+        [("ours (trainer's step)", mfu("baseline", t["jax"]["baseline"]), "tab:blue"),
+         ("unoptimized (ablation)", mfu("unoptimized", t["jax"].get("unoptimized", {})), "tab:gray")]):
       if value:
         axes[1].bar(i + (j - 1) * width, 100 * value, width, color=color, label=label if i == 0 else None)
   names = [t["preset"] for _, t in trains]
@@ -68,6 +66,29 @@ def training(results: dict, path: Path):
                      fontsize=8)
   axes[2].set_title("library speed-up over each ablation (>1: the library is faster)", fontsize=9)
   axes[2].legend(fontsize=8)
+  return _save(fig, path)
+
+
+PEER_COLORS = {"ours": "tab:blue", "flax": "tab:green", "torch": "tab:orange"}
+
+
+def peers(results: dict, path: Path):
+  """Real target tokens/s of every framework, packed and plain batches, one panel per preset."""
+  sections = [v for k, v in results.items() if k.startswith("peers_") and "kinds" in v]
+  if not sections:
+    return None
+  fig, axes = plt.subplots(1, len(sections), figsize=(6 * len(sections), 4.2), squeeze=False)
+  for ax, p in zip(axes[0], sections):
+    kinds = list(p["kinds"])
+    frameworks = [fw for fw in ("ours", "flax", "torch") if any(fw in p["kinds"][k] for k in kinds)]
+    width = 0.8 / max(len(frameworks), 1)
+    for j, fw in enumerate(frameworks):
+      values = [p["kinds"][k].get(fw, {}).get("target_tokens_per_s", 0) for k in kinds]
+      ax.bar([i + (j - (len(frameworks) - 1) / 2) * width for i in range(len(kinds))], values, width,
+             color=PEER_COLORS.get(fw), label=fw)
+    ax.set_xticks(range(len(kinds)), kinds)
+    ax.set_title(f"{p['preset']}: real target tokens/s, each framework in its own process", fontsize=9)
+    ax.legend(fontsize=8)
   return _save(fig, path)
 
 
@@ -152,6 +173,7 @@ def long_inputs(results: dict, path: Path):
 
 def write_all(results: dict, directory: Path) -> list[str]:
   directory = Path(directory)
-  written = [training(results, directory / "training.png"), decoding(results, directory / "decoding.png"),
-             scaling(results, directory / "scaling.png"), long_inputs(results, directory / "long_inputs.png")]
+  written = [training(results, directory / "training.png"), peers(results, directory / "peers.png"),
+             decoding(results, directory / "decoding.png"), scaling(results, directory / "scaling.png"),
+             long_inputs(results, directory / "long_inputs.png")]
   return [p for p in written if p]

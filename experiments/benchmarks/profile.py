@@ -3,7 +3,9 @@ r"""Where a training step's time goes: a `jax.profiler` trace aggregated by XLA 
     python -m experiments.benchmarks.profile --preset=tiny            # CPU preset, 4096-token batches
     python -m experiments.benchmarks.profile --preset=base --vocab=37000 --steps=2
 
-Compiles the library's train step on the benchmark's packed multi30k batches, traces `--steps` steps and
+Compiles the trainer's own train step (`common.build_train_step`: `trainer.create_state` +
+`trainer.make_train_step` of the default recipe with the preset's sizes, one-device mesh) on the
+benchmark's packed multi30k batches, traces `--steps` steps and
 reads the trace back (`jax.profiler.ProfileData`). Every XLA op event is mapped to its HLO instruction in
 the compiled module (`compiled.as_text()`): its kind (`ynn_fusion` = matmul, `copy_*`/`transpose_*` =
 layout copies, other fusions = elementwise/reduce passes), its output shape and the JAX source op it came
@@ -22,10 +24,11 @@ import tempfile
 import time
 
 import jax
-import jax.numpy as jnp
 
 from experiments import launch
-from experiments.benchmarks import common, sections
+from experiments.benchmarks import common
+from transformer_jax import sharding
+from transformer_jax.data.batching import PackedBatches
 
 # First match wins: the finer module paths before the blocks that contain them.
 AREAS = (("Dropout", "dropout"), ("layer_norm", "layer norm"), ("attend", "tied logits"),
@@ -94,18 +97,14 @@ def main(argv=None):
   parser.add_argument("--trace_dir", default="")
   args = parser.parse_args(argv)
 
-  from transformer_jax.data.batching import PackedBatches
-  from transformer_jax.training.schedule import adam_with_schedule
-  from transformer_jax.training.steps import create_train_state, jit_train_step
-
   corpus = common.load_corpus(args.row_length)
-  cfg = sections.preset_config(args.preset, args.vocab or corpus.vocab_size)
+  cfg = common.preset_config(args.preset, args.vocab or corpus.vocab_size)
   batches = PackedBatches(corpus.sources, corpus.targets, tokens_per_batch=args.tokens,
                           row_length=args.row_length, seed=0)
-  batch = {k: jnp.asarray(v) for k, v in next(batches).items()}
-  state = create_train_state(cfg, adam_with_schedule(cfg.d_model, warmup_steps=4000), jax.random.key(0))
-  rng = jax.random.key(1)
-  step = jit_train_step(cfg).lower(state, batch, rng).compile()
+  built = common.build_train_step(common.train_config(cfg), mesh=sharding.single_device_mesh())
+  batch = built.shard(next(batches))
+  state, rng = built.state, built.rng
+  step = built.step.lower(state, batch, rng).compile()
   for _ in range(2):
     state, metrics = step(state, batch, rng)
     jax.block_until_ready(metrics)

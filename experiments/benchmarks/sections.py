@@ -1,14 +1,19 @@
 r"""The benchmark sections; each runs in its own process (`run.py` starts them) and writes one JSON file.
 
     python -m experiments.benchmarks.sections machine  --out=/tmp/m.json
-    python -m experiments.benchmarks.sections train    --out=/tmp/t.json --preset=tiny --steps=20 --torch
+    python -m experiments.benchmarks.sections train    --out=/tmp/t.json --preset=tiny --steps=20
+    python -m experiments.benchmarks.sections peer     --out=/tmp/p.json --framework=flax --kind=plain
     python -m experiments.benchmarks.sections decode   --out=/tmp/d.json --sources=500
     python -m experiments.benchmarks.sections scaling  --out=/tmp/s.json
     python -m experiments.benchmarks.sections long_inputs --out=/tmp/l.json --lengths=512,1024 --steps=2
 
-The machine is shared, so nothing is timed alone: every section interleaves what it compares in rounds
-(ours, the peer, the ablation variants, the data pipeline and a 2048^2 matmul probe take turns inside each
-round) and reports medians and ratios of medians measured in the same rounds.
+Every timed JAX training step is the trainer's own compiled step (`common.build_train_step`: the
+`trainer.create_state` + `trainer.make_train_step` of `experiments/configs/default.py` with the preset's
+sizes, on a one-device mesh). The machine is shared, so the training section interleaves what it compares
+in rounds (ours, the ablation variants, the data pipeline and a 2048^2 matmul probe take turns inside each
+round) and reports medians and ratios of medians measured in the same rounds. Peers (`peer`: ours, the
+Flax example's model, PyTorch `nn.Transformer`) each run alone in their own process, with a 2048^2 probe
+in every round of each, on the same batches: packed multi30k, or plain full rows of random ids.
 """
 
 from __future__ import annotations
@@ -21,21 +26,20 @@ import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
+import flax  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from experiments import launch  # noqa: E402
-from experiments.benchmarks import common  # noqa: E402
+from experiments.benchmarks import ablations, common, flax_peer  # noqa: E402
 from transformer_jax import config as presets  # noqa: E402
+from transformer_jax import sharding  # noqa: E402
+from transformer_jax.data.batching import PackedBatches  # noqa: E402
 
 
 def _log(*args):
   print(*args, file=sys.stderr, flush=True)
-
-
-def preset_config(preset: str, vocab_size: int):
-  return {"tiny": presets.tiny, "base": presets.base, "big": presets.big}[preset](vocab_size=vocab_size)
 
 
 def _timed(fn):
@@ -63,12 +67,8 @@ def machine(args) -> dict:
 
 
 # ----------------------------------------------------------------------------------------------------------
-# 2./3. Training (ours, ablation variants, the torch peer) + the host data pipeline, interleaved
+# 2./3. Training (ours and the ablation variants) + the host data pipeline, interleaved
 # ----------------------------------------------------------------------------------------------------------
-
-def _device_batch(batch):
-  return {k: jnp.asarray(v) for k, v in batch.items()}
-
 
 def _batch_tokens(batch) -> tuple[int, int]:
   return int((batch["inputs"] != 0).sum()), int((batch["targets"] != 0).sum())
@@ -78,7 +78,6 @@ class _Pipeline:
   """Times `PackedBatches` batch building: epoch planning (amortised) + `build_packed_batch` per batch."""
 
   def __init__(self, corpus, tokens_per_batch, row_length):
-    from transformer_jax.data.batching import PackedBatches
     self.batches = PackedBatches(corpus.sources, corpus.targets, tokens_per_batch=tokens_per_batch,
                                  row_length=row_length, seed=0)
     _, self.plan_s = _timed(lambda: self.batches.plan(0))
@@ -107,158 +106,216 @@ class _Pipeline:
             "target_tokens_per_s": tokens / per_batch, "padding_efficiency": [src_eff, tgt_eff]}
 
 
-def train(args) -> dict:
-  from transformer_jax.training.schedule import adam_with_schedule
-  from transformer_jax.training.steps import create_train_state
-  from experiments.benchmarks import ablations
+def _compile_runner(built: common.TrainStep, batch: dict, warmup: int, dev_batches: list) -> dict:
+  """Lowers and compiles `built.step` on `batch` (timed apart), then takes `warmup` steps."""
+  lowered, lower_s = _timed(lambda: built.step.lower(built.state, batch, built.rng))
+  compiled, compile_s = _timed(lowered.compile)
+  cost = compiled.cost_analysis()
+  cost = (cost[0] if isinstance(cost, (list, tuple)) else cost) or {}
+  state, losses = built.state, []
+  for i in range(warmup):
+    state, metrics = compiled(state, dev_batches[i % len(dev_batches)], built.rng)
+    losses.append(float(metrics["loss"]))
+  return {"fn": compiled, "state": state, "rng": built.rng, "times": [], "dispatch": [],
+          "lower_s": lower_s, "compile_s": compile_s, "losses": losses,
+          "xla_flops": float(cost.get("flops", float("nan"))),
+          "bytes_accessed": float(cost.get("bytes accessed", float("nan")))}
 
-  corpus = common.load_corpus(args.row_length)
-  cfg = preset_config(args.preset, args.vocab or corpus.vocab_size)
-  rows = args.tokens // args.row_length
-  out = {"preset": args.preset, "config": {k: v for k, v in vars(cfg).items()}, "corpus": corpus.name,
-         "tokens_per_batch": args.tokens, "row_length": args.row_length, "rows": rows,
-         "flops_formula": common.FLOPS_FORMULA}
-  flops = common.model_flops(cfg, rows, args.row_length, args.row_length)
-  out["flops_per_step"] = flops
 
-  # Data: the measured pipeline feeds a fixed set of batches (cycled) to every framework.
-  pipeline = _Pipeline(corpus, args.tokens, args.row_length)
-  host_batches = pipeline.build(args.num_batches)
-  target_tokens = float(np.mean([_batch_tokens(b)[1] for b in host_batches]))
-  source_tokens = float(np.mean([_batch_tokens(b)[0] for b in host_batches]))
-  out["real_tokens_per_batch"] = {"source": source_tokens, "target": target_tokens}
-  dev_batches = [_device_batch(b) for b in host_batches]
-  probe = common.MatmulProbe(2048)
+def _step_block(run: dict, dev_batches: list, k: int, n: int) -> tuple[list[float], int]:
+  """`n` timed steps of a compiled runner from batch index `k`; (step times, next index)."""
+  times = []
+  for _ in range(n):
+    batch = dev_batches[k % len(dev_batches)]
+    k += 1
+    start = time.perf_counter()
+    run["state"], metrics = run["fn"](run["state"], batch, run["rng"])
+    run["dispatch"].append(time.perf_counter() - start)
+    jax.block_until_ready(metrics)
+    times.append(time.perf_counter() - start)
+  run["times"] += times
+  return times, k
 
-  # Ours (+ variants): lower/compile timed separately, then the AOT executable is what we step.
-  tx = adam_with_schedule(cfg.d_model, warmup_steps=4000)
-  runners = {}
-  variants = ["baseline"] + [v for v in args.variants.split(",") if v and v != "baseline"]
-  for name in variants:
-    vcfg = ablations.variant_config(name, cfg)
-    state = create_train_state(vcfg, tx, jax.random.key(0))
-    step = ablations.variant_step(cfg, name)
-    rng = jax.random.key(1)
-    lowered, lower_s = _timed(lambda: step.lower(state, dev_batches[0], rng))
-    compiled, compile_s = _timed(lowered.compile)
-    cost = compiled.cost_analysis()
-    cost = cost[0] if isinstance(cost, (list, tuple)) else cost
-    losses = []
-    for i in range(args.warmup):
-      state, metrics = compiled(state, dev_batches[i % len(dev_batches)], rng)
-      losses.append(float(metrics["loss"]))
-    runners[name] = {"fn": compiled, "state": state, "rng": rng, "times": [], "dispatch": [],
-                     "lower_s": lower_s, "compile_s": compile_s, "losses": losses,
-                     "xla_flops": float(cost.get("flops", float("nan"))) if cost else float("nan"),
-                     "bytes_accessed": float(cost.get("bytes accessed", float("nan"))) if cost else float("nan")}
-    if name == "baseline":
-      out["params"] = int(sum(x.size for x in jax.tree_util.tree_leaves(state.params)))
-      out["peak_rss_mb"] = common.peak_rss_mb()  # compile + warm-up of the library's step only
-      out["hlo_has_f64"] = "f64[" in compiled.as_text()
-    _log(f"[train {args.preset}] {name}: lower {lower_s:.1f}s compile {compile_s:.1f}s loss {losses}")
-    gc.collect()
 
-  torch_runners = {}
-  if args.torch:
-    try:
-      import torch
-      from experiments.benchmarks import torch_peer
-    except ImportError as e:
-      out["torch_error"] = f"torch not installed ({e}); pip install -e '.[bench]'"
-    else:
-      default_threads = torch.get_num_threads()
-      trainer = torch_peer.TorchTrainer(cfg)
-      torch_batches = [torch_peer.to_torch_batch(b, cfg.num_heads) for b in host_batches]
-      losses = [trainer.step(torch_batches[i % len(torch_batches)]) for i in range(args.warmup)]
-      for threads in args.torch_threads:
-        name = "torch" if threads == 0 else f"torch_{threads}thread"
-        torch_runners[name] = {"threads": threads or default_threads, "times": []}
-      torch_mm = (torch.randn(2048, 2048), torch.randn(2048, 2048))
-      out["torch"] = {"version": torch.__version__, "threads": default_threads,
-                      "params": trainer.num_params(), "warmup_losses": losses}
-      _log(f"[train {args.preset}] torch warm-up losses {losses}")
+def _runner_result(run: dict, per_round: dict, name: str, flops: dict, matmul: float,
+                   source_tokens: float, target_tokens: float) -> dict:
+  step_s = common.median(run["times"])
+  return {"step_s": step_s, "step_s_all": run["times"], "steps": len(run["times"]),
+          "dispatch_s": common.median(run["dispatch"]), "lower_s": run["lower_s"],
+          "compile_s": run["compile_s"], "target_tokens_per_s": target_tokens / step_s,
+          "source_tokens_per_s": source_tokens / step_s, "model_flops_per_s": flops["total"] / step_s,
+          "mfu_vs_matmul": flops["total"] / step_s / matmul, "xla_flops": run["xla_flops"],
+          "xla_bytes_accessed": run["bytes_accessed"], "warmup_losses": run["losses"],
+          "speedup_vs_baseline": common.median([b / v for b, v in zip(per_round["baseline"], per_round[name])])}
 
-  def torch_matmul_rate():
-    torch.set_num_threads(default_threads)
-    times = []
-    for _ in range(2):
-      start = time.perf_counter()
-      torch.mm(*torch_mm)
-      times.append(time.perf_counter() - start)
-    return 2 * 2048 ** 3 / common.median(times)
 
-  # Timed rounds: matmul probe, each JAX variant, torch, pipeline - `block` steps each per round (the
-  # ablation variants and the torch peer may take fewer per round: --variant_block, --torch_block).
+def _train_rounds(args, runners: dict, dev_batches: list, pipeline: "_Pipeline", probe) -> dict:
+  """Timed rounds: matmul probe, each JAX variant, pipeline - `block` steps each per round (the ablation
+  variants may take fewer per round: --variant_block). Returns each runner's per-round median step time."""
   rounds = -(-args.steps // args.block)
-  per_round = {name: [] for name in list(runners) + list(torch_runners)}
-  per_round["matmul"], per_round["torch_matmul"] = [], []
+  per_round = {name: [] for name in runners}
+  per_round["matmul"] = []
   k = 0
   for r in range(rounds):
     per_round["matmul"].append(probe.rate(2))
     for name, run in runners.items():
-      times = []
-      for _ in range(args.block if name == "baseline" else (args.variant_block or args.block)):
-        batch = dev_batches[k % len(dev_batches)]
-        k += 1
-        start = time.perf_counter()
-        run["state"], metrics = run["fn"](run["state"], batch, run["rng"])
-        run["dispatch"].append(time.perf_counter() - start)
-        jax.block_until_ready(metrics)
-        times.append(time.perf_counter() - start)
-      run["times"] += times
-      per_round[name].append(common.median(times))
-    if torch_runners:
-      per_round["torch_matmul"].append(torch_matmul_rate())
-    for name, run in torch_runners.items():
-      torch.set_num_threads(run["threads"])
-      times = []
-      for _ in range(args.torch_block or args.block):
-        batch = torch_batches[k % len(torch_batches)]
-        k += 1
-        start = time.perf_counter()
-        trainer.step(batch)
-        times.append(time.perf_counter() - start)
-      run["times"] += times
+      times, k = _step_block(run, dev_batches, k,
+                             args.block if name == "baseline" else (args.variant_block or args.block))
       per_round[name].append(common.median(times))
     pipeline.build(args.block)
     _log(f"[train {args.preset}] round {r + 1}/{rounds}: " + " ".join(
         f"{n}={v[-1]:.3f}s" for n, v in per_round.items() if v and "matmul" not in n)
         + f" matmul={per_round['matmul'][-1] / 1e9:.0f}GF/s")
+  return per_round
 
+
+def train(args) -> dict:
+  """The trainer's compiled step ("baseline") and the ablation variants on packed multi30k batches."""
+  corpus = common.load_corpus(args.row_length)
+  cfg = common.preset_config(args.preset, args.vocab or corpus.vocab_size)
+  config = common.train_config(cfg)
+  rows = args.tokens // args.row_length
+  out = {"preset": args.preset, "config": dict(vars(cfg)), "corpus": corpus.name,
+         "tokens_per_batch": args.tokens, "row_length": args.row_length, "rows": rows,
+         "flops_formula": common.FLOPS_FORMULA, "step": "trainer.make_train_step (one-device mesh)"}
+  flops = common.model_flops(cfg, rows, args.row_length, args.row_length)
+  out["flops_per_step"] = flops
+
+  # Data: the measured pipeline feeds a fixed set of batches (cycled), sharded as the trainer shards them.
+  pipeline = _Pipeline(corpus, args.tokens, args.row_length)
+  host_batches = pipeline.build(args.num_batches)
+  target_tokens = float(np.mean([_batch_tokens(b)[1] for b in host_batches]))
+  source_tokens = float(np.mean([_batch_tokens(b)[0] for b in host_batches]))
+  out["real_tokens_per_batch"] = {"source": source_tokens, "target": target_tokens}
+  mesh = sharding.single_device_mesh()
+  dev_batches = [sharding.shard_batch(b, mesh) for b in host_batches]
+  probe = common.MatmulProbe(2048)
+
+  # Ours (+ variants): lower/compile timed separately, then the AOT executable is what we step.
+  runners = {}
+  variants = ["baseline"] + [v for v in args.variants.split(",") if v and v != "baseline"]
+  for name in variants:
+    built = ablations.variant_step(config, name, mesh=mesh)
+    runners[name] = _compile_runner(built, dev_batches[0], args.warmup, dev_batches)
+    if name == "baseline":
+      out["params"] = int(sum(x.size for x in jax.tree_util.tree_leaves(built.state.params)))
+      out["peak_rss_mb"] = common.peak_rss_mb()  # compile + warm-up of the library's step only
+      out["hlo_has_f64"] = "f64[" in runners[name]["fn"].as_text()
+    del built
+    _log(f"[train {args.preset}] {name}: lower {runners[name]['lower_s']:.1f}s compile "
+         f"{runners[name]['compile_s']:.1f}s loss {runners[name]['losses']}")
+    gc.collect()
+
+  per_round = _train_rounds(args, runners, dev_batches, pipeline, probe)
   matmul = common.median(per_round["matmul"])
   out["matmul_flops"] = matmul
   out["matmul_flops_samples"] = per_round["matmul"]
   out["per_round"] = per_round  # median step time of each runner in each round, and the round's probes
   out["pipeline"] = pipeline.result()
-  res = {}
-  for name, run in runners.items():
-    step_s = common.median(run["times"])
-    res[name] = {
-        "step_s": step_s, "step_s_all": run["times"], "steps": len(run["times"]),
-        "dispatch_s": common.median(run["dispatch"]), "lower_s": run["lower_s"],
-        "compile_s": run["compile_s"], "target_tokens_per_s": target_tokens / step_s,
-        "source_tokens_per_s": source_tokens / step_s, "model_flops_per_s": flops["total"] / step_s,
-        "mfu_vs_matmul": flops["total"] / step_s / matmul, "xla_flops": run["xla_flops"],
-        "xla_bytes_accessed": run["bytes_accessed"], "warmup_losses": run["losses"],
-        "speedup_vs_baseline": common.median(
-            [b / v for b, v in zip(per_round["baseline"], per_round[name])])}
-  out["jax"] = res
-  for tname, trun in torch_runners.items():
-    step_s = common.median(trun["times"])
-    entry = {"threads": trun["threads"], "step_s": step_s, "step_s_all": trun["times"],
-             "steps": len(trun["times"]), "target_tokens_per_s": target_tokens / step_s,
-             "model_flops_per_s": flops["total"] / step_s, "mfu_vs_matmul": flops["total"] / step_s / matmul}
-    if tname == "torch":
-      out["torch"].update(entry)
-      out["torch"]["torch_matmul_flops"] = common.median(per_round["torch_matmul"])
-    else:
-      out[tname] = entry
-    key = "speedup_vs_torch" if tname == "torch" else f"speedup_vs_{tname}"
-    for name in runners:
-      res[name][key] = common.median([t / v for t, v in zip(per_round[tname], per_round[name])])
+  out["jax"] = {name: _runner_result(run, per_round, name, flops, matmul, source_tokens, target_tokens)
+                for name, run in runners.items()}
   out["pipeline"]["ratio_vs_training"] = (out["pipeline"]["target_tokens_per_s"]
-                                          / res["baseline"]["target_tokens_per_s"])
+                                          / out["jax"]["baseline"]["target_tokens_per_s"])
   return out
+
+
+# ----------------------------------------------------------------------------------------------------------
+# 3b. Peers: one framework per process (ours, the Flax example's model, PyTorch), packed or plain batches
+# ----------------------------------------------------------------------------------------------------------
+
+def _peer_batches(args) -> tuple[list[dict], int, int, int]:
+  """(host batches, rows, row length, vocabulary) of batch kind `args.kind`, identical in every process."""
+  if args.kind == "packed":
+    corpus = common.load_corpus(args.row_length)
+    batches = PackedBatches(corpus.sources, corpus.targets, tokens_per_batch=args.tokens,
+                            row_length=args.row_length, seed=0)
+    host = [next(batches) for _ in range(args.num_batches)]
+    return host, args.tokens // args.row_length, args.row_length, args.vocab or corpus.vocab_size
+  vocab = args.vocab or common.VOCAB_SIZE
+  host = [common.plain_batch(args.rows, args.length, vocab, seed=i) for i in range(args.num_batches)]
+  return host, args.rows, args.length, vocab
+
+
+def _ours_peer(cfg, host: list[dict]):
+  """The trainer's compiled step: (version, warm-up step function `step(k) -> loss`)."""
+  built = common.build_train_step(common.train_config(cfg))
+  dev = [built.shard(b) for b in host]
+  compiled = built.step.lower(built.state, dev[0], built.rng).compile()
+  box = {"state": built.state}
+
+  def step(k):
+    box["state"], metrics = compiled(box["state"], dev[k % len(dev)], built.rng)
+    return metrics["loss"]
+  return f"jax {jax.__version__}, flax {flax.__version__} (trainer.make_train_step)", step
+
+
+def _flax_peer(cfg, host: list[dict]):
+  path = flax_peer.ensure_example()
+  models = flax_peer.load_models(path)
+  config = common.train_config(cfg)
+  box = {"state": flax_peer.create_state(models, cfg, config, jax.random.key(0))}
+  fn = flax_peer.make_train_step(models, cfg, config)
+  dev = [{k: jnp.asarray(v) for k, v in flax_peer.model_inputs(b).items()} for b in host]
+  rng = jax.random.key(1)
+
+  def step(k):
+    box["state"], metrics = fn(box["state"], dev[k % len(dev)], rng)
+    return metrics["loss"]
+  return f"flax {flax.__version__} examples/wmt/models.py (jax.jit, donated state)", step
+
+
+def _torch_peer(cfg, host: list[dict]):
+  import torch  # the optional `bench` extra; only this process imports it
+  from experiments.benchmarks import torch_peer
+  trainer = torch_peer.TorchTrainer(cfg)
+  packed = "inputs_segmentation" in host[0]
+  batches = [torch_peer.to_torch_batch(b, cfg.num_heads) if packed else torch_peer.to_plain_torch_batch(b)
+             for b in host]
+  return (f"torch {torch.__version__} eager, {torch.get_num_threads()} threads",
+          lambda k: trainer.step(batches[k % len(batches)]))
+
+
+PEERS = {"ours": _ours_peer, "flax": _flax_peer, "torch": _torch_peer}
+
+
+def peer(args) -> dict:
+  """One framework's training step on one batch kind, alone in this process, `block` steps per round."""
+  host, rows, length, vocab = _peer_batches(args)
+  cfg = common.preset_config(args.preset, vocab)
+  cfg = cfg.replace(max_len=max(cfg.max_len, length))
+  target_tokens = float(np.mean([_batch_tokens(b)[1] for b in host]))
+  source_tokens = float(np.mean([_batch_tokens(b)[0] for b in host]))
+  flops = common.model_flops(cfg, rows, length, length)
+  (version, step), setup_s = _timed(lambda: PEERS[args.framework](cfg, host))
+  probe = common.MatmulProbe(2048)
+  losses, k = [], 0
+  warm_start = time.perf_counter()
+  for _ in range(args.warmup):  # the first call compiles (JAX peers)
+    losses.append(float(step(k)))
+    k += 1
+  warmup_s = time.perf_counter() - warm_start
+  times, matmul, per_round = [], [], []
+  for r in range(args.rounds):
+    matmul.append(probe.rate(2))
+    block = []
+    for _ in range(args.block):
+      start = time.perf_counter()
+      losses.append(float(step(k)))  # float() waits for the step
+      block.append(time.perf_counter() - start)
+      k += 1
+    times += block
+    per_round.append(common.median(block))
+    _log(f"[peer {args.framework} {args.kind} {args.preset}] round {r + 1}/{args.rounds}: "
+         f"{per_round[-1]:.3f}s matmul={matmul[-1] / 1e9:.0f}GF/s")
+  step_s = common.median(times)
+  return {"framework": args.framework, "kind": args.kind, "preset": args.preset, "version": version,
+          "config": dict(vars(cfg)), "rows": rows, "row_length": length,
+          "real_tokens_per_batch": {"source": source_tokens, "target": target_tokens},
+          "flops_per_step": flops, "setup_s": setup_s, "warmup_s": warmup_s, "losses": losses,
+          "step_s": step_s, "step_s_all": times, "steps": len(times), "per_round": per_round,
+          "matmul_flops_samples": matmul, "matmul_flops": common.median(matmul),
+          "target_tokens_per_s": target_tokens / step_s, "model_flops_per_s": flops["total"] / step_s,
+          "mfu_vs_same_process_probe": flops["total"] / step_s / common.median(matmul)}
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -297,7 +354,7 @@ def decode(args) -> dict:
   from transformer_jax.training.steps import init_params
 
   corpus = common.load_corpus()
-  cfg = preset_config(args.preset, args.vocab or corpus.vocab_size)
+  cfg = common.preset_config(args.preset, args.vocab or corpus.vocab_size)
   params = jax.device_put(nn.unbox(init_params(cfg, jax.random.key(0))))
   rng = np.random.default_rng(0)
   pick = rng.choice(len(corpus.test_sources), size=min(args.sources, len(corpus.test_sources)), replace=False)
@@ -415,27 +472,24 @@ def ctranslate2(args) -> dict:
 # ----------------------------------------------------------------------------------------------------------
 
 def scaling(args) -> dict:
-  from transformer_jax.data.batching import PackedBatches
-  from transformer_jax.training.schedule import adam_with_schedule
-  from transformer_jax.training.steps import create_train_state, jit_train_step
-
+  """The trainer's compiled step vs row length (fixed tokens/batch) and vs tokens/batch."""
   corpus = common.load_corpus(max(args.lengths))
-  cfg = preset_config(args.preset, args.vocab or corpus.vocab_size)
+  cfg = common.preset_config(args.preset, args.vocab or corpus.vocab_size)
   cfg = cfg.replace(max_len=max(cfg.max_len, max(args.lengths)))
+  config = common.train_config(cfg)
+  mesh = sharding.single_device_mesh()
   points = [("length", L, args.tokens) for L in args.lengths]
   points += [("tokens", args.row_length, T) for T in args.batch_tokens if T != args.tokens
              or args.row_length not in args.lengths]
-  tx = adam_with_schedule(cfg.d_model, warmup_steps=4000)
   probe = common.MatmulProbe(2048)
   runs = []
   for kind, L, T in points:
     batches = PackedBatches(corpus.sources, corpus.targets, tokens_per_batch=T, row_length=L, seed=0)
     host = [next(batches) for _ in range(3)]
-    dev = [_device_batch(b) for b in host]
-    state = create_train_state(cfg, tx, jax.random.key(0))
-    step = jit_train_step(cfg)
-    rng = jax.random.key(1)
-    compiled, compile_s = _timed(lambda: step.lower(state, dev[0], rng).compile())
+    dev = [sharding.shard_batch(b, mesh) for b in host]
+    built = common.build_train_step(config, mesh=mesh)
+    state, rng = built.state, built.rng
+    compiled, compile_s = _timed(lambda: built.step.lower(state, dev[0], rng).compile())
     state, m = compiled(state, dev[0], rng)
     jax.block_until_ready(m)
     runs.append({"kind": kind, "row_length": L, "tokens_per_batch": T, "rows": T // L, "fn": compiled,
@@ -485,7 +539,8 @@ def long_inputs(args) -> dict:
 
 def main(argv=None):
   parser = argparse.ArgumentParser()
-  parser.add_argument("section", choices=("machine", "train", "decode", "scaling", "ctranslate2", "long_inputs"))
+  parser.add_argument("section", choices=("machine", "train", "peer", "decode", "scaling", "ctranslate2",
+                                            "long_inputs"))
   parser.add_argument("--out", required=True)
   parser.add_argument("--quick", action="store_true")
   parser.add_argument("--preset", default="tiny")
@@ -497,10 +552,12 @@ def main(argv=None):
   parser.add_argument("--warmup", type=int, default=2)
   parser.add_argument("--num_batches", type=int, default=8)
   parser.add_argument("--variants", default="")
-  parser.add_argument("--torch", action="store_true")
-  parser.add_argument("--torch_threads", type=lambda s: [int(x) for x in s.split(",")], default=[0],
-                      help="torch intra-op threads per torch runner; 0 = torch's default (one per core)")
-  parser.add_argument("--torch_block", type=int, default=0, help="torch steps per round (0: --block)")
+  parser.add_argument("--framework", choices=sorted(PEERS), default="ours", help="peer: who trains")
+  parser.add_argument("--kind", choices=("packed", "plain"), default="packed",
+                      help="peer: packed multi30k batches (--tokens, --row_length) or plain random full rows "
+                           "(--rows x --length)")
+  parser.add_argument("--rows", type=int, default=32, help="plain batches: rows")
+  parser.add_argument("--length", type=int, default=64, help="plain batches: tokens per row (both sides)")
   parser.add_argument("--variant_block", type=int, default=0, help="ablation-variant steps per round")
   parser.add_argument("--reps", type=int, default=10)
   parser.add_argument("--rounds", type=int, default=3)

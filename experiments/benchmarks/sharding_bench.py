@@ -3,8 +3,9 @@ r"""Per-device train-state memory and step time of the base Transformer under da
     python -m experiments.benchmarks.sharding_bench                      # 8 forced host CPU devices
     python -m experiments.benchmarks.sharding_bench --meshes=data=8 --meshes=fsdp=8,data=1 --rows=8 --length=128
 
-Every mesh trains the same model (`config.base(vocab_size=32000)`, float32, dropout as the preset) on the
-same fixed batch (`rows` x `length` tokens per side), a few timed steps after the compiling one. Reported per
+Every mesh trains the same model (`config.base(vocab_size=32000)`, float32, dropout as the preset) with the
+trainer's own compiled step for that mesh (`common.build_train_step`: `trainer.create_state` +
+`trainer.make_train_step` of the default recipe with the preset's sizes) on the same fixed batch (`rows` x `length` tokens per side), a few timed steps after the compiling one. Reported per
 mesh: the train state's bytes on each device (params + Adam moments: the addressable shards), XLA's temporary
 buffer estimate for the step (per device, where the backend reports it), the compile time and the median
 step time. On CPU the devices are forced host devices sharing the machine's cores: step times are only
@@ -27,12 +28,11 @@ import time  # noqa: E402
 import warnings  # noqa: E402
 
 import jax  # noqa: E402
-import numpy as np  # noqa: E402
 
 from experiments import launch  # noqa: E402
+from experiments.benchmarks import common  # noqa: E402
 from transformer_jax import config as presets  # noqa: E402
 from transformer_jax import sharding  # noqa: E402
-from transformer_jax.training.schedule import adam_with_schedule, rsqrt_schedule  # noqa: E402
 
 
 def parse_mesh(text: str) -> dict[str, int]:
@@ -44,25 +44,15 @@ def parse_mesh(text: str) -> dict[str, int]:
   return values
 
 
-def random_batch(rows: int, length: int, vocab_size: int, seed: int = 0) -> dict[str, np.ndarray]:
-  """Full rows of random ids (no padding): exactly rows * length tokens per side."""
-  rng = np.random.default_rng(seed)
-  return {side: rng.integers(4, vocab_size, (rows, length), dtype=np.int32) for side in ("inputs", "targets")}
-
-
 def measure(mesh_values: dict[str, int], model_config, rows: int, length: int, steps: int) -> dict:
   mesh = sharding.make_mesh(**mesh_values)
-  tx = adam_with_schedule(model_config.d_model, warmup_steps=4000)
   start = time.perf_counter()
-  state, shardings = sharding.create_sharded_train_state(model_config, tx, jax.random.key(0), mesh)
-  jax.block_until_ready(state)
+  built = common.build_train_step(common.train_config(model_config), mesh=mesh)
+  jax.block_until_ready(built.state)
   init_s = time.perf_counter() - start
+  state, step, rng = built.state, built.step, built.rng
   state_bytes = sharding.per_device_bytes(state)
-
-  step = sharding.jit_sharded_train_step(model_config, mesh, shardings,
-                                         learning_rate_fn=rsqrt_schedule(model_config.d_model, 4000))
-  batch = sharding.shard_batch(random_batch(rows, length, model_config.vocab_size), mesh)
-  rng = jax.random.key(1)
+  batch = built.shard(common.plain_batch(rows, length, model_config.vocab_size))
   start = time.perf_counter()
   compiled = step.lower(state, batch, rng).compile()
   compile_s = time.perf_counter() - start
@@ -85,7 +75,7 @@ def measure(mesh_values: dict[str, int], model_config, rows: int, length: int, s
                 state_bytes_min=min(state_bytes.values()), temp_bytes=temp_bytes, init_s=init_s,
                 compile_s=compile_s, step_s=statistics.median(times), loss=float(metrics["loss"]),
                 params=sum(x.size for x in jax.tree_util.tree_leaves(state.params)))
-  del state, metrics, batch, compiled, step
+  del state, metrics, batch, compiled, step, built
   gc.collect()
   return result
 

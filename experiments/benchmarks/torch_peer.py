@@ -5,7 +5,10 @@ embedding + position sums, one shared embedding for source, target and the pre-s
 √d_model), sinusoidal positions that restart at every packed example, label-smoothed cross-entropy
 (`F.cross_entropy(label_smoothing=ε)` = `(1-ε)·onehot + ε/V`, pad ignored, summed and divided by the real
 target tokens) and Adam(0.9, 0.98, 1e-9) with the paper's schedule. It trains on the very same packed batches:
-the block-diagonal (segment) masks become boolean `attn_mask`s of shape `[batch·heads, q, k]`.
+the block-diagonal (segment) masks become boolean `attn_mask`s of shape `[batch·heads, q, k]`
+(`to_torch_batch`). On plain batches (full rows of one shape, no padding: `to_plain_torch_batch`) it runs as
+`nn.Transformer` does best: no source, memory or key-padding masks at all, the decoder's causal mask only,
+flagged `tgt_is_causal=True` so that attention takes the causal kernel path.
 
 Differences (stated in the report): `nn.Transformer` adds a final LayerNorm after each stack (2 x d extra
 work); the step returns only the loss (ours also returns accuracy, NLL and the gradient norm).
@@ -48,7 +51,8 @@ class TorchTransformer(nn.Module):
                          torch.roll(tgt, 1, dims=1))  # shift right, BOS at every example start
     logits = self.transformer(
         self.embed(src, batch["inputs_position"]), self.embed(dec_in, batch["targets_position"]),
-        src_mask=batch["src_mask"], tgt_mask=batch["tgt_mask"], memory_mask=batch["memory_mask"])
+        src_mask=batch["src_mask"], tgt_mask=batch["tgt_mask"], memory_mask=batch["memory_mask"],
+        tgt_is_causal=batch["tgt_is_causal"])
     return F.linear(logits, self.embedding.weight)
 
 
@@ -73,7 +77,24 @@ def to_torch_batch(batch: dict, heads: int) -> dict:
   for name, mask in masks.items():  # computed once per batch, outside the timed step
     out[name] = torch.from_numpy(np.repeat(mask, heads, axis=0))
   out["token_count"] = int((batch["targets"] != 0).sum())
+  out["tgt_is_causal"] = False
   return out
+
+
+def to_plain_torch_batch(batch: dict) -> dict:
+  """A plain numpy batch (`inputs`, `targets` `[rows, length]`, no padding) -> torch tensors, causal mask only.
+
+  Positions are `0..length-1` on every row (the shift-right puts BOS at position 0); `tgt_mask` is the
+  `[length, length]` causal mask `nn.Transformer.generate_square_subsequent_mask` builds, with
+  `tgt_is_causal=True`; no other mask.
+  """
+  rows, length = batch["targets"].shape
+  positions = torch.arange(length).expand(rows, length)
+  return {"inputs": torch.from_numpy(np.asarray(batch["inputs"], np.int64)),
+          "targets": torch.from_numpy(np.asarray(batch["targets"], np.int64)),
+          "inputs_position": positions, "targets_position": positions, "src_mask": None, "memory_mask": None,
+          "tgt_mask": nn.Transformer.generate_square_subsequent_mask(length), "tgt_is_causal": True,
+          "token_count": rows * length}
 
 
 class TorchTrainer:

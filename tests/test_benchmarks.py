@@ -1,0 +1,176 @@
+"""The benchmarks time the trainer's own compiled step (issue 12): same program, same numbers.
+
+A tiny number-words run is prepared by the trainer (`prepare` + `init_or_restore`, what
+`python -m experiments.train` does); `experiments.benchmarks.common.build_train_step` builds the benchmark's
+step for the same config. Both must lower to the same StableHLO text, take the same step with the same
+numbers, and a changed config must change the program.
+"""
+
+import copy
+
+import jax
+import numpy as np
+import optax
+import pytest
+
+from experiments.benchmarks import ablations, common, flax_peer
+from experiments.configs import default, number_words
+from transformer_jax import sharding, trainer
+
+
+def _tiny_config(tmp_path):
+  config = number_words.get_config()
+  config.data.builder_config = "tiny"
+  config.data.vocab_size = 128
+  config.data.tfds_data_dir = str(tmp_path / "tfds")
+  config.data.tokens_per_batch = 512
+  config.model.update(d_model=32, d_ff=64, num_heads=2, num_encoder_layers=1, num_decoder_layers=1,
+                      dropout_rate=0.1)
+  config.evals.loss.every_steps = 0
+  return config
+
+
+@pytest.fixture(scope="module")
+def prepared(tmp_path_factory):
+  """The trainer's run (state, compiled step, rng) and one batch as the trainer shards it."""
+  tmp_path = tmp_path_factory.mktemp("bench")
+  run = trainer.prepare(_tiny_config(tmp_path), str(tmp_path / "run"))
+  trainer.init_or_restore(run)
+  batch = sharding.shard_batch(trainer.next_batch(run.data.train, 1), run.mesh, run.rules)
+  return run, batch
+
+
+def _bench_config(run):
+  """The run's config as the benchmark gets it: `config.model.vocab_size` = the tokenizer's."""
+  config = copy.deepcopy(run.config)
+  config.model.vocab_size = run.model_config.vocab_size
+  return config
+
+
+def test_benchmark_lowers_the_program_the_trainer_runs(prepared):
+  run, batch = prepared
+  bench = common.build_train_step(_bench_config(run), mesh=run.mesh)
+  trainer_text = run.train_step.lower(run.state, batch, run.rng).as_text()
+  bench_text = bench.step.lower(bench.state, batch, bench.rng).as_text()
+  assert bench.model_config == run.model_config
+  assert bench_text == trainer_text
+
+
+def test_benchmark_step_gives_the_trainers_numbers(prepared):
+  run, batch = prepared
+  bench = common.build_train_step(_bench_config(run), mesh=run.mesh)
+  state = jax.tree_util.tree_map(lambda x: x.copy(), run.state)  # the trainer's step donates its state
+  for a, b in zip(jax.tree_util.tree_leaves(bench.state.params), jax.tree_util.tree_leaves(state.params)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  bench_state, bench_metrics = bench.step(bench.state, batch, bench.rng)
+  run_state, run_metrics = run.train_step(state, batch, run.rng)
+  for key in ("loss", "nll", "accuracy", "grad_norm", "learning_rate", "token_count"):
+    assert float(bench_metrics[key]) == float(run_metrics[key]), key
+  for a, b in zip(jax.tree_util.tree_leaves(bench_state.params), jax.tree_util.tree_leaves(run_state.params)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+@pytest.mark.parametrize("change", ["label_smoothing", "warmup_steps", "model.d_ff"])
+def test_a_changed_config_changes_the_program(prepared, change):
+  run, batch = prepared
+  config = _bench_config(run)
+  if change == "label_smoothing":
+    config.label_smoothing = 0.2
+  elif change == "warmup_steps":
+    config.warmup_steps = 301
+  else:
+    config.model.d_ff = 96
+  bench = common.build_train_step(config, mesh=run.mesh)
+  assert (bench.step.lower(bench.state, batch, bench.rng).as_text()
+          != run.train_step.lower(run.state, batch, run.rng).as_text())
+
+
+def test_ablation_variant_changes_only_the_traced_function(prepared):
+  run, batch = prepared
+  config = _bench_config(run)
+  baseline = ablations.variant_step(config, "baseline", mesh=run.mesh)
+  variant = ablations.variant_step(config, "autodiff_loss", mesh=run.mesh)
+  trainer_text = run.train_step.lower(run.state, batch, run.rng).as_text()
+  assert baseline.step.lower(baseline.state, batch, baseline.rng).as_text() == trainer_text
+  assert variant.step.lower(variant.state, batch, variant.rng).as_text() != trainer_text
+
+
+def test_train_config_is_the_default_recipe_with_the_presets_sizes():
+  model_config = common.preset_config("tiny", 8000)
+  config = common.train_config(model_config)
+  reference = default.get_config()
+  assert trainer.model_config_from(config, 8000) == model_config
+  for key in ("label_smoothing", "warmup_steps", "learning_rate", "adam_b1", "adam_b2", "adam_eps",
+              "grad_accum_steps", "seed"):
+    assert config[key] == reference[key], key
+  with pytest.raises(ValueError, match="unknown preset 'huge'"):
+    common.preset_config("huge", 8000)
+
+
+def test_plain_batch_has_full_rows_of_real_ids():
+  batch = common.plain_batch(32, 64, 8000)
+  assert set(batch) == {"inputs", "targets"}
+  for ids in batch.values():
+    assert ids.shape == (32, 64) and ids.dtype == np.int32
+    assert ids.min() >= 4 and ids.max() < 8000
+  np.testing.assert_array_equal(common.plain_batch(32, 64, 8000)["inputs"], batch["inputs"])
+
+
+def _fake_sdist(path, version, member_text):
+  """A flax sdist stand-in holding `examples/wmt/models.py` (or not, with member_text None)."""
+  import io
+  import tarfile
+  with tarfile.open(path, "w:gz") as tar:
+    for name, text in ((f"flax-{version}/{flax_peer.MODELS_MEMBER}", member_text),
+                       (f"flax-{version}/README.md", "flax")):
+      if text is None:
+        continue
+      data = text.encode()
+      info = tarfile.TarInfo(name)
+      info.size = len(data)
+      tar.addfile(info, io.BytesIO(data))
+
+
+def test_flax_example_is_extracted_from_a_cached_sdist_and_imported(tmp_path):
+  _fake_sdist(tmp_path / "flax-9.9.9.tar.gz", "9.9.9", "ANSWER = 42\n")
+  path = flax_peer.ensure_example(tmp_path, "9.9.9")
+  assert path == tmp_path / "flax-9.9.9" / "examples" / "wmt" / "models.py"
+  assert flax_peer.load_models(path).ANSWER == 42
+
+
+def test_flax_sdist_without_the_example_is_one_line_error(tmp_path):
+  _fake_sdist(tmp_path / "flax-9.9.8.tar.gz", "9.9.8", None)
+  with pytest.raises(flax_peer.ExampleUnavailableError, match=r"has no flax-9.9.8/examples/wmt/models.py"):
+    flax_peer.ensure_example(tmp_path, "9.9.8")
+  assert not flax_peer.example_path(tmp_path, "9.9.8").exists()
+
+
+def test_flax_peer_loss_matches_optax_soft_target_cross_entropy():
+  rng = np.random.default_rng(0)
+  logits = rng.standard_normal((2, 5, 11)).astype(np.float32)
+  targets = rng.integers(0, 11, (2, 5)).astype(np.int32)
+  eps = 0.1
+  soft = np.full((2, 5, 11), eps / 10, np.float32)
+  np.put_along_axis(soft, targets[..., None], 1 - eps, axis=-1)
+  expected = optax.softmax_cross_entropy(logits, soft)
+  np.testing.assert_allclose(flax_peer.smoothed_cross_entropy(logits, targets, eps), expected, rtol=1e-6)
+
+
+def test_flax_peer_gets_packing_only_from_packed_batches():
+  plain = common.plain_batch(2, 4, 100)
+  assert set(flax_peer.model_inputs(plain)) == {"inputs", "targets"}
+  packed = dict(plain, inputs_position=plain["inputs"], targets_position=plain["targets"],
+                inputs_segmentation=plain["inputs"], targets_segmentation=plain["targets"])
+  assert set(flax_peer.model_inputs(packed)) == {"inputs", "targets", "inputs_positions", "targets_positions",
+                                                 "inputs_segmentation", "targets_segmentation"}
+
+
+def test_torch_plain_batch_has_the_causal_mask_only():
+  torch = pytest.importorskip("torch")
+  from experiments.benchmarks import torch_peer
+  batch = torch_peer.to_plain_torch_batch(common.plain_batch(3, 5, 100))
+  assert batch["src_mask"] is None and batch["memory_mask"] is None and batch["tgt_is_causal"]
+  blocked = np.isneginf(batch["tgt_mask"].numpy())
+  np.testing.assert_array_equal(blocked, np.triu(np.ones((5, 5), bool), k=1))
+  np.testing.assert_array_equal(batch["targets_position"].numpy(), np.tile(np.arange(5), (3, 1)))
+  assert batch["token_count"] == 15 and batch["inputs"].dtype == torch.int64
