@@ -62,6 +62,7 @@ import jax.numpy as jnp
 from flax import traverse_util
 from jax import lax
 
+from transformer_jax import attention
 from transformer_jax.config import ModelConfig
 from transformer_jax.model import Transformer
 
@@ -292,6 +293,31 @@ def _beam_finalize(s: _BeamState, alpha: float, pad_id: int) -> BeamSearchOutput
   return BeamSearchOutput(tokens, scores, log_probs, s.t)
 
 
+def _extend_beams(s: _BeamState, seqs: Array, token: Array, top_log_probs: Array, alpha: float,
+                  eos_id: int) -> _BeamState:
+  """One step's `beam_size` best extensions (`seqs` [b, k, L] ending in `token` [b, k], with their log-probs
+  [b, k]): those ending in EOS join the finished list, the rest are the live beams (an EOS slot is empty for
+  this step). Sources that had stopped keep their results. `t` advances; `cache` is left to the caller."""
+  k = token.shape[1]
+  is_eos = token == eos_id
+  new_len = s.t + 1
+  eos_scores = jnp.where(is_eos, top_log_probs / length_penalty(new_len, alpha), NEG_INF)
+  fin_scores, fin_index = lax.top_k(jnp.concatenate([s.fin_scores, eos_scores], axis=1), k)
+  fin_seqs = _gather_beams(jnp.concatenate([s.fin_seqs, seqs], axis=1), fin_index)
+  fin_log_probs = _gather_beams(
+      jnp.concatenate([s.fin_log_probs, jnp.where(is_eos, top_log_probs, NEG_INF)], axis=1), fin_index)
+  alive_log_probs = jnp.where(is_eos, NEG_INF, top_log_probs)
+  keep = s.done
+  return _BeamState(
+      t=new_len,
+      alive_seqs=jnp.where(keep[:, None, None], s.alive_seqs, seqs),
+      alive_log_probs=jnp.where(keep[:, None], s.alive_log_probs, alive_log_probs),
+      fin_seqs=jnp.where(keep[:, None, None], s.fin_seqs, fin_seqs),
+      fin_scores=jnp.where(keep[:, None], s.fin_scores, fin_scores),
+      fin_log_probs=jnp.where(keep[:, None], s.fin_log_probs, fin_log_probs),
+      done=keep, cache=s.cache)
+
+
 def beam_search_over(tokens_to_logits: TokensToLogits, cache, *, batch_size: int, beam_size: int,
                      alpha: float, max_decode_len: int, bos_id: int, eos_id: int, pad_id: int,
                      max_lengths: Optional[Array] = None, early_stop: str = "best",
@@ -332,36 +358,17 @@ def beam_search_over(tokens_to_logits: TokensToLogits, cache, *, batch_size: int
     parent, token = top_index // vocab, (top_index % vocab).astype(jnp.int32)
     seqs = _gather_beams(s.alive_seqs, parent)
     seqs = lax.dynamic_update_slice(seqs, token[:, :, None], (0, 0, t))
-    is_eos = token == eos_id
-    new_len = t + 1
-
-    # Extensions ending in EOS join the finished list; the rest stay live (an EOS slot is empty this step).
-    eos_scores = jnp.where(is_eos, top_log_probs / length_penalty(new_len, alpha), NEG_INF)
-    merged_scores = jnp.concatenate([s.fin_scores, eos_scores], axis=1)
-    fin_scores, fin_index = lax.top_k(merged_scores, k)
-    fin_seqs = _gather_beams(jnp.concatenate([s.fin_seqs, seqs], axis=1), fin_index)
-    fin_log_probs = _gather_beams(
-        jnp.concatenate([s.fin_log_probs, jnp.where(is_eos, top_log_probs, NEG_INF)], axis=1), fin_index)
-    alive_log_probs = jnp.where(is_eos, NEG_INF, top_log_probs)
-
-    # Sources that had stopped keep their results.
-    keep = s.done
-    fin_scores = jnp.where(keep[:, None], s.fin_scores, fin_scores)
-    fin_log_probs = jnp.where(keep[:, None], s.fin_log_probs, fin_log_probs)
-    fin_seqs = jnp.where(keep[:, None, None], s.fin_seqs, fin_seqs)
-    alive_seqs = jnp.where(keep[:, None, None], s.alive_seqs, seqs)
-    alive_log_probs = jnp.where(keep[:, None], s.alive_log_probs, alive_log_probs)
-
-    cache = gather_cache(cache, parent)
+    s = _extend_beams(s, seqs, token, top_log_probs, alpha, eos_id)._replace(
+        cache=gather_cache(cache, parent))
 
     # Stop a source once no live beam can beat its best (or worst kept) finished hypothesis.
-    best_alive = jnp.max(alive_log_probs, axis=1)
-    bound = best_alive / jnp.maximum(length_penalty(new_len + 1, alpha), lp_at_limit)
-    done = keep | (new_len >= limits)
+    best_alive = jnp.max(s.alive_log_probs, axis=1)
+    bound = best_alive / jnp.maximum(length_penalty(s.t + 1, alpha), lp_at_limit)
+    done = s.done | (s.t >= limits)
     if early_stop != "none":
-      reference = fin_scores[:, 0] if early_stop == "best" else fin_scores[:, -1]
+      reference = s.fin_scores[:, 0] if early_stop == "best" else s.fin_scores[:, -1]
       done = done | (reference >= bound)
-    return _BeamState(new_len, alive_seqs, alive_log_probs, fin_seqs, fin_scores, fin_log_probs, done, cache)
+    return s._replace(done=done)
 
   s = lax.while_loop(cond, body, _beam_init(batch, k, length, pad_id, cache))
   return _beam_finalize(s, alpha, pad_id)
@@ -388,14 +395,41 @@ def _split_cache(cache) -> tuple[dict, dict]:
   return constant, {path: x for path, x in flat.items() if path not in constant}
 
 
+def _beam_form(changing: dict, batch: int, copies: int) -> dict:
+  """Every self-attention cache entry (flat paths) in `attention.beam_self_attention_cache` form."""
+  tree = traverse_util.unflatten_dict(changing)
+
+  def convert(node):
+    if isinstance(node, dict) and "cached_key" in node:
+      return attention.beam_self_attention_cache(node, batch, copies)
+    return {name: convert(child) for name, child in node.items()} if isinstance(node, dict) else node
+
+  return traverse_util.flatten_dict(convert(tree))
+
+
+def _reorder_beam_form(changing: dict, parent: Array) -> dict:
+  """The beam reorder of a `_beam_form` cache: only the ancestry tables `[batch, beams, L]` move."""
+  out = dict(changing)
+  for path in changing:
+    if path[-1] == "beam_ancestry":
+      entry = {name: changing[path[:-1] + (name,)] for name in ("beam_ancestry",)}
+      out[path] = attention.reorder_beam_self_attention_cache(entry, parent)["beam_ancestry"]
+  return out
+
+
 def _cached_step_fn(model: Transformer, params, config: ModelConfig, encoded: Array, inputs: Array,
-                    max_decode_len: int, copies: int):
-  """(tokens_to_logits, cache) of the KV-cached decoder over `batch * copies` rows."""
+                    max_decode_len: int, copies: int) -> "TransformerStep":
+  """The KV-cached decoder over `batch * copies` rows; with copies > 1 the K/V cache is never reordered."""
   # Create the cache on the un-tiled batch (cross-attention K/V projected once per source), then tile it.
   bos = jnp.full((inputs.shape[0], 1), config.bos_id, jnp.int32)
   _, variables = model.apply({"params": params}, encoded, inputs, bos, decode=True,
                              max_decode_len=max_decode_len, method=Transformer.decode, mutable=["cache"])
   constant, changing = _split_cache(repeat_rows(variables["cache"], copies))
+  # Materialise the cross-attention K/V in their stored layout before the loop: otherwise XLA folds the
+  # store/read transposes away and re-lays out the projections inside the loop, at every step.
+  constant = lax.optimization_barrier(constant)
+  if copies > 1:
+    changing = _beam_form(changing, inputs.shape[0], copies)
   # The decoder reads only the cached cross-attention K/V and the source mask in decode mode.
   encoded_rows, inputs_rows = repeat_rows(encoded, copies), repeat_rows(inputs, copies)
 
@@ -407,12 +441,12 @@ def _cached_step_fn(model: Transformer, params, config: ModelConfig, encoded: Ar
     _, changing = _split_cache(variables["cache"])
     return logits[:, 0], changing
 
-  return tokens_to_logits, changing
+  return TransformerStep(tokens_to_logits, changing, _reorder_beam_form if copies > 1 else gather_beams)
 
 
 def _uncached_step_fn(model: Transformer, params, config: ModelConfig, encoded: Array, inputs: Array,
-                      max_decode_len: int, copies: int):
-  """(tokens_to_logits, ()) recomputing the teacher-forced decoder over the whole prefix at every step."""
+                      max_decode_len: int, copies: int) -> "TransformerStep":
+  """The teacher-forced decoder over the whole prefix at every step (cache `()`)."""
   encoded_rows, inputs_rows = repeat_rows(encoded, copies), repeat_rows(inputs, copies)
   positions = jnp.arange(max_decode_len)[None, :]
 
@@ -424,19 +458,28 @@ def _uncached_step_fn(model: Transformer, params, config: ModelConfig, encoded: 
     logits = model.apply({"params": params}, encoded_rows, inputs_rows, targets, method=Transformer.decode)
     return lax.dynamic_index_in_dim(logits, state.cur_index, axis=1, keepdims=False), state.cache
 
-  return tokens_to_logits, ()
+  return TransformerStep(tokens_to_logits, (), gather_beams)
+
+
+class TransformerStep(NamedTuple):
+  """The Transformer as the searches see it (what `transformer_step_fn` returns)."""
+  tokens_to_logits: TokensToLogits
+  cache: Any  # the initial cache, batch * copies rows
+  gather_cache: Callable  # the beam reorder to pass to `beam_search_over`
 
 
 def transformer_step_fn(params, config: ModelConfig, inputs: Array, max_decode_len: int, *,
-                        copies: int = 1, cached: bool = True) -> tuple[TokensToLogits, Any]:
-  """The Transformer as a step function for the searches: `(tokens_to_logits, initial cache)`.
+                        copies: int = 1, cached: bool = True) -> TransformerStep:
+  """The Transformer as a step function for the searches: `(tokens_to_logits, cache, gather_cache)`.
 
   Encodes `inputs` `[batch, src_len]` (pad = `config.pad_id`) once and returns a step over `batch * copies`
   decoder rows (row `i * copies + j` decodes source i; `copies` = the beam size for beam search).
   `cached=True`: the KV-cached one-token step (`Transformer.decode(..., decode=True)`); the cross-attention
   K/V are projected once and closed over, the cache carried between steps holds the self-attention K/V
-  `[rows, heads, max_decode_len, head_dim]` and the position counters. `cached=False`: the teacher-forced
-  decoder over the prefix padded to `max_decode_len` (cache `()`). Call it under `jax.jit`.
+  `[rows, heads, max_decode_len, head_dim]` and the position counters. With `copies > 1` the self-attention
+  caches take the never-reordered beam form (`attention.beam_self_attention_cache`: K/V side by side per
+  source plus a `beam_ancestry` table) and `gather_cache` moves only the ancestry tables. `cached=False`: the teacher-forced decoder over the prefix
+  padded to `max_decode_len` (cache `()`). Call it under `jax.jit`.
 
   Raises ValueError when `inputs` is not 2-D or a length exceeds `config.max_len`.
   """
@@ -460,7 +503,7 @@ def greedy_search(params, config: ModelConfig, inputs: Array, max_decode_len: in
   `tokens` exclude BOS and end with EOS then pad; `log_probs` sums the emitted tokens' log-probabilities,
   EOS included. `transformer_step_fn` + `greedy_search_over`; see the module docstring for the conventions.
   """
-  step, cache = transformer_step_fn(params, config, inputs, max_decode_len, cached=cached)
+  step, cache, _ = transformer_step_fn(params, config, inputs, max_decode_len, cached=cached)
   return greedy_search_over(step, cache, batch_size=inputs.shape[0], max_decode_len=max_decode_len,
                             max_lengths=max_lengths, **_ids(config))
 
@@ -481,7 +524,7 @@ def sample(params, config: ModelConfig, inputs: Array, rng: Array, max_decode_le
   the sampled tokens (untempered, untruncated). `top_k=1` is greedy search. Step t uses
   `jax.random.fold_in(rng, t)`.
   """
-  step, cache = transformer_step_fn(params, config, inputs, max_decode_len, cached=cached)
+  step, cache, _ = transformer_step_fn(params, config, inputs, max_decode_len, cached=cached)
   return sample_over(step, cache, rng, batch_size=inputs.shape[0], max_decode_len=max_decode_len,
                      temperature=temperature, top_k=top_k, max_lengths=max_lengths, **_ids(config))
 
@@ -500,10 +543,11 @@ def beam_search(params, config: ModelConfig, inputs: Array, beam_size: int = 4, 
   `early_stop`: 'best' (default), 'all' or 'none', see the module docstring.
   """
   _check_beam_options(beam_size, early_stop)
-  step, cache = transformer_step_fn(params, config, inputs, max_decode_len, copies=beam_size, cached=cached)
+  step, cache, gather_cache = transformer_step_fn(params, config, inputs, max_decode_len, copies=beam_size,
+                                                  cached=cached)
   out = beam_search_over(step, cache, batch_size=inputs.shape[0], beam_size=beam_size, alpha=alpha,
                          max_decode_len=max_decode_len, max_lengths=max_lengths, early_stop=early_stop,
-                         **_ids(config))
+                         gather_cache=gather_cache, **_ids(config))
   return out if full_output else (out.tokens, out.scores)
 
 
