@@ -409,12 +409,14 @@ def _beam_form(changing: dict, batch: int, copies: int) -> dict:
 
 def _reorder_beam_form(changing: dict, parent: Array) -> dict:
   """The beam reorder of a `_beam_form` cache: only the ancestry tables `[batch, beams, L]` move."""
-  out = dict(changing)
-  for path in changing:
-    if path[-1] == "beam_ancestry":
-      entry = {name: changing[path[:-1] + (name,)] for name in ("beam_ancestry",)}
-      out[path] = attention.reorder_beam_self_attention_cache(entry, parent)["beam_ancestry"]
-  return out
+  tree = traverse_util.unflatten_dict(changing)
+
+  def reorder(node):
+    if isinstance(node, dict) and "beam_ancestry" in node:
+      return attention.reorder_beam_self_attention_cache(node, parent)
+    return {name: reorder(child) for name, child in node.items()} if isinstance(node, dict) else node
+
+  return traverse_util.flatten_dict(reorder(tree))
 
 
 def _cached_step_fn(model: Transformer, params, config: ModelConfig, encoded: Array, inputs: Array,
