@@ -282,3 +282,68 @@ def test_translate_ids_empty_inputs_do_not_run_the_model():
   assert inference.translate_ids(PARAMS, CFG, [[], []], beam_size=2) == [[], []]
   assert inference.translate_ids(PARAMS, CFG, []) == []
   assert inference.compilation_count() == before
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The searches over a step function that is not a Transformer
+# ----------------------------------------------------------------------------------------------------------
+
+TOY_VOCAB, TOY_BUCKETS = 7, 11  # pad, unk, bos, eos, 4, 5, 6
+TOY_TABLE = (np.random.default_rng(3).normal(size=(TOY_VOCAB, TOY_VOCAB)) * 2).astype(np.float32)
+TOY_BONUS = np.random.default_rng(4).normal(size=(TOY_BUCKETS, TOY_VOCAB)).astype(np.float32)
+
+
+def toy_step(state: decode.DecodingState):
+  """Logits depend on the last token and on a hash of the whole history kept in the cache `[rows]` int32,
+  so a wrong beam reorder of the cache changes the result."""
+  history = (3 * state.cache + state.cur_token) % TOY_BUCKETS
+  return jnp.asarray(TOY_TABLE)[state.cur_token] + jnp.asarray(TOY_BONUS)[history], history
+
+
+def toy_log_probs(start: int, tokens) -> np.ndarray:
+  """NumPy: the log-probs `[len(tokens) + 1, vocab]` the toy model gives after each prefix of `tokens`."""
+  out, history, prev = [], start, BOS
+  for token in [None] + list(tokens):
+    if token is not None:
+      prev = token
+    history = (3 * history + prev) % TOY_BUCKETS
+    logits = (TOY_TABLE[prev] + TOY_BONUS[history]).astype(np.float64)
+    out.append(logits - np.log(np.exp(logits - logits.max()).sum()) - logits.max())
+  return np.array(out)
+
+
+def test_greedy_search_over_a_toy_step_function_matches_numpy():
+  starts, length = np.array([0, 5, 9]), 6
+  tokens, log_probs = jax.jit(lambda cache: decode.greedy_search_over(
+      toy_step, cache, batch_size=3, max_decode_len=length, bos_id=BOS, eos_id=EOS, pad_id=PAD))(
+          jnp.asarray(starts, jnp.int32))
+  for i, start in enumerate(starts):
+    ref, total = [], 0.0
+    while len(ref) < length and EOS not in ref:
+      logp = toy_log_probs(start, ref)[-1]
+      logp[[PAD, BOS]] = -np.inf
+      ref.append(int(np.argmax(logp)))
+      total += logp[ref[-1]]
+    np.testing.assert_array_equal(np.asarray(tokens[i]), ref + [PAD] * (length - len(ref)))
+    np.testing.assert_allclose(log_probs[i], total, rtol=1e-5)
+
+
+def test_beam_search_over_a_toy_step_function_ranks_every_hypothesis():
+  # Outputs of at most 3 tokens: 21 finished ones (0-2 of unk, 4, 5, 6, then EOS). Beam 80 never prunes.
+  starts, length, alpha, beam_size = np.array([0, 7]), 3, 0.6, 80
+  cache = decode.repeat_rows(jnp.asarray(starts, jnp.int32), beam_size)
+  out = jax.jit(lambda cache: decode.beam_search_over(
+      toy_step, cache, batch_size=2, beam_size=beam_size, alpha=alpha, max_decode_len=length, bos_id=BOS,
+      eos_id=EOS, pad_id=PAD, early_stop="none"))(cache)
+  bodies = [list(b) for n in range(length) for b in itertools.product([UNK, 4, 5, 6], repeat=n)]
+  for i, start in enumerate(starts):
+    scores = []
+    for body in bodies:
+      logp = toy_log_probs(start, body)
+      total = sum(logp[t, tok] for t, tok in enumerate(body + [EOS]))
+      scores.append(total / ((5.0 + len(body) + 1) / 6.0) ** alpha)
+    order = np.argsort(-np.array(scores), kind="stable")
+    np.testing.assert_allclose(out.scores[i, :len(bodies)], np.array(scores)[order], rtol=1e-5)
+    expected = [bodies[j] + [EOS] + [PAD] * (length - len(bodies[j]) - 1) for j in order]
+    np.testing.assert_array_equal(np.asarray(out.tokens[i, :len(bodies)]), expected)
+    assert not (np.asarray(out.tokens[i, len(bodies):]) == EOS).any()  # then the unfinished ones

@@ -19,6 +19,7 @@ RANKS = {
     "transformer_jax.attention": 1,
     "transformer_jax.model": 2,
     "transformer_jax.training": 3, "transformer_jax.decode": 3, "transformer_jax.visualize": 3,
+    "transformer_jax.diagnostics": 3,
     "transformer_jax.data": 4, "transformer_jax.sharding": 4, "transformer_jax.inference": 4,
     "transformer_jax.checkpoint": 5,
     "transformer_jax.trainer": 6, "transformer_jax.interop": 6,

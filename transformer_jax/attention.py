@@ -376,6 +376,9 @@ class MultiHeadAttention(nn.Module):
 
     if use_cache and self.is_cross:
       key, value = self._cached_memory(key_proj, value_proj, inputs_kv)
+    elif use_cache and self.has_variable("cache", "beam_ancestry"):  # beam search's never-reordered cache
+      result = self._beam_self_attention(query, key_proj(inputs_kv), value_proj(inputs_kv))
+      return OutputProjection(cfg.d_model, dtype=cfg.compute_dtype, name="out")(result)
     elif use_cache:
       key, value, mask = self._update_self_cache(key_proj(inputs_kv), value_proj(inputs_kv), mask,
                                                  max_decode_len)
@@ -417,10 +420,16 @@ class MultiHeadAttention(nn.Module):
                              band=max(window - 1, 0), relative=relative)
 
   def _cached_memory(self, key_proj, value_proj, memory: Array):
-    """Cross-attention keys/values `[batch, src_len, heads, head_dim]`, projected once per sentence."""
-    cached_key = self.variable("cache", "cached_key", lambda: key_proj(memory))
-    cached_value = self.variable("cache", "cached_value", lambda: value_proj(memory))
-    return cached_key.value, cached_value.value
+    """Cross-attention keys/values `[batch, src_len, heads, head_dim]`, projected once per sentence.
+
+    Stored as `[batch, heads, head_dim, src_len]`, the layout XLA:CPU's one-query attention dots read: the
+    transposes below cancel against the dots' own, where the `[batch, src_len, ...]` layout made XLA re-lay
+    out every layer's cross-attention K/V at every decoding step (a quarter of a CPU beam step).
+    """
+    cached_key = self.variable("cache", "cached_key", lambda: jnp.transpose(key_proj(memory), (0, 2, 3, 1)))
+    cached_value = self.variable("cache", "cached_value",
+                                 lambda: jnp.transpose(value_proj(memory), (0, 2, 3, 1)))
+    return jnp.transpose(cached_key.value, (0, 3, 1, 2)), jnp.transpose(cached_value.value, (0, 3, 1, 2))
 
   def _update_self_cache(self, key: Array, value: Array, mask: Optional[Array],
                          max_decode_len: Optional[int]):
@@ -468,3 +477,65 @@ class MultiHeadAttention(nn.Module):
         query_positions=jnp.full((batch, 1), index, jnp.int32),
         key_positions=jnp.broadcast_to(slot_positions, (batch, cache_len)), dense=mask)
     return jnp.swapaxes(cached_key.value, 1, 2), jnp.swapaxes(cached_value.value, 1, 2), step_mask
+
+  def _beam_self_attention(self, query: Array, key: Array, value: Array) -> Array:
+    """One decoding step of self-attention for beam search, over a K/V cache that is never reordered.
+
+    The cache (made by `beam_self_attention_cache`) holds, per source, the K/V of its `beams` rows side by
+    side, `beam_key`/`beam_value` `[batch, heads, beams * max_decode_len, head_dim]`, and `beam_ancestry`
+    `[batch, beams, max_decode_len]` int32: which beam row holds position s of beam j's hypothesis. Each row
+    writes only its own current position, so what it wrote earlier never changes, and a beam reorder moves
+    only the ancestry table (`reorder_beam_self_attention_cache`) instead of gathering every layer's K/V
+    cache at every step (the largest cost of a CPU beam step besides the decoder itself). The beams of a
+    source attend as `beams` queries over the `beams * max_decode_len` cached positions, each masked to its
+    own history: the same softmax(Q Kᵀ / √d_k) V as `dot_product_attention` (float32 scores and softmax).
+
+    query, key, value `[batch * beams, 1, heads, head_dim]` -> `[batch * beams, 1, heads, head_dim]`.
+    """
+    ancestry = self.variable("cache", "beam_ancestry", lambda: None)
+    cached_key = self.variable("cache", "beam_key", lambda: None)
+    cached_value = self.variable("cache", "beam_value", lambda: None)
+    cache_index = self.variable("cache", "cache_index", lambda: None)
+    batch, beams, length = ancestry.value.shape
+    rows, _, heads, head_dim = query.shape
+    index = cache_index.value
+
+    def write(cache, x):  # x [rows, 1, h, d] -> position `index` of every beam row of `cache`
+      x = jnp.transpose(x.reshape(batch, beams, heads, 1, head_dim), (0, 2, 1, 3, 4)).astype(cache.dtype)
+      cache = cache.reshape(batch, heads, beams, length, head_dim)
+      return jax.lax.dynamic_update_slice(cache, x, (0, 0, 0, index, 0)).reshape(
+          batch, heads, beams * length, head_dim)
+
+    cached_key.value, cached_value.value = write(cached_key.value, key), write(cached_value.value, value)
+    ancestry.value = ancestry.value.at[:, :, index].set(jnp.arange(beams, dtype=jnp.int32)[None, :])
+    cache_index.value = index + 1
+    q = jnp.transpose(query.reshape(batch, beams, heads, head_dim), (0, 2, 1, 3))  # [b, h, j, d]
+    logits = jnp.einsum("bhjd,bhkd->bhjk", q, cached_key.value, preferred_element_type=jnp.float32)
+    logits = logits * jnp.float32(1.0 / np.sqrt(head_dim))  # [b, h, j, beams * L]
+    # keep[b, j, m, l]: row m holds position l of beam j's history, and l has been written.
+    keep = ancestry.value[:, :, None, :] == jnp.arange(beams)[None, None, :, None]
+    keep = jnp.logical_and(keep, (jnp.arange(length) <= index)[None, None, None, :])
+    logits = jnp.where(keep.reshape(batch, 1, beams, beams * length), logits,
+                       -0.7 * jnp.finfo(jnp.float32).max)
+    probs = jax.nn.softmax(logits, axis=-1).astype(cached_value.value.dtype)
+    out = jnp.einsum("bhjk,bhkd->bhjd", probs, cached_value.value)  # [b, h, j, d]
+    return jnp.transpose(out, (0, 2, 1, 3)).reshape(rows, 1, heads, head_dim)
+
+
+def beam_self_attention_cache(entry: dict, batch: int, beams: int) -> dict:
+  """A decoding self-attention cache entry `{cached_key, cached_value, cache_index}` (rows = batch * beams,
+  as tiled for beam search) -> the never-reordered beam form that `MultiHeadAttention` then uses:
+  `beam_key`/`beam_value` `[batch, heads, beams * max_decode_len, head_dim]` and `beam_ancestry`
+  `[batch, beams, max_decode_len]` int32 (values written before the first step are never read)."""
+  rows, heads, length, head_dim = entry["cached_key"].shape
+  if rows != batch * beams:
+    raise ValueError(f"cache has {rows} rows, expected batch * beams = {batch} * {beams}")
+  zeros = jnp.zeros((batch, heads, beams * length, head_dim), entry["cached_key"].dtype)
+  return {"beam_key": zeros, "beam_value": zeros.astype(entry["cached_value"].dtype),
+          "beam_ancestry": jnp.zeros((batch, beams, length), jnp.int32), "cache_index": entry["cache_index"]}
+
+
+def reorder_beam_self_attention_cache(entry: dict, parent: Array) -> dict:
+  """The beam reorder of a `beam_self_attention_cache` entry: beam j of source b continues the hypothesis
+  of beam `parent[b, j]` `[batch, beams]`, so it takes that beam's ancestry row; the K/V stay where they are."""
+  return dict(entry, beam_ancestry=jnp.take_along_axis(entry["beam_ancestry"], parent[:, :, None], axis=1))

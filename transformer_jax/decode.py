@@ -1,15 +1,24 @@
-"""Greedy, beam and sampled decoding over the KV-cached decoder (pure, jit-compiled).
+"""Greedy, beam and sampled decoding over a step function, and the Transformer's step function (pure, jitted).
 
-Every search encodes the source once, then runs the whole decoding as one `lax.while_loop` inside one jitted
-function: no Python work per token. `config`, `beam_size`, `alpha`, `max_decode_len` (and the other
-switches) are static; `params`, `inputs`, `max_lengths` and `rng` are traced.
+Two layers, as in flax `examples/wmt/decode.py` and t5x `decoding.py`:
+
+* **Searches over a step function** (`greedy_search_over`, `sample_over`, `beam_search_over`) know nothing about
+  the model. They call `tokens_to_logits(DecodingState(cur_index, sequences, cur_token, cache))`, which returns
+  next-token logits `[rows, vocab]` and the new cache, and run the whole decoding as one `lax.while_loop`: no
+  Python work per token. Beam search reorders the cache with `gather_cache(cache, parent)` (default:
+  `gather_beams`, every non-scalar leaf).
+* **The Transformer glue** (`transformer_step_fn`): encode the source once, create the KV cache, the cached
+  one-token step (or the uncached teacher-forced step), tiled to `copies` rows per source for beam search. The
+  familiar entry points `greedy_search(params, config, ...)`, `beam_search(...)` and `sample(...)` are thin
+  jitted wrappers: `transformer_step_fn` then the search. `config`, `beam_size`, `alpha`, `max_decode_len` (and
+  the other switches) are static; `params`, `inputs`, `max_lengths` and `rng` are traced.
 
 Conventions (shared by every search here):
 
 * `inputs` `[batch, src_len]` int32 source ids, padded with `config.pad_id`; the source should end with EOS,
   as in training (`ids + [EOS]`).
 * Outputs `tokens` `[..., max_decode_len]` int32 exclude BOS; a finished hypothesis ends with EOS followed by
-  pad (0). A hypothesis that reaches its maximum length without EOS is returned as it is (no EOS); beam search
+  pad. A hypothesis that reaches its maximum length without EOS is returned as it is (no EOS); beam search
   ranks such "unfinished" hypotheses after every finished one (it only returns them where fewer than
   `beam_size` hypotheses finished).
 * Decoding never emits pad or BOS: their log-probabilities are set to -inf *after* the log-softmax, so the
@@ -20,21 +29,26 @@ Conventions (shared by every search here):
 * `max_decode_len` (static) is the length of the output buffers and of the self-attention cache (the paper:
   source length + 50); the optional `max_lengths` `[batch]` (traced, each <= max_decode_len) caps each row's
   output length (EOS included), so sources of mixed lengths can share one compiled shape.
+* Rows: a search over `batch` sources with `n` hypotheses each (`n` = beam_size for beam search, else 1) calls
+  the step function on `batch * n` rows, the `n` rows of source i adjacent (row `i * n + j`); the initial
+  cache has those rows already (`repeat_rows` tiles a per-source cache).
 
 Beam search: at every step the `beam_size` best one-token extensions of the live beams are taken; those that
 end in EOS join the finished list (its `beam_size` best are kept) and the others are the new live beams (so an
 EOS pick leaves its slot empty for one step; unlike tensor2tensor's variant, which keeps `beam_size` live beams
-besides, this makes `beam_size=1` exactly greedy search). The encoder runs once per source, the cache is then
-tiled to the beams, and only the self-attention K/V rows are gathered when beams are reordered (cross-attention
-K/V are the same for every beam of a source). Early termination: a source stops (its results freeze) when no
-live beam can beat its best finished hypothesis (`early_stop='best'`, the default, as tensor2tensor's
-stop_early), or its worst kept one (`'all'`: the whole n-best list is then exact; `'none'` never stops early),
-using `score(any completion) <= log_probs(live) / max(lp(len + 1), lp(max_len))` (log-probs only fall as a
-hypothesis grows). The loop ends when every source has stopped or after `max_decode_len` tokens.
+besides, this makes `beam_size=1` exactly greedy search). Early termination: a source stops (its results
+freeze) when no live beam can beat its best finished hypothesis (`early_stop='best'`, the default, as
+tensor2tensor's stop_early), or its worst kept one (`'all'`: the whole n-best list is then exact; `'none'`
+never stops early), using `score(any completion) <= log_probs(live) / max(lp(len + 1), lp(max_len))`
+(log-probs only fall as a hypothesis grows). The loop ends when every source has stopped or after
+`max_decode_len` tokens.
 
-The `cached=False` variants recompute the full teacher-forced decoder over the prefix (padded to
-`max_decode_len`) at every step: O(L^2) work instead of O(L); they are the reference for tests and the
-baseline of the cached-vs-uncached benchmark.
+The Transformer's cached step encodes each source once and projects its cross-attention K/V once; those are
+loop constants closed over by the step (not part of the loop state), so XLA keeps them in the layout the
+attention wants instead of re-laying them out at every step, and a beam reorder gathers only the
+self-attention K/V. The `cached=False` step recomputes the full teacher-forced decoder over the prefix
+(padded to `max_decode_len`) at every step: O(L^2) work instead of O(L); it is the reference for tests and
+the baseline of the cached-vs-uncached benchmark.
 """
 
 from __future__ import annotations
@@ -45,8 +59,10 @@ from typing import Any, Callable, NamedTuple, Optional
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+from flax import traverse_util
 from jax import lax
 
+from transformer_jax import attention
 from transformer_jax.config import ModelConfig
 from transformer_jax.model import Transformer
 
@@ -63,89 +79,49 @@ def length_penalty(length, alpha: float):
 
 
 # ----------------------------------------------------------------------------------------------------------
-# Model plumbing: encode once, then one decoder step at a time (cached) or the full prefix (uncached)
+# The step-function interface (model-agnostic; t5x `decoding.DecodingState`)
 # ----------------------------------------------------------------------------------------------------------
 
-class _Stepper(NamedTuple):
-  """How to get next-token logits. `state` is the KV cache (cached) or `()` (uncached)."""
-  state: Any
-  # (state, seqs [B, L] tokens so far, t, prev [B] last token) -> (logits [B, vocab] float32, state)
-  step: Callable
-  # (state, index [B]) -> state with its rows gathered (beams reordered)
-  reorder: Callable
+class DecodingState(NamedTuple):
+  """What a search hands to `tokens_to_logits` at every step.
+
+  `cur_index`: scalar int32, tokens emitted so far (= the output position being predicted).
+  `sequences`: `[rows, max_decode_len]` int32, the tokens emitted so far (BOS excluded), pad after.
+  `cur_token`: `[rows]` int32, the last emitted token (BOS at step 0): the cached decoder's input.
+  `cache`: the model's decoding state, as the previous call returned it (rows first in every non-scalar leaf).
+  """
+  cur_index: Array
+  sequences: Array
+  cur_token: Array
+  cache: Any
 
 
-def _check_lengths(config: ModelConfig, inputs: Array, max_decode_len: int):
-  if inputs.ndim != 2:
-    raise ValueError(f"inputs must be [batch, src_len], got shape {inputs.shape}")
-  if not 0 < max_decode_len <= config.max_len:
-    raise ValueError(f"max_decode_len={max_decode_len} must be in [1, config.max_len={config.max_len}] "
-                     "(the positional table covers config.max_len positions)")
-  if inputs.shape[1] > config.max_len:
-    raise ValueError(f"source length {inputs.shape[1]} exceeds config.max_len={config.max_len}")
+# (DecodingState) -> (logits [rows, vocab] float32, new cache)
+TokensToLogits = Callable[[DecodingState], "tuple[Array, Any]"]
 
 
-def _is_cross_attention(path) -> bool:
-  return any(getattr(k, "key", None) == "cross_attention" for k in path)
+def repeat_rows(tree, n: int):
+  """Every non-scalar leaf `[b, ...]` -> `[b * n, ...]`, the n copies of each row adjacent (row i*n + j)."""
+  if n == 1:
+    return tree
+  return jax.tree_util.tree_map(lambda x: x if jnp.ndim(x) == 0 else jnp.repeat(x, n, axis=0), tree)
 
 
-def _repeat_rows(x: Array, n: int) -> Array:
-  """[b, ...] -> [b * n, ...], the n copies of each row adjacent (row i*n + j = beam j of item i)."""
-  return x if n == 1 or x.ndim == 0 else jnp.repeat(x, n, axis=0)
+def gather_beams(tree, parent: Array):
+  """The default beam reorder (t5x `cache_gather_beams`): row `i * k + j` of every non-scalar leaf
+  `[batch * k, ...]` becomes the old row `i * k + parent[i, j]`; `parent` `[batch, k]` int32 in [0, k)."""
+  batch, k = parent.shape
+  index = (jnp.arange(batch, dtype=jnp.int32)[:, None] * k + parent).reshape(-1)  # [batch * k]
+  return jax.tree_util.tree_map(
+      lambda x: x if jnp.ndim(x) == 0 else jnp.take(x, index, axis=0, mode="clip"), tree)
 
 
-def _make_stepper(model: Transformer, params, config: ModelConfig, inputs: Array, max_decode_len: int,
-                  copies: int, cached: bool) -> _Stepper:
-  """Encodes `inputs` [b, src] once and returns a stepper over b * copies decoder rows."""
-  encoded = model.apply({"params": params}, inputs, method=Transformer.encode)
-  batch = inputs.shape[0]
-
-  if cached:
-    # Create the cache on the un-tiled batch (cross-attention K/V projected once per source), then tile it.
-    bos = jnp.full((batch, 1), config.bos_id, jnp.int32)
-    _, variables = model.apply({"params": params}, encoded, inputs, bos, use_cache=True,
-                               max_decode_len=max_decode_len, method=Transformer.decode, mutable=["cache"])
-    cache = jax.tree_util.tree_map(lambda x: _repeat_rows(x, copies), variables["cache"])
-    # The decoder reads only the cached cross-attention K/V and the source mask in decode mode.
-    encoded_rows, inputs_rows = _repeat_rows(encoded, copies), _repeat_rows(inputs, copies)
-
-    def step(cache, seqs, t, prev):
-      del seqs, t
-      logits, variables = model.apply({"params": params, "cache": cache}, encoded_rows, inputs_rows,
-                                      prev[:, None], use_cache=True, method=Transformer.decode,
-                                      mutable=["cache"])
-      return logits[:, 0], variables["cache"]
-
-    def reorder(cache, index):
-      # Self-attention K/V follow their beam; cross-attention K/V are identical for every beam of a source
-      # (reordering only happens within a source) and the scalar indices are shared: no copies for those.
-      def gather(path, x):
-        if x.ndim == 0 or _is_cross_attention(path):
-          return x
-        return jnp.take(x, index, axis=0)
-      return jax.tree_util.tree_map_with_path(gather, cache)
-
-    return _Stepper(cache, step, reorder)
-
-  encoded_rows, inputs_rows = _repeat_rows(encoded, copies), _repeat_rows(inputs, copies)
-  positions = jnp.arange(max_decode_len)[None, :]
-
-  def step_uncached(state, seqs, t, prev):
-    del prev
-    # Teacher forcing on the prefix. Positions >= t hold a non-pad placeholder: the model masks *keys* by
-    # `targets != pad`, and position t's key (input y_t) is flagged by targets[t]; the causal mask hides
-    # everything after t, so the placeholder's value never matters.
-    targets = jnp.where(positions < t, seqs, config.eos_id)
-    logits = model.apply({"params": params}, encoded_rows, inputs_rows, targets, method=Transformer.decode)
-    return lax.dynamic_index_in_dim(logits, t, axis=1, keepdims=False), state
-
-  return _Stepper((), step_uncached, lambda state, index: state)
-
-
-def _log_probs(logits: Array, config: ModelConfig) -> Array:
-  """log-softmax in float32, with pad and BOS made impossible (not renormalised)."""
+def _log_probs(logits: Array, banned_ids: tuple) -> Array:
+  """log-softmax in float32, with `banned_ids` (pad, BOS) made impossible (not renormalised)."""
   logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
-  banned = jnp.zeros((logits.shape[-1],), bool).at[config.pad_id].set(True).at[config.bos_id].set(True)
+  banned = jnp.zeros((logits.shape[-1],), bool)
+  for token in banned_ids:
+    banned = banned.at[token].set(True)
   return jnp.where(banned, NEG_INF, logp)
 
 
@@ -161,6 +137,11 @@ def _prev_tokens(seqs: Array, t: Array, bos_id: int) -> Array:
   return jnp.where(t > 0, last, bos_id)
 
 
+def _check_ids(bos_id: int, eos_id: int, pad_id: int):
+  if len({bos_id, eos_id, pad_id}) != 3:
+    raise ValueError(f"bos_id={bos_id}, eos_id={eos_id} and pad_id={pad_id} must be three different ids")
+
+
 # ----------------------------------------------------------------------------------------------------------
 # One hypothesis per source: greedy search and sampling
 # ----------------------------------------------------------------------------------------------------------
@@ -170,67 +151,64 @@ class _SeqState(NamedTuple):
   tokens: Array  # [b, L]
   log_probs: Array  # [b]
   done: Array  # [b]
-  state: Any
+  cache: Any
 
 
-def _sequential_search(params, config: ModelConfig, inputs: Array, max_decode_len: int,
-                       choose: Callable[[Array, Array], Array], cached: bool,
+def _sequential_search(tokens_to_logits: TokensToLogits, cache, choose: Callable[[Array, Array], Array], *,
+                       batch_size: int, max_decode_len: int, bos_id: int, eos_id: int, pad_id: int,
                        max_lengths: Optional[Array]):
   """Shared loop of greedy search and sampling; `choose(log_probs [b, V], t) -> tokens [b]`."""
-  _check_lengths(config, inputs, max_decode_len)
-  params = nn.unbox(params)
-  model = Transformer(config)
-  batch, length = inputs.shape[0], max_decode_len
+  _check_ids(bos_id, eos_id, pad_id)
+  batch, length = batch_size, max_decode_len
   limits = _row_limits(max_lengths, batch, length)
-  stepper = _make_stepper(model, params, config, inputs, length, 1, cached)
 
   def cond(s: _SeqState):
     return jnp.logical_and(s.t < length, jnp.logical_not(jnp.all(s.done)))
 
   def body(s: _SeqState):
-    prev = _prev_tokens(s.tokens, s.t, config.bos_id)
-    logits, state = stepper.step(s.state, s.tokens, s.t, prev)
-    logp = _log_probs(logits, config)
-    token = jnp.where(s.done, config.pad_id, choose(logp, s.t)).astype(jnp.int32)
+    prev = _prev_tokens(s.tokens, s.t, bos_id)
+    logits, cache = tokens_to_logits(DecodingState(s.t, s.tokens, prev, s.cache))  # [b, V]
+    logp = _log_probs(logits, (pad_id, bos_id))
+    token = jnp.where(s.done, pad_id, choose(logp, s.t)).astype(jnp.int32)
     token_logp = jnp.take_along_axis(logp, token[:, None], axis=1)[:, 0]
     log_probs = jnp.where(s.done, s.log_probs, s.log_probs + token_logp)
     tokens = lax.dynamic_update_slice(s.tokens, token[:, None], (0, s.t))
-    done = s.done | (token == config.eos_id) | (s.t + 1 >= limits)
-    return _SeqState(s.t + 1, tokens, log_probs, done, state)
+    done = s.done | (token == eos_id) | (s.t + 1 >= limits)
+    return _SeqState(s.t + 1, tokens, log_probs, done, cache)
 
-  init = _SeqState(jnp.array(0, jnp.int32), jnp.full((batch, length), config.pad_id, jnp.int32),
-                   jnp.zeros((batch,), jnp.float32), jnp.zeros((batch,), bool), stepper.state)
+  init = _SeqState(jnp.array(0, jnp.int32), jnp.full((batch, length), pad_id, jnp.int32),
+                   jnp.zeros((batch,), jnp.float32), jnp.zeros((batch,), bool), cache)
   final = lax.while_loop(cond, body, init)
   return final.tokens, final.log_probs
 
 
-@functools.partial(jax.jit, static_argnames=("config", "max_decode_len", "cached"))
-def greedy_search(params, config: ModelConfig, inputs: Array, max_decode_len: int, *,
-                  max_lengths: Optional[Array] = None, cached: bool = True):
-  """Greedy decoding: `(tokens [batch, max_decode_len] int32, log_probs [batch] float32)`.
+def greedy_search_over(tokens_to_logits: TokensToLogits, cache, *, batch_size: int, max_decode_len: int,
+                       bos_id: int, eos_id: int, pad_id: int, max_lengths: Optional[Array] = None):
+  """Greedy decoding over any step function: `(tokens [batch, max_decode_len] int32, log_probs [batch] f32)`.
 
-  `tokens` exclude BOS and end with EOS then pad; `log_probs` sums the emitted tokens' log-probabilities,
-  EOS included. See the module docstring for the conventions.
+  Args:
+    tokens_to_logits: `(DecodingState) -> (logits [batch, vocab], new cache)`, see `DecodingState`.
+    cache: the step function's initial cache, `batch_size` rows.
+    batch_size, max_decode_len: static sizes of the outputs.
+    bos_id, eos_id, pad_id: the first input token, the token that ends a row, the filler after it (pad and BOS
+      are never emitted).
+    max_lengths: optional `[batch]` int32 caps on each row's output length (EOS included).
+
+  Raises ValueError if the three ids are not distinct. Trace it under `jax.jit`.
   """
-  return _sequential_search(params, config, inputs, max_decode_len,
-                            lambda logp, t: jnp.argmax(logp, axis=-1), cached, max_lengths)
+  return _sequential_search(tokens_to_logits, cache, lambda logp, t: jnp.argmax(logp, axis=-1),
+                            batch_size=batch_size, max_decode_len=max_decode_len, bos_id=bos_id,
+                            eos_id=eos_id, pad_id=pad_id, max_lengths=max_lengths)
 
 
-def greedy_search_uncached(params, config: ModelConfig, inputs: Array, max_decode_len: int, *,
-                           max_lengths: Optional[Array] = None):
-  """Reference greedy search that recomputes the teacher-forced decoder over the prefix at every step."""
-  return greedy_search(params, config, inputs, max_decode_len, max_lengths=max_lengths, cached=False)
+def sample_over(tokens_to_logits: TokensToLogits, cache, rng: Array, *, batch_size: int, max_decode_len: int,
+                bos_id: int, eos_id: int, pad_id: int, temperature: float = 1.0, top_k: int = 0,
+                max_lengths: Optional[Array] = None):
+  """Ancestral sampling over any step function from `softmax(logits / temperature)`, top-k truncated if > 0.
 
-
-@functools.partial(jax.jit, static_argnames=("config", "max_decode_len", "temperature", "top_k", "cached"))
-def sample(params, config: ModelConfig, inputs: Array, rng: Array, max_decode_len: int,
-           temperature: float = 1.0, top_k: int = 0, *, max_lengths: Optional[Array] = None,
-           cached: bool = True):
-  """Ancestral sampling from `softmax(logits / temperature)`, restricted to the `top_k` best tokens if > 0.
-
-  Returns `(tokens [batch, max_decode_len], log_probs [batch])`; `log_probs` are the *model's* log-probs of
-  the sampled tokens (untempered, untruncated). `top_k=1` is greedy search. Step t uses
-  `jax.random.fold_in(rng, t)`.
+  Same arguments and outputs as `greedy_search_over`, plus `rng` (step t uses `jax.random.fold_in(rng, t)`).
+  `log_probs` are the *model's* log-probs of the sampled tokens (untempered, untruncated); `top_k=1` is greedy
+  search. Raises ValueError for `temperature <= 0` or `top_k < 0`.
   """
   if temperature <= 0.0:
     raise ValueError(f"temperature={temperature} must be > 0 (use greedy_search or top_k=1 for argmax)")
@@ -244,7 +222,9 @@ def sample(params, config: ModelConfig, inputs: Array, rng: Array, max_decode_le
       scaled = jnp.where(scaled < kth, NEG_INF, scaled)
     return jax.random.categorical(jax.random.fold_in(rng, t), scaled, axis=-1)
 
-  return _sequential_search(params, config, inputs, max_decode_len, choose, cached, max_lengths)
+  return _sequential_search(tokens_to_logits, cache, choose, batch_size=batch_size,
+                            max_decode_len=max_decode_len, bos_id=bos_id, eos_id=eos_id, pad_id=pad_id,
+                            max_lengths=max_lengths)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -259,11 +239,11 @@ class _BeamState(NamedTuple):
   fin_scores: Array  # [b, k]; -inf = empty slot
   fin_log_probs: Array  # [b, k]
   done: Array  # [b]
-  state: Any  # the decoder cache, rows b * k
+  cache: Any  # the step function's cache, rows b * k
 
 
 class BeamSearchOutput(NamedTuple):
-  """What `beam_search(..., full_output=True)` returns."""
+  """What `beam_search(..., full_output=True)` and `beam_search_over` return."""
   tokens: Array  # [batch, beam, max_decode_len] int32, best first
   scores: Array  # [batch, beam] float32: log_probs / lp(|Y|); -inf for empty slots
   log_probs: Array  # [batch, beam] float32: sum of token log-probs (EOS included)
@@ -275,86 +255,33 @@ def _gather_beams(x: Array, index: Array) -> Array:
   return jnp.take_along_axis(x, index.reshape(index.shape + (1,) * (x.ndim - 2)), axis=1)
 
 
-def _beam_search(params, config: ModelConfig, inputs: Array, beam_size: int, alpha: float,
-                 max_decode_len: int, max_lengths: Optional[Array], cached: bool,
-                 early_stop: str) -> BeamSearchOutput:
-  _check_lengths(config, inputs, max_decode_len)
+def _check_beam_options(beam_size: int, early_stop: str):
   if beam_size < 1:
     raise ValueError(f"beam_size={beam_size} must be >= 1")
   if early_stop not in ("best", "all", "none"):
     raise ValueError(f"early_stop={early_stop!r}; expected 'best', 'all' or 'none'")
-  params = nn.unbox(params)
-  model = Transformer(config)
-  batch, k, length, vocab = inputs.shape[0], beam_size, max_decode_len, config.vocab_size
-  limits = _row_limits(max_lengths, batch, length)
-  stepper = _make_stepper(model, params, config, inputs, length, k, cached)
-  # Best possible score of a live beam's completion: log_probs / max over the remaining lengths of lp.
-  lp_at_limit = length_penalty(limits, alpha)  # [b]
-  # Flat row of (item, beam) in the stepper's batch.
-  row_base = (jnp.arange(batch, dtype=jnp.int32) * k)[:, None]
 
-  def cond(s: _BeamState):
-    return jnp.logical_and(s.t < length, jnp.logical_not(jnp.all(s.done)))
 
-  def body(s: _BeamState):
-    t = s.t
-    flat_seqs = s.alive_seqs.reshape(batch * k, length)
-    logits, state = stepper.step(s.state, flat_seqs, t, _prev_tokens(flat_seqs, t, config.bos_id))
-    logp = _log_probs(logits, config).reshape(batch, k, vocab)
-    candidates = (s.alive_log_probs[:, :, None] + logp).reshape(batch, k * vocab)
-    top_log_probs, top_index = lax.top_k(candidates, k)  # [b, k]
-    parent, token = top_index // vocab, (top_index % vocab).astype(jnp.int32)
-    seqs = _gather_beams(s.alive_seqs, parent)
-    seqs = lax.dynamic_update_slice(seqs, token[:, :, None], (0, 0, t))
-    is_eos = token == config.eos_id
-    new_len = t + 1
-
-    # Extensions ending in EOS join the finished list; the rest stay live (an EOS slot is empty this step).
-    eos_scores = jnp.where(is_eos, top_log_probs / length_penalty(new_len, alpha), NEG_INF)
-    merged_scores = jnp.concatenate([s.fin_scores, eos_scores], axis=1)
-    fin_scores, fin_index = lax.top_k(merged_scores, k)
-    fin_seqs = _gather_beams(jnp.concatenate([s.fin_seqs, seqs], axis=1), fin_index)
-    fin_log_probs = _gather_beams(
-        jnp.concatenate([s.fin_log_probs, jnp.where(is_eos, top_log_probs, NEG_INF)], axis=1), fin_index)
-    alive_log_probs = jnp.where(is_eos, NEG_INF, top_log_probs)
-
-    # Sources that had stopped keep their results.
-    keep = s.done
-    fin_scores = jnp.where(keep[:, None], s.fin_scores, fin_scores)
-    fin_log_probs = jnp.where(keep[:, None], s.fin_log_probs, fin_log_probs)
-    fin_seqs = jnp.where(keep[:, None, None], s.fin_seqs, fin_seqs)
-    alive_seqs = jnp.where(keep[:, None, None], s.alive_seqs, seqs)
-    alive_log_probs = jnp.where(keep[:, None], s.alive_log_probs, alive_log_probs)
-
-    state = stepper.reorder(state, (row_base + parent).reshape(-1))
-
-    # Stop a source once no live beam can beat its best (or worst kept) finished hypothesis.
-    best_alive = jnp.max(alive_log_probs, axis=1)
-    bound = best_alive / jnp.maximum(length_penalty(new_len + 1, alpha), lp_at_limit)
-    done = keep | (new_len >= limits)
-    if early_stop != "none":
-      reference = fin_scores[:, 0] if early_stop == "best" else fin_scores[:, -1]
-      done = done | (reference >= bound)
-    return _BeamState(new_len, alive_seqs, alive_log_probs, fin_seqs, fin_scores, fin_log_probs, done, state)
-
-  # Only beam 0 is live at the start (all beams would be identical).
-  alive_log_probs = jnp.where(jnp.arange(k) == 0, 0.0, NEG_INF)
-  init = _BeamState(
+def _beam_init(batch: int, k: int, length: int, pad_id: int, cache) -> _BeamState:
+  alive_log_probs = jnp.where(jnp.arange(k) == 0, 0.0, NEG_INF)  # only beam 0 is live at the start
+  return _BeamState(
       t=jnp.array(0, jnp.int32),
-      alive_seqs=jnp.full((batch, k, length), config.pad_id, jnp.int32),
+      alive_seqs=jnp.full((batch, k, length), pad_id, jnp.int32),
       alive_log_probs=jnp.broadcast_to(alive_log_probs, (batch, k)).astype(jnp.float32),
-      fin_seqs=jnp.full((batch, k, length), config.pad_id, jnp.int32),
+      fin_seqs=jnp.full((batch, k, length), pad_id, jnp.int32),
       fin_scores=jnp.full((batch, k), NEG_INF, jnp.float32),
       fin_log_probs=jnp.full((batch, k), NEG_INF, jnp.float32),
       done=jnp.zeros((batch,), bool),
-      state=stepper.state)
-  s = lax.while_loop(cond, body, init)
+      cache=cache)
 
-  # Fill the slots no finished hypothesis took with live (unfinished) ones, ranked after every finished one.
-  alive_len = jnp.sum(s.alive_seqs != config.pad_id, axis=-1)
+
+def _beam_finalize(s: _BeamState, alpha: float, pad_id: int) -> BeamSearchOutput:
+  """Fills the slots no finished hypothesis took with live (unfinished) ones, ranked after every finished one."""
+  batch, k = s.fin_scores.shape
+  alive_len = jnp.sum(s.alive_seqs != pad_id, axis=-1)
   alive_scores = jnp.where(s.alive_log_probs > NEG_INF,
                            s.alive_log_probs / length_penalty(jnp.maximum(alive_len, 1), alpha), NEG_INF)
-  scores = jnp.concatenate([s.fin_scores, alive_scores], axis=1)
+  scores = jnp.concatenate([s.fin_scores, alive_scores], axis=1)  # [b, 2k]
   unfinished = jnp.concatenate([jnp.zeros((batch, k), bool), jnp.ones((batch, k), bool)], axis=1)
   unfinished = unfinished | (scores == NEG_INF)
   order = jnp.lexsort((-scores, unfinished), axis=-1)[:, :k]
@@ -362,8 +289,250 @@ def _beam_search(params, config: ModelConfig, inputs: Array, beam_size: int, alp
   log_probs = jnp.take_along_axis(
       jnp.concatenate([s.fin_log_probs, s.alive_log_probs], axis=1), order, axis=1)
   tokens = _gather_beams(jnp.concatenate([s.fin_seqs, s.alive_seqs], axis=1), order)
-  tokens = jnp.where((scores > NEG_INF)[:, :, None], tokens, config.pad_id)
+  tokens = jnp.where((scores > NEG_INF)[:, :, None], tokens, pad_id)
   return BeamSearchOutput(tokens, scores, log_probs, s.t)
+
+
+def _extend_beams(s: _BeamState, seqs: Array, token: Array, top_log_probs: Array, alpha: float,
+                  eos_id: int) -> _BeamState:
+  """One step's `beam_size` best extensions (`seqs` [b, k, L] ending in `token` [b, k], with their log-probs
+  [b, k]): those ending in EOS join the finished list, the rest are the live beams (an EOS slot is empty for
+  this step). Sources that had stopped keep their results. `t` advances; `cache` is left to the caller."""
+  k = token.shape[1]
+  is_eos = token == eos_id
+  new_len = s.t + 1
+  eos_scores = jnp.where(is_eos, top_log_probs / length_penalty(new_len, alpha), NEG_INF)
+  fin_scores, fin_index = lax.top_k(jnp.concatenate([s.fin_scores, eos_scores], axis=1), k)
+  fin_seqs = _gather_beams(jnp.concatenate([s.fin_seqs, seqs], axis=1), fin_index)
+  fin_log_probs = _gather_beams(
+      jnp.concatenate([s.fin_log_probs, jnp.where(is_eos, top_log_probs, NEG_INF)], axis=1), fin_index)
+  alive_log_probs = jnp.where(is_eos, NEG_INF, top_log_probs)
+  keep = s.done
+  return _BeamState(
+      t=new_len,
+      alive_seqs=jnp.where(keep[:, None, None], s.alive_seqs, seqs),
+      alive_log_probs=jnp.where(keep[:, None], s.alive_log_probs, alive_log_probs),
+      fin_seqs=jnp.where(keep[:, None, None], s.fin_seqs, fin_seqs),
+      fin_scores=jnp.where(keep[:, None], s.fin_scores, fin_scores),
+      fin_log_probs=jnp.where(keep[:, None], s.fin_log_probs, fin_log_probs),
+      done=keep, cache=s.cache)
+
+
+def beam_search_over(tokens_to_logits: TokensToLogits, cache, *, batch_size: int, beam_size: int,
+                     alpha: float, max_decode_len: int, bos_id: int, eos_id: int, pad_id: int,
+                     max_lengths: Optional[Array] = None, early_stop: str = "best",
+                     gather_cache: Callable = gather_beams) -> BeamSearchOutput:
+  """Beam search with the GNMT length penalty over any step function (flax wmt / t5x `beam_search`).
+
+  Args:
+    tokens_to_logits: `(DecodingState) -> (logits [batch * beam_size, vocab], new cache)`.
+    cache: the initial cache with `batch * beam_size` rows (beam j of source i in row `i * beam_size + j`;
+      `repeat_rows` tiles a per-source cache).
+    batch_size, beam_size, max_decode_len: static sizes; alpha: the length-penalty exponent.
+    bos_id, eos_id, pad_id: as in `greedy_search_over`.
+    max_lengths: optional `[batch]` caps on each source's output length (EOS included).
+    early_stop: 'best' (default), 'all' or 'none', see the module docstring.
+    gather_cache: `(cache, parent [batch, beam_size]) -> cache` where row `i * beam_size + j` takes the old row
+      `i * beam_size + parent[i, j]`; the default `gather_beams` reorders every non-scalar leaf.
+
+  Returns a `BeamSearchOutput`. Raises ValueError for `beam_size < 1`, an unknown `early_stop` or equal ids.
+  """
+  _check_ids(bos_id, eos_id, pad_id)
+  _check_beam_options(beam_size, early_stop)
+  batch, k, length = batch_size, beam_size, max_decode_len
+  limits = _row_limits(max_lengths, batch, length)
+  # Best possible score of a live beam's completion: log_probs / max over the remaining lengths of lp.
+  lp_at_limit = length_penalty(limits, alpha)  # [b]
+
+  def cond(s: _BeamState):
+    return jnp.logical_and(s.t < length, jnp.logical_not(jnp.all(s.done)))
+
+  def body(s: _BeamState):
+    t = s.t
+    flat_seqs = s.alive_seqs.reshape(batch * k, length)
+    logits, cache = tokens_to_logits(DecodingState(t, flat_seqs, _prev_tokens(flat_seqs, t, bos_id), s.cache))
+    logp = _log_probs(logits, (pad_id, bos_id))
+    vocab = logp.shape[-1]
+    candidates = (s.alive_log_probs[:, :, None] + logp.reshape(batch, k, vocab)).reshape(batch, k * vocab)
+    top_log_probs, top_index = lax.top_k(candidates, k)  # [b, k]
+    parent, token = top_index // vocab, (top_index % vocab).astype(jnp.int32)
+    seqs = _gather_beams(s.alive_seqs, parent)
+    seqs = lax.dynamic_update_slice(seqs, token[:, :, None], (0, 0, t))
+    s = _extend_beams(s, seqs, token, top_log_probs, alpha, eos_id)._replace(
+        cache=gather_cache(cache, parent))
+
+    # Stop a source once no live beam can beat its best (or worst kept) finished hypothesis.
+    best_alive = jnp.max(s.alive_log_probs, axis=1)
+    bound = best_alive / jnp.maximum(length_penalty(s.t + 1, alpha), lp_at_limit)
+    done = s.done | (s.t >= limits)
+    if early_stop != "none":
+      reference = s.fin_scores[:, 0] if early_stop == "best" else s.fin_scores[:, -1]
+      done = done | (reference >= bound)
+    return s._replace(done=done)
+
+  s = lax.while_loop(cond, body, _beam_init(batch, k, length, pad_id, cache))
+  return _beam_finalize(s, alpha, pad_id)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The Transformer glue: encode once, the cache, the cached (or uncached) step, rows per source
+# ----------------------------------------------------------------------------------------------------------
+
+def _check_lengths(config: ModelConfig, inputs: Array, max_decode_len: int):
+  if inputs.ndim != 2:
+    raise ValueError(f"inputs must be [batch, src_len], got shape {inputs.shape}")
+  if not 0 < max_decode_len <= config.max_len:
+    raise ValueError(f"max_decode_len={max_decode_len} must be in [1, config.max_len={config.max_len}] "
+                     "(the positional table covers config.max_len positions)")
+  if inputs.shape[1] > config.max_len:
+    raise ValueError(f"source length {inputs.shape[1]} exceeds config.max_len={config.max_len}")
+
+
+def _split_cache(cache) -> tuple[dict, dict]:
+  """The flax cache -> (cross-attention K/V: constant while decoding, the rest: changes every step), flat."""
+  flat = traverse_util.flatten_dict(nn.unbox(cache))
+  constant = {path: x for path, x in flat.items() if "cross_attention" in path}
+  return constant, {path: x for path, x in flat.items() if path not in constant}
+
+
+def _beam_form(changing: dict, batch: int, copies: int) -> dict:
+  """Every self-attention cache entry (flat paths) in `attention.beam_self_attention_cache` form."""
+  tree = traverse_util.unflatten_dict(changing)
+
+  def convert(node):
+    if isinstance(node, dict) and "cached_key" in node:
+      return attention.beam_self_attention_cache(node, batch, copies)
+    return {name: convert(child) for name, child in node.items()} if isinstance(node, dict) else node
+
+  return traverse_util.flatten_dict(convert(tree))
+
+
+def _reorder_beam_form(changing: dict, parent: Array) -> dict:
+  """The beam reorder of a `_beam_form` cache: only the ancestry tables `[batch, beams, L]` move."""
+  tree = traverse_util.unflatten_dict(changing)
+
+  def reorder(node):
+    if isinstance(node, dict) and "beam_ancestry" in node:
+      return attention.reorder_beam_self_attention_cache(node, parent)
+    return {name: reorder(child) for name, child in node.items()} if isinstance(node, dict) else node
+
+  return traverse_util.flatten_dict(reorder(tree))
+
+
+def _cached_step_fn(model: Transformer, params, config: ModelConfig, encoded: Array, inputs: Array,
+                    max_decode_len: int, copies: int) -> "TransformerStep":
+  """The KV-cached decoder over `batch * copies` rows; with copies > 1 the K/V cache is never reordered."""
+  # Create the cache on the un-tiled batch (cross-attention K/V projected once per source), then tile it.
+  bos = jnp.full((inputs.shape[0], 1), config.bos_id, jnp.int32)
+  _, variables = model.apply({"params": params}, encoded, inputs, bos, use_cache=True,
+                             max_decode_len=max_decode_len, method=Transformer.decode, mutable=["cache"])
+  constant, changing = _split_cache(repeat_rows(variables["cache"], copies))
+  # Materialise the cross-attention K/V in their stored layout before the loop: otherwise XLA folds the
+  # store/read transposes away and re-lays out the projections inside the loop, at every step.
+  constant = lax.optimization_barrier(constant)
+  # The beam form needs a plain position-indexed cache: not the ring buffer of a window, nor the positions
+  # that relative attention reads; those caches are gathered per beam instead (`gather_beams`).
+  beam_form = copies > 1 and not config.attention_window and not config.max_relative_position
+  if beam_form:
+    changing = _beam_form(changing, inputs.shape[0], copies)
+  # The decoder reads only the cached cross-attention K/V and the source mask in decode mode.
+  encoded_rows, inputs_rows = repeat_rows(encoded, copies), repeat_rows(inputs, copies)
+
+  def tokens_to_logits(state: DecodingState):
+    cache = traverse_util.unflatten_dict({**constant, **state.cache})
+    logits, variables = model.apply({"params": params, "cache": cache}, encoded_rows, inputs_rows,
+                                    state.cur_token[:, None], use_cache=True, method=Transformer.decode,
+                                    mutable=["cache"])  # logits [rows, 1, vocab]
+    _, changing = _split_cache(variables["cache"])
+    return logits[:, 0], changing
+
+  return TransformerStep(tokens_to_logits, changing, _reorder_beam_form if beam_form else gather_beams)
+
+
+def _uncached_step_fn(model: Transformer, params, config: ModelConfig, encoded: Array, inputs: Array,
+                      max_decode_len: int, copies: int) -> "TransformerStep":
+  """The teacher-forced decoder over the whole prefix at every step (cache `()`)."""
+  encoded_rows, inputs_rows = repeat_rows(encoded, copies), repeat_rows(inputs, copies)
+  positions = jnp.arange(max_decode_len)[None, :]
+
+  def tokens_to_logits(state: DecodingState):
+    # Teacher forcing on the prefix. Positions >= t hold a non-pad placeholder: the model masks *keys* by
+    # `targets != pad`, and position t's key (input y_t) is flagged by targets[t]; the causal mask hides
+    # everything after t, so the placeholder's value never matters.
+    targets = jnp.where(positions < state.cur_index, state.sequences, config.eos_id)  # [rows, L]
+    logits = model.apply({"params": params}, encoded_rows, inputs_rows, targets, method=Transformer.decode)
+    return lax.dynamic_index_in_dim(logits, state.cur_index, axis=1, keepdims=False), state.cache
+
+  return TransformerStep(tokens_to_logits, (), gather_beams)
+
+
+class TransformerStep(NamedTuple):
+  """The Transformer as the searches see it (what `transformer_step_fn` returns)."""
+  tokens_to_logits: TokensToLogits
+  cache: Any  # the initial cache, batch * copies rows
+  gather_cache: Callable  # the beam reorder to pass to `beam_search_over`
+
+
+def transformer_step_fn(params, config: ModelConfig, inputs: Array, max_decode_len: int, *,
+                        copies: int = 1, cached: bool = True) -> TransformerStep:
+  """The Transformer as a step function for the searches: `(tokens_to_logits, cache, gather_cache)`.
+
+  Encodes `inputs` `[batch, src_len]` (pad = `config.pad_id`) once and returns a step over `batch * copies`
+  decoder rows (row `i * copies + j` decodes source i; `copies` = the beam size for beam search).
+  `cached=True`: the KV-cached one-token step (`Transformer.decode(..., use_cache=True)`); the cross-attention
+  K/V are projected once and closed over, the cache carried between steps holds the self-attention K/V
+  `[rows, heads, cache_len, head_dim]` and the position counters. With `copies > 1` (and neither an
+  attention window nor relative positions) the self-attention caches take the never-reordered beam form
+  (`attention.beam_self_attention_cache`: K/V side by side per source plus a `beam_ancestry` table) and
+  `gather_cache` moves only the ancestry tables. `cached=False`: the teacher-forced decoder over the prefix
+  padded to `max_decode_len` (cache `()`). Call it under `jax.jit`.
+
+  Raises ValueError when `inputs` is not 2-D or a length exceeds `config.max_len`.
+  """
+  _check_lengths(config, inputs, max_decode_len)
+  params = nn.unbox(params)
+  model = Transformer(config)
+  encoded = model.apply({"params": params}, inputs, method=Transformer.encode)  # [batch, src_len, d_model]
+  make = _cached_step_fn if cached else _uncached_step_fn
+  return make(model, params, config, encoded, inputs, max_decode_len, copies)
+
+
+def _ids(config: ModelConfig) -> dict:
+  return dict(bos_id=config.bos_id, eos_id=config.eos_id, pad_id=config.pad_id)
+
+
+@functools.partial(jax.jit, static_argnames=("config", "max_decode_len", "cached"))
+def greedy_search(params, config: ModelConfig, inputs: Array, max_decode_len: int, *,
+                  max_lengths: Optional[Array] = None, cached: bool = True):
+  """Greedy decoding of the Transformer: `(tokens [batch, max_decode_len] int32, log_probs [batch] float32)`.
+
+  `tokens` exclude BOS and end with EOS then pad; `log_probs` sums the emitted tokens' log-probabilities,
+  EOS included. `transformer_step_fn` + `greedy_search_over`; see the module docstring for the conventions.
+  """
+  step, cache, _ = transformer_step_fn(params, config, inputs, max_decode_len, cached=cached)
+  return greedy_search_over(step, cache, batch_size=inputs.shape[0], max_decode_len=max_decode_len,
+                            max_lengths=max_lengths, **_ids(config))
+
+
+def greedy_search_uncached(params, config: ModelConfig, inputs: Array, max_decode_len: int, *,
+                           max_lengths: Optional[Array] = None):
+  """Reference greedy search that recomputes the teacher-forced decoder over the prefix at every step."""
+  return greedy_search(params, config, inputs, max_decode_len, max_lengths=max_lengths, cached=False)
+
+
+@functools.partial(jax.jit, static_argnames=("config", "max_decode_len", "temperature", "top_k", "cached"))
+def sample(params, config: ModelConfig, inputs: Array, rng: Array, max_decode_len: int,
+           temperature: float = 1.0, top_k: int = 0, *, max_lengths: Optional[Array] = None,
+           cached: bool = True):
+  """Ancestral sampling from the Transformer: `transformer_step_fn` + `sample_over` (see there).
+
+  Returns `(tokens [batch, max_decode_len], log_probs [batch])`; `log_probs` are the *model's* log-probs of
+  the sampled tokens (untempered, untruncated). `top_k=1` is greedy search. Step t uses
+  `jax.random.fold_in(rng, t)`.
+  """
+  step, cache, _ = transformer_step_fn(params, config, inputs, max_decode_len, cached=cached)
+  return sample_over(step, cache, rng, batch_size=inputs.shape[0], max_decode_len=max_decode_len,
+                     temperature=temperature, top_k=top_k, max_lengths=max_lengths, **_ids(config))
 
 
 @functools.partial(jax.jit, static_argnames=("config", "beam_size", "alpha", "max_decode_len", "cached",
@@ -371,7 +540,7 @@ def _beam_search(params, config: ModelConfig, inputs: Array, beam_size: int, alp
 def beam_search(params, config: ModelConfig, inputs: Array, beam_size: int = 4, alpha: float = 0.6,
                 max_decode_len: int = 64, *, max_lengths: Optional[Array] = None, cached: bool = True,
                 early_stop: str = "best", full_output: bool = False):
-  """Beam search with the GNMT length penalty.
+  """Beam search of the Transformer with the GNMT length penalty (`transformer_step_fn` + `beam_search_over`).
 
   Returns `(tokens [batch, beam, max_decode_len], scores [batch, beam])`, best first; with `full_output`, a
   `BeamSearchOutput` that adds `log_probs [batch, beam]` (the raw sum of token log-probs, EOS included) and
@@ -379,8 +548,12 @@ def beam_search(params, config: ModelConfig, inputs: Array, beam_size: int = 4, 
   emitted tokens INCLUDING EOS (excluding BOS). Slots without any hypothesis have score -inf and pad tokens.
   `early_stop`: 'best' (default), 'all' or 'none', see the module docstring.
   """
-  out = _beam_search(params, config, inputs, beam_size, alpha, max_decode_len, max_lengths, cached,
-                     early_stop)
+  _check_beam_options(beam_size, early_stop)
+  step, cache, gather_cache = transformer_step_fn(params, config, inputs, max_decode_len, copies=beam_size,
+                                                  cached=cached)
+  out = beam_search_over(step, cache, batch_size=inputs.shape[0], beam_size=beam_size, alpha=alpha,
+                         max_decode_len=max_decode_len, max_lengths=max_lengths, early_stop=early_stop,
+                         gather_cache=gather_cache, **_ids(config))
   return out if full_output else (out.tokens, out.scores)
 
 

@@ -424,9 +424,9 @@ def decode(args) -> dict:
 
   def search_fn(search, cached):  # a fresh jit per variant (the library's jits would share one cache entry)
     if search == "greedy":
-      return jax.jit(lambda p, x: decode_lib._sequential_search(
-          p, cfg, x, length, lambda logp, t: jnp.argmax(logp, axis=-1), cached, None)[0])
-    return jax.jit(lambda p, x: decode_lib._beam_search(p, cfg, x, 4, 0.6, length, None, cached, "none").tokens)
+      return jax.jit(lambda p, x: decode_lib.greedy_search(p, cfg, x, length, cached=cached)[0])
+    return jax.jit(lambda p, x: decode_lib.beam_search(p, cfg, x, 4, 0.6, length, cached=cached,
+                                                       early_stop="none")[0])
 
   fns = {(search, mode): search_fn(search, mode == "cached")
          for search in ("greedy", "beam4") for mode in ("cached", "uncached")}
