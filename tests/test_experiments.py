@@ -255,11 +255,6 @@ def test_bad_config_values_are_refused_before_anything_is_written(tmp_path, flag
   assert not os.path.exists(tmp_path / "w")
 
 
-  config.num_train_steps, config.log_every_steps, config.eval_every_steps = 20, 5, 0
-  with pytest.raises(loop.NonFiniteLossError, match="at step 7"):
-    loop.train_and_evaluate(config, str(tmp_path / "run"))
-
-
 # -- text normalisation: text that looks the same translates the same ------------------------------------
 
 def _tree(directory):

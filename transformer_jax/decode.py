@@ -138,8 +138,9 @@ def _prev_tokens(seqs: Array, t: Array, bos_id: int) -> Array:
 
 
 def _check_ids(bos_id: int, eos_id: int, pad_id: int):
-  if len({bos_id, eos_id, pad_id}) != 3:
-    raise ValueError(f"bos_id={bos_id}, eos_id={eos_id} and pad_id={pad_id} must be three different ids")
+  """EOS must differ from BOS and pad; BOS may equal pad (Marian starts decoding from `<pad>`)."""
+  if eos_id in (bos_id, pad_id):
+    raise ValueError(f"eos_id={eos_id} must differ from bos_id={bos_id} and pad_id={pad_id}")
 
 
 # ----------------------------------------------------------------------------------------------------------
