@@ -19,10 +19,17 @@ import collections
 import json
 import os
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 from absl import app, flags
 
-from experiments import common
+from experiments import common, launch
+from transformer_jax import inference
+from transformer_jax.decode import length_penalty
+from transformer_jax.interop import ctranslate2 as ct2
+from transformer_jax.interop.ctranslate2 import translate_pieces
+from transformer_jax.model import Transformer
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("workdir", None, "A trained (or imported) workdir.")
@@ -39,9 +46,6 @@ flags.mark_flags_as_required(["workdir", "input", "ct2_dir"])
 
 def token_log_probs(params, config, source, target):
   """Our model's log-probabilities `[len(target)]` of each target id given the previous ones."""
-  import jax
-  import jax.numpy as jnp
-  from transformer_jax.model import Transformer
   logits = Transformer(config).apply({"params": params}, jnp.asarray([source]), jnp.asarray([target]))
   log_probs = np.asarray(jax.nn.log_softmax(logits[0]))
   return log_probs, log_probs[np.arange(len(target)), target]
@@ -49,7 +53,6 @@ def token_log_probs(params, config, source, target):
 
 def explain(params, config, source, ours, theirs, cap, beam_size, alpha):
   """Why two outputs (id lists without EOS) differ, from our model's log-probabilities."""
-  from transformer_jax.decode import length_penalty
   finish = lambda ids: ids + [config.eos_id] if len(ids) < cap else ids  # noqa: E731 (cap reached: no EOS)
   a, b = finish(ours), finish(theirs)
   t = next(i for i in range(min(len(a), len(b)) + 1) if i == min(len(a), len(b)) or a[i] != b[i])
@@ -70,11 +73,9 @@ def explain(params, config, source, ours, theirs, cap, beam_size, alpha):
 
 
 def compare(params, config, tokenizer, translator, lines, beam_size, alpha, extra_len) -> dict:
-  from transformer_jax import inference
   sources = [tokenizer.encode(line) for line in lines]
   ours = inference.translate_ids(params, config, sources, beam_size=beam_size, alpha=alpha, extra_len=extra_len)
   banned = tokenizer.pieces(sorted({config.pad_id, config.bos_id}))
-  from transformer_jax.interop.ctranslate2 import translate_pieces
   theirs = translate_pieces(translator, [tokenizer.pieces(s) for s in sources], beam_size=beam_size,
                             length_penalty=alpha, extra_len=extra_len, banned=banned)
   piece_id = {tokenizer.pieces([i])[0]: i for i in range(config.vocab_size)}
@@ -93,7 +94,6 @@ def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
   common.setup_logging()
-  from transformer_jax.interop import ctranslate2 as ct2
   try:
     lines = common.read_lines(FLAGS.input)
     model_config, params, tokenizer = common.load_for_inference(FLAGS.workdir, FLAGS.checkpoint)
@@ -121,4 +121,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  launch.run(main)

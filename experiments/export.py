@@ -11,7 +11,9 @@ import os
 
 from absl import app, flags
 
-from experiments import common
+from experiments import common, launch
+from transformer_jax.interop import ctranslate2 as ct2
+from transformer_jax.interop import marian
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("workdir", None, "A training run's (or an imported model's) --workdir.")
@@ -33,15 +35,13 @@ def main(argv):
   common.setup_logging()
   if os.path.isdir(FLAGS.output) and os.listdir(FLAGS.output):
     common.fail(f"{FLAGS.output} exists and is not empty; choose a new --output")
-  from transformer_jax.interop import marian
   try:
     model_config, params, tokenizer = common.load_for_inference(FLAGS.workdir, FLAGS.checkpoint)
-    data = common.load_workdir_config(FLAGS.workdir).get("data", {})
+    data = common.load_workdir_config(FLAGS.workdir).data
     if FLAGS.format == "marian":
       marian.save_marian(params, model_config, FLAGS.output, tokenizer_path=tokenizer_files(tokenizer),
-                         source_lang=data.get("source_lang"), target_lang=data.get("target_lang"))
+                         source_lang=data.source_lang, target_lang=data.target_lang)
     else:
-      from transformer_jax.interop import ctranslate2 as ct2
       ct2.export_ctranslate2(params, model_config, FLAGS.output, tokenizer_path=tokenizer_files(tokenizer),
                              quantization=FLAGS.quantization)
   except common.USER_ERRORS + (FileExistsError,) as e:
@@ -50,4 +50,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  launch.run(main)

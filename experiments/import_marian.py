@@ -10,7 +10,8 @@ Needs the `interop` extra only for pytorch_model.bin weights (torch) and safeten
 
 from absl import app, flags
 
-from experiments import common
+from experiments import common, launch
+from transformer_jax.interop import marian
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("model_dir", None, "A save_pretrained MarianMTModel directory.")
@@ -22,7 +23,6 @@ def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
   common.setup_logging()
-  from transformer_jax.interop import marian
   try:
     value = marian.import_to_workdir(FLAGS.model_dir, FLAGS.workdir)
   except common.USER_ERRORS + (FileExistsError,) as e:
@@ -34,4 +34,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  launch.run(main)

@@ -55,8 +55,6 @@ def length_bucket(length: int) -> int:
   raise AssertionError("unreachable")
 
 
-_bucket = length_bucket
-
 
 def _rows_bucket(n: int, rows: int) -> int:
   """A full batch keeps `rows`; a smaller one is padded to the next power of two (at most `rows`)."""
@@ -111,13 +109,38 @@ def translate_ids(params, config: ModelConfig, sources: Sequence[Sequence[int]],
   if beam_size < 1:
     raise ValueError(f"beam_size={beam_size} must be >= 1")
   params = jax.device_put(nn.unbox(params))
-  eos, pad = config.eos_id, config.pad_id
-  results: list[Optional[list[int]]] = [None] * len(sources)
-  prepared: list[tuple[int, list[int], int]] = []  # (input index, ids fed to the encoder, output limit)
+  results: list[Optional[list[int]]] = [[] if not len(src) else None for src in sources]
+  prepared = _prepare_sources(sources, config, extra_len, append_eos)
+  rows_for = lambda bucket: batch_size or max(1, max_tokens_per_batch // bucket)  # noqa: E731
+  # Dispatch the next batch before reading the previous one back, so host work overlaps the device.
+  pending = None
+  for batch in _group_by_bucket(prepared, config, rows_for) + [None]:
+    future = None
+    if batch is not None:
+      bucket = _bucket_of(batch[0][1], config)
+      future = _run_batch(params, config, batch, bucket, rows_for(bucket), beam_size, alpha, extra_len)
+    if pending is not None:
+      done_batch, tokens = pending
+      tokens = np.asarray(tokens)
+      for r, (i, _, _) in enumerate(done_batch):
+        results[i] = _strip(tokens[r], config.eos_id, config.pad_id)
+      if progress is not None:
+        progress(len(done_batch))
+    pending = (batch, future) if batch is not None else None
+  return results  # type: ignore[return-value]
+
+
+_Prepared = tuple[int, list[int], int]  # (input index, ids fed to the encoder, output length limit)
+
+
+def _prepare_sources(sources: Sequence[Sequence[int]], config: ModelConfig, extra_len: int,
+                     append_eos: bool) -> list[_Prepared]:
+  """The non-empty sources with EOS appended and truncated to `config.max_len`, longest first."""
+  eos = config.eos_id
+  prepared = []
   for i, src in enumerate(sources):
     ids = [int(x) for x in src]
     if not ids:
-      results[i] = []
       continue
     given = len(ids) - 1 if ids[-1] == eos else len(ids)
     if append_eos and ids[-1] != eos:
@@ -126,48 +149,42 @@ def translate_ids(params, config: ModelConfig, sources: Sequence[Sequence[int]],
       logging.warning("source %d has %d tokens; truncated to config.max_len=%d", i, len(ids), config.max_len)
       ids = ids[: config.max_len - 1] + [eos] if append_eos else ids[: config.max_len]
     prepared.append((i, ids, given + extra_len))
-
   # Longest first: memory problems show at once and the batches of a bucket are contiguous.
   prepared.sort(key=lambda item: -len(item[1]))
-  batches: list[list[tuple[int, list[int], int]]] = []
+  return prepared
+
+
+def _bucket_of(ids: list[int], config: ModelConfig) -> int:
+  return min(length_bucket(len(ids)), config.max_len)
+
+
+def _group_by_bucket(prepared: list[_Prepared], config: ModelConfig, rows_for) -> list[list[_Prepared]]:
+  """Consecutive sources of one length bucket, at most `rows_for(bucket)` per batch."""
+  batches: list[list[_Prepared]] = []
   for item in prepared:
-    bucket = min(_bucket(len(item[1])), config.max_len)
-    rows = batch_size or max(1, max_tokens_per_batch // bucket)
-    if batches:
-      last = batches[-1]
-      if min(_bucket(len(last[0][1])), config.max_len) == bucket and len(last) < rows:
-        last.append(item)
-        continue
-    batches.append([item])
+    bucket = _bucket_of(item[1], config)
+    if batches and _bucket_of(batches[-1][0][1], config) == bucket and len(batches[-1]) < rows_for(bucket):
+      batches[-1].append(item)
+    else:
+      batches.append([item])
+  return batches
 
-  def run(batch):
-    bucket = min(_bucket(len(batch[0][1])), config.max_len)
-    rows = batch_size or max(1, max_tokens_per_batch // bucket)
-    max_decode_len = max(1, min(bucket + extra_len, config.max_len))
-    n_rows = _rows_bucket(len(batch), rows)
-    inputs = np.full((n_rows, bucket), pad, np.int32)
-    inputs[:, 0] = eos  # filler rows: a bare EOS source that stops after one token
-    limits = np.ones((n_rows,), np.int32)
-    for r, (_, ids, limit) in enumerate(batch):
-      inputs[r, :] = pad
-      inputs[r, : len(ids)] = ids
-      limits[r] = min(limit, max_decode_len)
-    fn = _search_fn(config, beam_size, float(alpha), max_decode_len)
-    return fn(params, jnp.asarray(inputs), jnp.asarray(limits))
 
-  # Dispatch the next batch before reading the previous one back, so host work overlaps the device.
-  pending = None
-  for batch in batches + [None]:
-    future = run(batch) if batch is not None else None
-    if pending is not None:
-      done_batch, tokens = pending
-      tokens = np.asarray(tokens)
-      for r, (i, _, _) in enumerate(done_batch):
-        results[i] = _strip(tokens[r], eos, pad)
-      if progress is not None:
-        progress(len(done_batch))
-    pending = (batch, future) if batch is not None else None
-  return results  # type: ignore[return-value]
+def _run_batch(params, config: ModelConfig, batch: list[_Prepared], bucket: int, rows: int, beam_size: int,
+               alpha: float, extra_len: int) -> jax.Array:
+  """Dispatches one padded batch `[rows bucket, bucket]` to the compiled search; returns its tokens (async)."""
+  eos, pad = config.eos_id, config.pad_id
+  max_decode_len = max(1, min(bucket + extra_len, config.max_len))
+  n_rows = _rows_bucket(len(batch), rows)
+  inputs = np.full((n_rows, bucket), pad, np.int32)
+  inputs[:, 0] = eos  # filler rows: a bare EOS source that stops after one token
+  limits = np.ones((n_rows,), np.int32)
+  for r, (_, ids, limit) in enumerate(batch):
+    inputs[r, :] = pad
+    inputs[r, : len(ids)] = ids
+    limits[r] = min(limit, max_decode_len)
+  fn = _search_fn(config, beam_size, float(alpha), max_decode_len)
+  return fn(params, jnp.asarray(inputs), jnp.asarray(limits))
 
 
 def translate_texts(params, config: ModelConfig, tokenizer, texts: Sequence[str], *, beam_size: int = 1,
