@@ -60,14 +60,11 @@ def _predicted_bytes(compiled) -> int:
 
 def measure(mode: str, length: int, steps: int, vocab_size: int, limit_bytes: int, budget_s: float) -> dict:
   """One configuration in this process: compile, check the predicted memory, time `steps` train steps."""
-  from transformer_jax.training.schedule import adam_with_schedule
-  from transformer_jax.training.steps import create_train_state, jit_train_step
-
-  cfg = model_config(mode, length, vocab_size)
-  state = create_train_state(cfg, adam_with_schedule(cfg.d_model, warmup_steps=4000), jax.random.key(0))
-  batch, rng = _batch(length, vocab_size), jax.random.key(1)
+  built = common.build_train_step(common.train_config(model_config(mode, length, vocab_size)))  # the trainer's step
+  state, rng = built.state, built.rng
+  batch = built.shard(_batch(length, vocab_size))
   start = time.perf_counter()
-  compiled = jit_train_step(cfg).lower(state, batch, rng).compile()
+  compiled = built.step.lower(state, batch, rng).compile()
   out = {"mode": mode, "length": length, "compile_s": time.perf_counter() - start,
          "predicted_gib": _predicted_bytes(compiled) / GIB, "options": MODES[mode]}
   if _predicted_bytes(compiled) > limit_bytes:
