@@ -248,6 +248,8 @@ def test_bad_program_flags_are_one_line_errors(workdir, program, flags, needle):
     (["--config.model.d_model=30"], "d_model=30 is not divisible by num_heads=4"),
     (["--config.data.tokens_per_batch=8"], "must be >= data.max_len"),
     (["--config.checkpoint_best_metric=bleu"], "'<eval split>/<metric>'"),
+    (["--config.cooldown_steps=-1"], "--config.cooldown_steps=-1: must be an integer >= 0"),
+    (["--config.num_train_steps=10", "--config.cooldown_steps=11"], "must be <= num_train_steps (10)"),
 ])
 def test_bad_config_values_are_refused_before_anything_is_written(tmp_path, flags, needle):
   result = _run(["experiments.train", f"--workdir={tmp_path}/w", *flags], check=False)

@@ -29,6 +29,17 @@ def test_evaluators_are_listed_by_the_config():
   assert (bleu.name, bleu.every_steps, bleu.beam_size, bleu.alpha) == ("bleu", 7, 1, config.decode.alpha)
 
 
+def test_optimizer_cools_down_over_the_last_steps_when_asked():
+  config = number_words.get_config()
+  config.num_train_steps, config.warmup_steps = 100, 10
+  _, paper = trainer.optimizer(config, 64)
+  config.cooldown_steps = 30
+  _, cooled = trainer.optimizer(config, 64)
+  assert float(cooled(70)) == pytest.approx(float(paper(70)))
+  assert float(cooled(85)) == pytest.approx(float(paper(85)) * (1 - 15 / 31))
+  assert 0 < float(cooled(100)) < float(paper(100)) / 30
+
+
 def _tiny_config(tmp_path):
   config = number_words.get_config()
   config.data.builder_config = "tiny"

@@ -12,7 +12,7 @@ import pytest
 from transformer_jax.config import tiny
 from transformer_jax.model import Transformer
 from transformer_jax import sharding
-from transformer_jax.training import (adam_with_schedule, eval_step,
+from transformer_jax.training import (adam, adam_with_schedule, linear_cooldown, eval_step,
                                       label_smoothed_cross_entropy, metrics_from_sums, normalized_loss,
                                       rsqrt_schedule, train_step)
 from transformer_jax.training.steps import TrainState
@@ -68,6 +68,34 @@ def test_adam_with_schedule_update_k_uses_step_k():
     params = optax.apply_updates(params, updates)
   # The first update is lr(1) (not lr(0) = 0) and the largest is at the warm-up step.
   assert _paper_lr(1, d_model, warmup) > 0
+
+
+def test_linear_cooldown_values():
+  """Flat factor 1 until T - c, then 1 - k/(c+1) at step T - c + k; c = 0 is the schedule itself."""
+  base = rsqrt_schedule(64, 10)
+  total, cooldown = 100, 20
+  cooled = linear_cooldown(base, total, cooldown)
+  for step in (1, 10, 50, 80):
+    np.testing.assert_allclose(float(cooled(step)), float(base(step)), rtol=1e-6)
+  for k in (1, 10, 20):
+    step = total - cooldown + k
+    np.testing.assert_allclose(float(cooled(step)), float(base(step)) * (1 - k / (cooldown + 1)), rtol=1e-5)
+  assert float(cooled(total)) > 0 and float(cooled(total + 5)) == 0.0
+  assert linear_cooldown(base, total, 0) is base
+  for bad in (-1, total + 1):
+    with pytest.raises(ValueError, match="cooldown_steps"):
+      linear_cooldown(base, total, bad)
+
+
+def test_adam_drives_updates_by_the_cooled_schedule():
+  """Constant gradient: update k is -schedule(k) for the composed schedule too (one road for every schedule)."""
+  schedule = linear_cooldown(rsqrt_schedule(32, 3), 8, 4)
+  tx = adam(schedule)
+  params, grad = jnp.array([0.5]), jnp.array([-2.0])
+  state = tx.init(params)
+  for k in range(1, 9):
+    updates, state = tx.update(grad, state, params)
+    np.testing.assert_allclose(float(updates[0]), float(schedule(k)), rtol=1e-5)
 
 
 def test_adam_with_schedule_matches_numpy_adam():

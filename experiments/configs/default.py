@@ -50,6 +50,7 @@ def get_config() -> ml_collections.ConfigDict:
   config.num_train_steps = 100_000            # optimizer updates
   config.warmup_steps = 4000                  # linear warm-up steps of the rsqrt schedule
   config.learning_rate = 1.0                  # multiplies the schedule
+  config.cooldown_steps = 0                   # linear decay to 0 over the last N steps (not in the paper; 0 = off)
   config.adam_b1 = 0.9                        # Adam beta1
   config.adam_b2 = 0.98                       # Adam beta2
   config.adam_eps = 1e-9                      # Adam epsilon
@@ -162,6 +163,7 @@ RULES = {
     "num_train_steps": _integer(1),
     "warmup_steps": _integer(1),
     "learning_rate": _number(0.0, low_open=True),
+    "cooldown_steps": _integer(0),
     "adam_b1": _number(0.0, 1.0),
     "adam_b2": _number(0.0, 1.0),
     "adam_eps": _number(0.0, low_open=True),
@@ -214,6 +216,9 @@ def validate(config: ml_collections.ConfigDict) -> None:
   if config.data.tokens_per_batch < config.data.max_len:
     raise ConfigError(f"--config.data.tokens_per_batch={config.data.tokens_per_batch}: must be >= "
                       f"data.max_len ({config.data.max_len}), one packed row per batch at least")
+  if config.cooldown_steps > config.num_train_steps:
+    raise ConfigError(f"--config.cooldown_steps={config.cooldown_steps}: must be <= num_train_steps "
+                      f"({config.num_train_steps})")
   try:
     ModelConfig(**config.model.to_dict())
   except (TypeError, ValueError) as error:

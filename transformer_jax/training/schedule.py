@@ -1,4 +1,10 @@
-"""The paper's learning-rate schedule (Vaswani et al., 2017, section 5.3, equation 3)."""
+"""The paper's learning-rate schedule (Vaswani et al., 2017, section 5.3, equation 3), and a linear cool-down.
+
+The cool-down (`linear_cooldown`) is not in the paper: it multiplies any schedule by a factor that falls linearly
+to 0 over the last steps of a run whose length is known in advance ("warmup-stable-decay", Hägele et al., 2024,
+"Scaling Laws and Compute-Optimal Training Beyond Fixed Training Durations"; t5x's rsqrt-then-linear-decay).
+A compute-limited run ends at a lower loss with it than at the rsqrt schedule's still-high final rate.
+"""
 
 from __future__ import annotations
 
@@ -26,8 +32,33 @@ def rsqrt_schedule(d_model: int, warmup_steps: int = 4000, scale: float = 1.0) -
   return schedule
 
 
+def linear_cooldown(schedule: optax.Schedule, total_steps: int, cooldown_steps: int) -> optax.Schedule:
+  """`schedule(step)` times a factor that is 1 up to `total_steps - cooldown_steps`, then falls linearly to 0.
+
+  With `cooldown_steps = c` and `total_steps = T`, step `T - c + k` (k = 1..c) is scaled by `1 - k / (c + 1)`,
+  so the last update still moves (factor `1 / (c + 1)`) and nothing after `T` matters. `cooldown_steps = 0`
+  returns `schedule` itself. Raises ValueError unless `0 <= cooldown_steps <= total_steps`.
+  """
+  if not 0 <= cooldown_steps <= total_steps:
+    raise ValueError(f"cooldown_steps={cooldown_steps} must be in [0, total_steps={total_steps}]")
+  if cooldown_steps == 0:
+    return schedule
+  start = total_steps - cooldown_steps
+
+  def cooled(step):
+    into = jnp.maximum(jnp.asarray(step, dtype=jnp.float32) - start, 0.0)  # steps into the cool-down
+    return schedule(step) * jnp.maximum(1.0 - into / (cooldown_steps + 1), 0.0)
+
+  return cooled
+
+
+def adam(schedule: optax.Schedule, b1: float = 0.9, b2: float = 0.98, eps: float = 1e-9
+         ) -> optax.GradientTransformation:
+  """Adam driven by `schedule(step)` of the paper's step (counted from 1): update k uses `schedule(k)`."""
+  return optax.adam(lambda count: schedule(count + 1), b1=b1, b2=b2, eps=eps)
+
+
 def adam_with_schedule(d_model: int, warmup_steps: int = 4000, scale: float = 1.0, b1: float = 0.9,
                        b2: float = 0.98, eps: float = 1e-9) -> optax.GradientTransformation:
   """Adam(β1 0.9, β2 0.98, ε 1e-9) driven by `rsqrt_schedule` (section 5.3); update k uses step k."""
-  schedule = rsqrt_schedule(d_model, warmup_steps, scale)
-  return optax.adam(lambda count: schedule(count + 1), b1=b1, b2=b2, eps=eps)
+  return adam(rsqrt_schedule(d_model, warmup_steps, scale), b1=b1, b2=b2, eps=eps)
