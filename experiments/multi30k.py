@@ -5,8 +5,11 @@ r"""The Multi30k recipe end to end: train, average the last checkpoints, score t
 
 Scores: the published-style BLEU (hypotheses lowercased, punctuation-normalised, Moses-tokenised, against
 test_2016_flickr.lc.norm.tok.de with tokenize='none') and cased detokenised sacreBLEU with its signature,
-for the last checkpoint and for the average of the last `decode.average_last` checkpoints. Also writes the learning
-curve PNG (train/val loss and val BLEU against minutes).
+for the last checkpoint and for the average of the last `decode.average_last` checkpoints, on the first
+`final_eval.max_examples` test2016 sentences (0 = all 1,000). Writes `<workdir>/results.json` (scores, wall
+minutes, steps/s, the machine's load), the learning curve PNG (train/val loss and val BLEU against minutes) and
+the generated block of `--results` (between `<!-- multi30k:last-run:start/end -->`; the lever table and notes
+around it are hand-written and kept).
 """
 
 import json
@@ -17,7 +20,7 @@ import time
 
 from absl import app, flags, logging
 
-from experiments import common, launch
+from experiments import common, docblock, launch
 from transformer_jax import checkpoint as checkpoint_lib
 from transformer_jax import inference, metrics, trainer, visualize
 from transformer_jax.data.parallel_text import read_lines
@@ -28,6 +31,7 @@ flags.DEFINE_string("workdir", None, "Run directory.")
 flags.DEFINE_string("data_dir", None, "The Multi30k directory (overrides config.data.dir).")
 flags.DEFINE_string("results", "docs/results.md", "Markdown file for the results table.")
 flags.DEFINE_string("curve", "docs/multi30k_learning_curve.png", "Learning-curve PNG.")
+RESULTS_BLOCK = "multi30k:last-run"  # the generated block of --results; the rest of the file is hand-written
 launch.define_config_flag(os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs", "multi30k.py"),
                           "Recipe config.")
 flags.mark_flags_as_required(["workdir"])
@@ -66,6 +70,17 @@ def score(params, model_config, tokenizer, sources, references, lc_references, d
   return out, hyps
 
 
+def _read_test(data_dir: str, max_examples: int) -> tuple[list[str], list[str], list[str]]:
+  """test2016 sources, cased references and the lowercased/normalised/tokenised references (published-style
+  BLEU), the first `max_examples` lines of each when > 0 (the shortened recipe of the tests)."""
+  names = ("test2016.en", "test2016.de", "test_2016_flickr.lc.norm.tok.de")
+  files = [read_lines(os.path.join(data_dir, name)) for name in names]
+  if len({len(lines) for lines in files}) != 1:
+    raise ValueError(f"{data_dir}: {', '.join(names)} must have the same number of lines, got "
+                     f"{', '.join(str(len(lines)) for lines in files)}")
+  return tuple(lines[:max_examples] if max_examples else lines for lines in files)
+
+
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
@@ -74,12 +89,9 @@ def main(argv):
   config = FLAGS.config
   if FLAGS.data_dir:
     config.data.dir = FLAGS.data_dir
-  data_dir = config.data.dir
-  wall_start = _wall_clock_start(FLAGS.workdir)
   try:
-    test_src = read_lines(os.path.join(data_dir, "test2016.en"))
-    test_ref = read_lines(os.path.join(data_dir, "test2016.de"))
-    test_lc = read_lines(os.path.join(data_dir, "test_2016_flickr.lc.norm.tok.de"))
+    test_src, test_ref, test_lc = _read_test(config.data.dir, config.final_eval.max_examples)
+    wall_start = _wall_clock_start(FLAGS.workdir)
     result = trainer.train_and_evaluate(config, FLAGS.workdir)
   except common.USER_ERRORS as e:
     common.fail(str(e))
@@ -109,30 +121,41 @@ def main(argv):
   visualize.plot_learning_curves(os.fspath(run_dir.metrics_jsonl), FLAGS.curve)
   summary = {"train_minutes": train_minutes, "total_minutes": total_minutes, "rows": rows,
              "val": _last_logged(os.fspath(run_dir.metrics_jsonl), "val/"),
-             "steps": config.num_train_steps,
-             "model": model_config.__dict__}
+             "steps": config.num_train_steps, "seed": config.seed,
+             "steps_per_s": _mean_steps_per_s(os.fspath(run_dir.metrics_jsonl)),
+             "load_average_1_5_15min": os.getloadavg(), "cpu_count": os.cpu_count(),
+             "test_sentences": len(test_src), "model": model_config.__dict__}
   with open(os.path.join(FLAGS.workdir, "results.json"), "w", encoding="utf-8") as f:
     json.dump(summary, f, indent=2, default=str)
-  write_markdown(FLAGS.results, FLAGS.curve, config, model_config, rows, summary)
+  docblock.replace_block(FLAGS.results, RESULTS_BLOCK,
+                         run_markdown(FLAGS.results, FLAGS.curve, config, model_config, rows, summary))
   for name, r in rows.items():
     print(f"{name}: test2016 lc-tok BLEU {r['lc_tok_bleu']:.2f} | sacreBLEU {r['bleu']:.2f} "
           f"({r['bleu_signature']}) | chrF {r['chrf']:.2f}")
-  print(f"total wall time {total_minutes:.1f} min (training {train_minutes:.1f} min)")
+  print(f"total wall time {total_minutes:.1f} min (training {train_minutes:.1f} min, "
+        f"{summary['steps_per_s']:.3f} steps/s); load average {os.getloadavg()[2]:.2f} (15 min)")
 
 
-def write_markdown(path, curve, config, model_config, rows, summary):
-  os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+def _mean_steps_per_s(metrics_jsonl: str) -> float:
+  """Training steps per second of wall time between the first and the last logged training step."""
+  rows = [json.loads(line) for line in open(metrics_jsonl, encoding="utf-8") if line.strip()]
+  train = [r for r in rows if "steps_per_s" in r]
+  if len(train) < 2:
+    return float(train[0]["steps_per_s"]) if train else float("nan")
+  return (train[-1]["step"] - train[0]["step"]) / max(train[-1]["time"] - train[0]["time"], 1e-9)
+
+
+def run_markdown(path, curve, config, model_config, rows, summary) -> str:
+  """The generated part of docs/results.md: this run's recipe, test2016 scores, wall time and curve."""
   lines = [
-      "# Results",
-      "",
-      "## Multi30k EN→DE on a 2-core CPU (`experiments/configs/multi30k.py`)",
-      "",
       f"Produced by `python -m experiments.multi30k` on {time.strftime('%Y-%m-%d')} "
-      f"({os.cpu_count()} CPU cores). Model: {model_config.num_encoder_layers}+{model_config.num_decoder_layers} "
+      f"({summary['cpu_count']} CPU cores, load average {summary['load_average_1_5_15min'][2]:.2f} over the "
+      f"last 15 min). Model: {model_config.num_encoder_layers}+{model_config.num_decoder_layers} "
       f"layers, d_model {model_config.d_model}, d_ff {model_config.d_ff}, {model_config.num_heads} heads, "
       f"dropout {model_config.dropout_rate}, shared BPE vocabulary {model_config.vocab_size}; "
-      f"{config.num_train_steps} steps of {config.data.tokens_per_batch} tokens; beam {config.decode.beam_size}, "
-      f"α {config.decode.alpha}.",
+      f"{config.num_train_steps} steps of {config.data.tokens_per_batch} tokens (warm-up {config.warmup_steps}, "
+      f"cool-down {config.cooldown_steps}, seed {config.seed}); beam {config.decode.beam_size}, "
+      f"α {config.decode.alpha}; {summary['test_sentences']} test2016 sentences.",
       "",
       "| checkpoint | test2016 BLEU (lc, norm, tok; published-style) | sacreBLEU (cased, detok) | chrF |",
       "|---|---|---|---|",
@@ -140,16 +163,15 @@ def write_markdown(path, curve, config, model_config, rows, summary):
   for name, r in rows.items():
     lines.append(f"| {name} | {r['lc_tok_bleu']:.2f} | {r['bleu']:.2f} | {r['chrf']:.2f} |")
   sig = next(iter(rows.values()))["bleu_signature"]
+  val = ", ".join(f"{k} {v:.3f}" for k, v in sorted(summary["val"].items()) if isinstance(v, float))
   lines += ["", f"sacreBLEU signature: `{sig}`; the published-style score uses `tokenize='none'` against "
             "`test_2016_flickr.lc.norm.tok.de`.", "",
-            f"Wall time: {summary['total_minutes']:.1f} min in total from the recipe's first start in its workdir "
-            f"(data preparation, training with periodic validation, averaging and test decoding; a resumed or "
-            f"re-scored run counts from the first start).", "",
-            f"Validation at the end: " + ", ".join(f"{k} {v:.3f}" for k, v in sorted(summary['val'].items())
-                                                  if isinstance(v, float)), "",
-            f"![learning curve]({os.path.relpath(curve, os.path.dirname(os.path.abspath(path)))})", ""]
-  with open(path, "w", encoding="utf-8") as f:
-    f.write("\n".join(lines))
+            f"Wall time: **{summary['total_minutes']:.1f} min** in total from the recipe's first start in its "
+            f"workdir (data preparation, training at {summary['steps_per_s']:.3f} steps/s with periodic "
+            f"validation, averaging and test decoding; a resumed or re-scored run counts from the first start).",
+            "", f"Validation at the end: {val}", "",
+            f"![learning curve]({os.path.relpath(curve, os.path.dirname(os.path.abspath(path)))})"]
+  return "\n".join(lines)
 
 
 if __name__ == "__main__":

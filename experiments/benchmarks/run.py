@@ -48,13 +48,13 @@ import tempfile
 import time
 from pathlib import Path
 
-from experiments import launch
+from experiments import docblock, launch
 from experiments.benchmarks import common, flax_peer
 
 DOC = common.REPO / "docs" / "performance.md"
 PLOTS = common.REPO / "docs" / "benchmarks"
 DEFAULT_JSON = common.REPO / "runs" / "benchmarks" / "results.json"
-TABLE_START, TABLE_END = "<!-- bench:table:start -->", "<!-- bench:table:end -->"
+TABLE_BLOCK = "bench:table"  # <!-- bench:table:start --> ... <!-- bench:table:end --> in DOC
 
 TINY_VARIANTS = "flax_dropout,autodiff_logits,autodiff_loss,unoptimized,no_dropout"
 BASE_VARIANTS = "unoptimized"
@@ -520,15 +520,8 @@ def _render_ctranslate2(c: dict) -> list[str]:
 
 
 def update_doc(table: str) -> bool:
-  if not DOC.exists():
-    return False
-  text = DOC.read_text()
-  if TABLE_START not in text or TABLE_END not in text:
-    return False
-  head, rest = text.split(TABLE_START, 1)
-  _, tail = rest.split(TABLE_END, 1)
-  DOC.write_text(f"{head}{TABLE_START}\n{table}\n{TABLE_END}{tail}")
-  return True
+  """The generated table in docs/performance.md (between its bench:table markers); False when absent."""
+  return DOC.exists() and docblock.replace_block(str(DOC), TABLE_BLOCK, table, append_if_missing=False)
 
 
 def peer_frameworks(args, needed: bool) -> tuple[list[str] | None, list[str]]:

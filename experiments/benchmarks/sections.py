@@ -462,7 +462,7 @@ def ctranslate2(args) -> dict:
   except ImportError as e:  # the interop extra is not installed
     return {"error": f"needs the interop extra ({e})"}
   corpus = common.load_corpus()
-  cfg = preset_config(args.preset, args.vocab or corpus.vocab_size)
+  cfg = common.preset_config(args.preset, args.vocab or corpus.vocab_size)
   params = jax.device_put(nn.unbox(init_params(cfg, jax.random.key(0))))
   return ctranslate2_bench.run(args, corpus, cfg, params)
 
