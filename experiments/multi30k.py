@@ -139,9 +139,9 @@ def main(argv):
 def _mean_steps_per_s(metrics_jsonl: str) -> float:
   """Training steps per second of wall time between the first and the last logged training step."""
   rows = [json.loads(line) for line in open(metrics_jsonl, encoding="utf-8") if line.strip()]
-  train = [r for r in rows if "steps_per_s" in r]
+  train = [r for r in rows if "train/steps_per_s" in r]
   if len(train) < 2:
-    return float(train[0]["steps_per_s"]) if train else float("nan")
+    return float(train[0]["train/steps_per_s"]) if train else float("nan")
   return (train[-1]["step"] - train[0]["step"]) / max(train[-1]["time"] - train[0]["time"], 1e-9)
 
 

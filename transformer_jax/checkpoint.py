@@ -275,7 +275,7 @@ class Checkpointer:
   """A thin wrapper around `ocp.CheckpointManager` for one run's `<workdir>/checkpoints` directory.
 
   Args:
-    directory: the checkpoint directory (use `checkpoint_dir(workdir)` or `Checkpointer.for_workdir`).
+    directory: the checkpoint directory (a run's is `workdir.Workdir(path).checkpoints`).
     max_to_keep: keep the newest `max_to_keep` steps (None: keep all).
     best_metric: if set, additionally keep the `keep_best` best steps by `metrics[best_metric]`, even after
       they age out of the newest `max_to_keep`.
@@ -316,10 +316,6 @@ class Checkpointer:
     )
     self._manager = _Manager(self.directory, options=options,
                              handler_registry=_handler_registry())
-
-  @classmethod
-  def for_workdir(cls, workdir: str | os.PathLike, **kwargs) -> "Checkpointer":
-    return cls(checkpoint_dir(workdir), **kwargs)
 
   @property
   def manager(self) -> ocp.CheckpointManager:
