@@ -8,7 +8,7 @@ entropy of the attention distribution and which heads are near-uniform (`transfo
 """
 
 import jax.numpy as jnp
-from absl import app, flags
+from absl import flags
 
 from experiments import common, launch
 from transformer_jax import diagnostics, inference, visualize
@@ -36,14 +36,7 @@ def _draw() -> None:
   print(diagnostics.format_table(statistics))
 
 
-def main(argv):
-  if len(argv) > 1:
-    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-  common.setup_logging()
-  try:
-    _draw()
-  except common.USER_ERRORS as e:
-    common.fail(str(e))
+main = common.program(_draw)
 
 
 if __name__ == "__main__":

@@ -9,7 +9,7 @@ evaluate through `--checkpoint`.
 
 import os
 
-from absl import app, flags
+from absl import flags
 
 from experiments import common, launch
 from transformer_jax import checkpoint as checkpoint_lib
@@ -25,23 +25,18 @@ flags.mark_flags_as_required(["workdir"])
 launch.check_flags(last="decode.average_last")
 
 
-def main(argv):
-  if len(argv) > 1:
-    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-  common.setup_logging()
+@common.program
+def main():
   source = os.fspath(Workdir(FLAGS.workdir).checkpoints)
   output = FLAGS.output or os.fspath(Workdir(FLAGS.workdir).averaged)
-  try:
-    if not os.path.isdir(source):
-      raise FileNotFoundError(f"{source} not found: is {FLAGS.workdir} the --workdir of a training run?")
-    if os.path.abspath(output) == os.path.abspath(source):
-      raise ValueError("--output must not be the run's own checkpoint directory")
-    steps = [int(s) for s in FLAGS.steps] if FLAGS.steps else None
-    last = FLAGS.last or common.load_workdir_config(FLAGS.workdir).decode.average_last
-    step = checkpoint_lib.average_checkpoints(source, steps, last_n=None if steps else last,
-                                              output_directory=output)
-  except common.USER_ERRORS as e:
-    common.fail(str(e))
+  if not os.path.isdir(source):
+    raise FileNotFoundError(f"{source} not found: is {FLAGS.workdir} the --workdir of a training run?")
+  if os.path.abspath(output) == os.path.abspath(source):
+    raise ValueError("--output must not be the run's own checkpoint directory")
+  steps = [int(s) for s in FLAGS.steps] if FLAGS.steps else None
+  last = FLAGS.last or common.load_workdir_config(FLAGS.workdir).decode.average_last
+  step = checkpoint_lib.average_checkpoints(source, steps, last_n=None if steps else last,
+                                            output_directory=output)
   print(f"wrote the average of {'steps ' + ','.join(map(str, steps)) if steps else f'the last {last} checkpoints'}"
         f" as step {step} in {output}")
 

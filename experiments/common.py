@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import sys
 import time
+from typing import Any, Callable
 
 import ml_collections
 import tensorflow_datasets as tfds
+from absl import app
 from absl import logging as absl_logging
 
 from experiments.configs import default
@@ -41,6 +44,27 @@ def setup_logging() -> None:
   absl_logging.set_verbosity(absl_logging.INFO)
   absl_logging.get_absl_handler().addFilter(_LibraryInfoFilter())
   tfds.disable_progress_bar()
+
+
+def program(body: Callable[[], Any]) -> Callable[[list[str]], Any]:
+  """The absl `main(argv)` of a program whose work is `body()` (flags come from `absl.flags.FLAGS`).
+
+  Refuses positional arguments (absl usage error), sets up logging, runs `body`, and turns the errors that mean
+  bad input or state (`USER_ERRORS`) into one `error: ...` line on stderr and exit status 1, as the house asks
+  of every program. Use as a decorator: `@common.program` over `def main():`, then `launch.run(main)`.
+  """
+
+  @functools.wraps(body)
+  def main(argv: list[str]):
+    if len(argv) > 1:
+      raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    setup_logging()
+    try:
+      return body()
+    except USER_ERRORS as error:
+      fail(str(error))
+
+  return main
 
 
 def fail(message: str) -> None:

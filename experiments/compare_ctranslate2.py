@@ -22,7 +22,7 @@ import os
 import jax
 import jax.numpy as jnp
 import numpy as np
-from absl import app, flags
+from absl import flags
 
 from experiments import common, launch
 from transformer_jax import inference
@@ -90,17 +90,12 @@ def compare(params, config, tokenizer, translator, lines, beam_size, alpha, extr
           "identical_percent": 100.0 * same / max(len(lines), 1), "differences": diffs}
 
 
-def main(argv):
-  if len(argv) > 1:
-    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-  common.setup_logging()
-  try:
-    lines = common.read_lines(FLAGS.input)
-    model_config, params, tokenizer = common.load_for_inference(FLAGS.workdir, FLAGS.checkpoint)
-    if not (os.path.isdir(FLAGS.ct2_dir) and os.listdir(FLAGS.ct2_dir)):
-      ct2.export_ctranslate2(params, model_config, FLAGS.ct2_dir, tokenizer_path=tokenizer.path)
-  except common.USER_ERRORS as e:
-    common.fail(str(e))
+@common.program
+def main():
+  lines = common.read_lines(FLAGS.input)
+  model_config, params, tokenizer = common.load_for_inference(FLAGS.workdir, FLAGS.checkpoint)
+  if not (os.path.isdir(FLAGS.ct2_dir) and os.listdir(FLAGS.ct2_dir)):
+    ct2.export_ctranslate2(params, model_config, FLAGS.ct2_dir, tokenizer_path=tokenizer.path)
   translator = ct2.translator(FLAGS.ct2_dir, threads=FLAGS.threads)
   reports = []
   for beam in (int(b) for b in FLAGS.beam_sizes):

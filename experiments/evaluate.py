@@ -13,7 +13,7 @@ import os
 import sys
 import time
 
-from absl import app, flags
+from absl import flags
 from tqdm import tqdm
 
 from experiments import common, launch
@@ -86,14 +86,7 @@ def _evaluate() -> None:
   print(f"{len(sources)} sentences in {seconds:.1f}s; hypotheses: {prefix}.hyp; scores: {prefix}.json")
 
 
-def main(argv):
-  if len(argv) > 1:
-    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-  common.setup_logging()
-  try:
-    _evaluate()
-  except common.USER_ERRORS as e:
-    common.fail(str(e))
+main = common.program(_evaluate)
 
 
 if __name__ == "__main__":

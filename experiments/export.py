@@ -9,7 +9,7 @@ CTranslate2 directory with `ctranslate2.Translator` (SentencePiece models includ
 
 import os
 
-from absl import app, flags
+from absl import flags
 
 from experiments import common, launch
 from transformer_jax.interop import ctranslate2 as ct2
@@ -29,23 +29,18 @@ def tokenizer_files(tokenizer) -> str:
   return tokenizer.path
 
 
-def main(argv):
-  if len(argv) > 1:
-    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-  common.setup_logging()
+@common.program
+def main():
   if os.path.isdir(FLAGS.output) and os.listdir(FLAGS.output):
-    common.fail(f"{FLAGS.output} exists and is not empty; choose a new --output")
-  try:
-    model_config, params, tokenizer = common.load_for_inference(FLAGS.workdir, FLAGS.checkpoint)
-    data = common.load_workdir_config(FLAGS.workdir).data
-    if FLAGS.format == "marian":
-      marian.save_marian(params, model_config, FLAGS.output, tokenizer_path=tokenizer_files(tokenizer),
-                         source_lang=data.source_lang, target_lang=data.target_lang)
-    else:
-      ct2.export_ctranslate2(params, model_config, FLAGS.output, tokenizer_path=tokenizer_files(tokenizer),
-                             quantization=FLAGS.quantization)
-  except common.USER_ERRORS + (FileExistsError,) as e:
-    common.fail(str(e))
+    raise FileExistsError(f"{FLAGS.output} exists and is not empty; choose a new --output")
+  model_config, params, tokenizer = common.load_for_inference(FLAGS.workdir, FLAGS.checkpoint)
+  data = common.load_workdir_config(FLAGS.workdir).data
+  if FLAGS.format == "marian":
+    marian.save_marian(params, model_config, FLAGS.output, tokenizer_path=tokenizer_files(tokenizer),
+                       source_lang=data.source_lang, target_lang=data.target_lang)
+  else:
+    ct2.export_ctranslate2(params, model_config, FLAGS.output, tokenizer_path=tokenizer_files(tokenizer),
+                           quantization=FLAGS.quantization)
   print(f"Exported {FLAGS.workdir} ({FLAGS.format}) -> {FLAGS.output}")
 
 

@@ -8,7 +8,7 @@ target.spm, vocab.json). Unsupported variants (separate embeddings or vocabulari
 Needs the `interop` extra only for pytorch_model.bin weights (torch) and safetensors.
 """
 
-from absl import app, flags
+from absl import flags
 
 from experiments import common, launch
 from transformer_jax.interop import marian
@@ -19,14 +19,9 @@ flags.DEFINE_string("workdir", None, "The new workdir (must not exist or be empt
 flags.mark_flags_as_required(["model_dir", "workdir"])
 
 
-def main(argv):
-  if len(argv) > 1:
-    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-  common.setup_logging()
-  try:
-    value = marian.import_to_workdir(FLAGS.model_dir, FLAGS.workdir)
-  except common.USER_ERRORS + (FileExistsError,) as e:
-    common.fail(str(e))
+@common.program
+def main():
+  value = marian.import_to_workdir(FLAGS.model_dir, FLAGS.workdir)
   model = value["model"]
   print(f"Imported {FLAGS.model_dir} -> {FLAGS.workdir}: {model['num_encoder_layers']}+"
         f"{model['num_decoder_layers']} layers, d_model {model['d_model']}, vocabulary {model['vocab_size']}, "

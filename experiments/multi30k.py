@@ -15,10 +15,9 @@ around it are hand-written and kept).
 import json
 import os
 import shutil
-import sys
 import time
 
-from absl import app, flags, logging
+from absl import flags
 
 from experiments import common, docblock, launch
 from transformer_jax import checkpoint as checkpoint_lib
@@ -81,20 +80,14 @@ def _read_test(data_dir: str, max_examples: int) -> tuple[list[str], list[str], 
   return tuple(lines[:max_examples] if max_examples else lines for lines in files)
 
 
-def main(argv):
-  if len(argv) > 1:
-    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-  common.setup_logging()
-
+@common.program
+def main():
   config = FLAGS.config
   if FLAGS.data_dir:
     config.data.dir = FLAGS.data_dir
-  try:
-    test_src, test_ref, test_lc = _read_test(config.data.dir, config.final_eval.max_examples)
-    wall_start = _wall_clock_start(FLAGS.workdir)
-    result = trainer.train_and_evaluate(config, FLAGS.workdir)
-  except common.USER_ERRORS as e:
-    common.fail(str(e))
+  test_src, test_ref, test_lc = _read_test(config.data.dir, config.final_eval.max_examples)
+  wall_start = _wall_clock_start(FLAGS.workdir)
+  result = trainer.train_and_evaluate(config, FLAGS.workdir)
   if result.stopped_early:
     return
   train_minutes = (time.time() - wall_start) / 60

@@ -7,9 +7,8 @@ its latest checkpoint.
 """
 
 import os
-import sys
 
-from absl import app, flags, logging
+from absl import flags
 
 from experiments import common, launch
 from transformer_jax import trainer
@@ -22,18 +21,10 @@ launch.define_config_flag(_DEFAULT_CONFIG, "Experiment config file (default: the
 flags.mark_flags_as_required(["workdir"])
 
 
-def main(argv):
-  if len(argv) > 1:
-    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-  config = FLAGS.config
-  common.setup_logging()
-  try:
-    result = trainer.train_and_evaluate(config, FLAGS.workdir)
-    common.report_final_eval(config, FLAGS.workdir, result)
-  except common.USER_ERRORS as e:
-    logging.error("%s", e)
-    print(f"error: {e}", file=sys.stderr)
-    sys.exit(1)
+@common.program
+def main():
+  result = trainer.train_and_evaluate(FLAGS.config, FLAGS.workdir)
+  common.report_final_eval(FLAGS.config, FLAGS.workdir, result)
 
 
 if __name__ == "__main__":

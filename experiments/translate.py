@@ -9,7 +9,7 @@ Empty input lines give empty output lines. `--checkpoint` takes a step number or
 
 import sys
 
-from absl import app, flags
+from absl import flags
 from tqdm import tqdm
 
 from experiments import common, launch
@@ -28,21 +28,16 @@ launch.check_flags(beam_size="decode.beam_size", alpha="decode.alpha", extra_len
 launch.check_files_exist("input")
 
 
-def main(argv):
-  if len(argv) > 1:
-    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-  common.setup_logging()
-  try:
-    lines = common.read_lines(FLAGS.input)
-    model_config, params, tokenizer = common.load_for_inference(FLAGS.workdir, FLAGS.checkpoint)
-    with tqdm(total=len(lines), unit="sent", file=sys.stderr, disable=not FLAGS.input) as bar:
-      outputs = inference.translate_texts(params, model_config, tokenizer, lines, beam_size=FLAGS.beam_size,
-                                          alpha=FLAGS.alpha, extra_len=FLAGS.extra_len, progress=bar.update)
-    with (open(FLAGS.output, "w", encoding="utf-8") if FLAGS.output
-          else open(sys.stdout.fileno(), "w", encoding="utf-8", closefd=False)) as stream:
-      stream.writelines(line + "\n" for line in outputs)
-  except common.USER_ERRORS as e:
-    common.fail(str(e))
+@common.program
+def main():
+  lines = common.read_lines(FLAGS.input)
+  model_config, params, tokenizer = common.load_for_inference(FLAGS.workdir, FLAGS.checkpoint)
+  with tqdm(total=len(lines), unit="sent", file=sys.stderr, disable=not FLAGS.input) as bar:
+    outputs = inference.translate_texts(params, model_config, tokenizer, lines, beam_size=FLAGS.beam_size,
+                                        alpha=FLAGS.alpha, extra_len=FLAGS.extra_len, progress=bar.update)
+  with (open(FLAGS.output, "w", encoding="utf-8") if FLAGS.output
+        else open(sys.stdout.fileno(), "w", encoding="utf-8", closefd=False)) as stream:
+    stream.writelines(line + "\n" for line in outputs)
 
 
 if __name__ == "__main__":

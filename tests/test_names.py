@@ -1,4 +1,4 @@
-"""Every global name a function reads is defined: a static check over the library and the benchmark scripts.
+"""Names: every global a function reads is defined, and pyflakes finds nothing in the tree.
 
 The benchmark sections run only under `make bench` (minutes each), so a name removed in a refactor (say a helper
 moved into `common`) would otherwise surface as a NameError in the middle of a benchmark run. This reads each
@@ -9,7 +9,10 @@ bound only at run time (`global x` assignments) are checked the same way, so the
 import builtins
 import dis
 import importlib
+import os
 import pkgutil
+import subprocess
+import sys
 import types
 
 import pytest
@@ -61,3 +64,11 @@ def test_the_check_finds_an_undefined_name(tmp_path, monkeypatch):
   (tmp_path / "broken_for_test.py").write_text("def f():\n  return preset_config(1)\n")
   monkeypatch.syspath_prepend(str(tmp_path))
   assert _undefined_globals(importlib.import_module("broken_for_test")) == ["f: preset_config"]
+
+
+def test_pyflakes_finds_no_unused_import_or_undefined_name():
+  """Unused imports, undefined names, shadowed loop variables ... in the library, the programs and the tests."""
+  repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  result = subprocess.run([sys.executable, "-m", "pyflakes", "transformer_jax", "experiments", "tests"], cwd=repo,
+                          capture_output=True, text=True, timeout=120)
+  assert result.returncode == 0, result.stdout + result.stderr

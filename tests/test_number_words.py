@@ -2,7 +2,6 @@
 
 import numpy as np
 import pytest
-import tensorflow_datasets as tfds
 
 from transformer_jax.data import number_words as nw
 

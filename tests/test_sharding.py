@@ -26,7 +26,6 @@ from jax.sharding import PartitionSpec as P
 
 from transformer_jax import sharding
 from transformer_jax.config import tiny
-from transformer_jax.training import steps
 from transformer_jax.training.schedule import adam_with_schedule, rsqrt_schedule
 
 pytestmark = pytest.mark.filterwarnings("ignore:Some donated buffers were not usable")

@@ -14,4 +14,8 @@ from transformer_jax.sharding import create_train_state, jit_eval_step, jit_trai
 from transformer_jax.training import (TrainState, adam_with_schedule, eval_step, label_smoothed_cross_entropy,
                                       normalized_loss, rsqrt_schedule, train_step)
 
+__all__ = ["BOS_ID", "EOS_ID", "PAD_ID", "UNK_ID", "ModelConfig", "MultiHeadAttention", "TrainState", "Transformer",
+           "adam_with_schedule", "base", "big", "create_train_state", "dot_product_attention", "eval_step",
+           "jit_eval_step", "jit_train_step", "label_smoothed_cross_entropy", "normalized_loss", "partition",
+           "rsqrt_schedule", "shift_right", "sinusoid_table", "tiny", "train_step"]
 __version__ = "0.1.0"

@@ -20,7 +20,6 @@ Without them the fused `jax.nn.dot_product_attention` (XLA or cuDNN) stays the p
 
 from __future__ import annotations
 
-import math
 from typing import Optional, Union
 
 import flax.linen as nn

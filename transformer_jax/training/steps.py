@@ -16,7 +16,7 @@ from flax.training import train_state
 
 from transformer_jax.config import ModelConfig
 from transformer_jax.model import Transformer
-from transformer_jax.training.loss import (label_smoothed_cross_entropy, smoothed_cross_entropy_and_correct,
+from transformer_jax.training.loss import (smoothed_cross_entropy_and_correct,
                                            token_weights)
 
 Batch = Mapping[str, jax.Array]
