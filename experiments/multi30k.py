@@ -49,13 +49,17 @@ def _wall_clock_start(workdir: str) -> float:
   return start
 
 
-def _last_logged(metrics_jsonl: str, prefix: str) -> dict:
+def _logged(metrics_jsonl: str) -> list[dict]:
+  """Every row of the run's `metrics.jsonl` ({"step", "time", name: value, ...}), in logging order."""
+  with open(metrics_jsonl, encoding="utf-8") as f:
+    return [json.loads(line) for line in f if line.strip()]
+
+
+def _last_logged(logged: list[dict], prefix: str) -> dict:
   """The last logged value of every metric whose name starts with `prefix`."""
   last = {}
-  with open(metrics_jsonl, encoding="utf-8") as f:
-    for line in f:
-      row = json.loads(line)
-      last.update({k: v for k, v in row.items() if k.startswith(prefix)})
+  for row in logged:
+    last.update({k: v for k, v in row.items() if k.startswith(prefix)})
   return last
 
 
@@ -112,10 +116,11 @@ def main():
   with open(os.path.join(FLAGS.workdir, "test2016.hyp"), "w", encoding="utf-8") as f:
     f.writelines(h + "\n" for h in hyps)
   visualize.plot_learning_curves(os.fspath(run_dir.metrics_jsonl), FLAGS.curve)
+  logged = _logged(os.fspath(run_dir.metrics_jsonl))
   summary = {"train_minutes": train_minutes, "total_minutes": total_minutes, "rows": rows,
-             "val": _last_logged(os.fspath(run_dir.metrics_jsonl), "val/"),
+             "val": _last_logged(logged, "val/"), "val_bleu_by_step": _logged_by_step(logged, "val/bleu"),
              "steps": config.num_train_steps, "seed": config.seed,
-             "steps_per_s": _mean_steps_per_s(os.fspath(run_dir.metrics_jsonl)),
+             "steps_per_s": _mean_steps_per_s(logged),
              "load_average_1_5_15min": os.getloadavg(), "cpu_count": os.cpu_count(),
              "test_sentences": len(test_src), "model": model_config.__dict__}
   with open(os.path.join(FLAGS.workdir, "results.json"), "w", encoding="utf-8") as f:
@@ -129,10 +134,15 @@ def main():
         f"{summary['steps_per_s']:.3f} steps/s); load average {os.getloadavg()[2]:.2f} (15 min)")
 
 
-def _mean_steps_per_s(metrics_jsonl: str) -> float:
-  """Training steps per second of wall time between the first and the last logged training step."""
-  rows = [json.loads(line) for line in open(metrics_jsonl, encoding="utf-8") if line.strip()]
-  train = [r for r in rows if "train/steps_per_s" in r]
+def _logged_by_step(logged: list[dict], key: str) -> list[tuple[int, float]]:
+  """[(step, value)] of every logged `key`, in logging order."""
+  return [(r["step"], r[key]) for r in logged if key in r]
+
+
+def _mean_steps_per_s(logged: list[dict]) -> float:
+  """Training steps per second of wall time between the first and the last logged training step (evaluations
+  and checkpoints in between included)."""
+  train = [r for r in logged if "train/steps_per_s" in r]
   if len(train) < 2:
     return float(train[0]["train/steps_per_s"]) if train else float("nan")
   return (train[-1]["step"] - train[0]["step"]) / max(train[-1]["time"] - train[0]["time"], 1e-9)
@@ -156,13 +166,16 @@ def run_markdown(path, curve, config, model_config, rows, summary) -> str:
   for name, r in rows.items():
     lines.append(f"| {name} | {r['lc_tok_bleu']:.2f} | {r['bleu']:.2f} | {r['chrf']:.2f} |")
   sig = next(iter(rows.values()))["bleu_signature"]
-  val = ", ".join(f"{k} {v:.3f}" for k, v in sorted(summary["val"].items()) if isinstance(v, float))
+  val = ", ".join(f"{k} {v:.3f}" for k, v in sorted(summary["val"].items())
+                  if isinstance(v, float) and "/attention/" not in k)
+  curve = ", ".join(f"{step}: {bleu:.2f}" for step, bleu in summary.get("val_bleu_by_step", []))
   lines += ["", f"sacreBLEU signature: `{sig}`; the published-style score uses `tokenize='none'` against "
             "`test_2016_flickr.lc.norm.tok.de`.", "",
             f"Wall time: **{summary['total_minutes']:.1f} min** in total from the recipe's first start in its "
             f"workdir (data preparation, training at {summary['steps_per_s']:.3f} steps/s with periodic "
             f"validation, averaging and test decoding; a resumed or re-scored run counts from the first start).",
             "", f"Validation at the end: {val}", "",
+            f"Validation BLEU (greedy, cased sacreBLEU) by step: {curve}", "",
             f"![learning curve]({os.path.relpath(curve, os.path.dirname(os.path.abspath(path)))})"]
   return "\n".join(lines)
 

@@ -85,6 +85,24 @@ def test_evaluate_matches_sacrebleu(workdir, tmp_path):
   assert "nrefs:1|case:mixed|eff:no|tok:13a" in result.stdout and "tokenized_bleu" in scores
 
 
+def test_tune_decoding_scores_every_setting_and_agrees_with_evaluate(workdir, tmp_path):
+  src, ref = tmp_path / "src.txt", tmp_path / "ref.txt"
+  src.write_text("twenty-one\nfive\nthree hundred\n", encoding="utf-8")
+  ref.write_text("einundzwanzig\nfünf\ndreihundert\n", encoding="utf-8")
+  report = tmp_path / "tune.json"
+  result = _run(["experiments.tune_decoding", f"--workdir={workdir}", f"--source={src}", f"--reference={ref}",
+                 "--average_last=1,3", "--beam_sizes=1,2", "--alphas=0.6,1.0", f"--report={report}"])
+  rows = json.loads(report.read_text())["rows"]
+  # Greedy once per average (alpha does not apply), beam 2 with each alpha: 2 x (1 + 2) rows.
+  assert [(r["average_last"], r["beam_size"], r["alpha"]) for r in rows] == [
+      (1, 1, None), (1, 2, 0.6), (1, 2, 1.0), (3, 1, None), (3, 2, 0.6), (3, 2, 1.0)]
+  assert "best on src.txt: average_last" in result.stdout
+  # The newest checkpoint with beam 2, alpha 0.6 is what experiments.evaluate scores by default.
+  _run(["experiments.evaluate", f"--workdir={workdir}", f"--source={src}", f"--reference={ref}", "--beam_size=2",
+        f"--output_prefix={tmp_path}/eval"])
+  assert rows[1]["bleu"] == pytest.approx(json.loads((tmp_path / "eval.json").read_text())["bleu"])
+
+
 def test_average_checkpoints_output_is_accepted_by_translate(workdir, tmp_path):
   out = tmp_path / "averaged"
   _run(["experiments.average_checkpoints", f"--workdir={workdir}", "--last=3", f"--output={out}"])
@@ -228,6 +246,10 @@ def test_resume_with_another_architecture_is_refused(deeper_workdir):
     ("experiments.evaluate", ["--source=/no/such.en", "--reference=/no/such.de"], "must name an existing file"),
     ("experiments.average_checkpoints", ["--last=0"], "--last=0: must be an integer >= 1"),
     ("experiments.average_checkpoints", ["--steps=10,abc"], "abc"),
+    ("experiments.tune_decoding", ["--source=README.md", "--reference=README.md", "--alphas=0.6,abc"],
+     "--alphas=0.6,abc: 'abc' is not a number"),
+    ("experiments.tune_decoding", ["--source=README.md", "--reference=README.md", "--beam_sizes=0"],
+     "--beam_sizes=0: must be an integer >= 1"),
 ])
 def test_bad_program_flags_are_one_line_errors(workdir, program, flags, needle):
   before = _tree_snapshot(workdir)

@@ -54,6 +54,7 @@ def test_shortened_recipe_end_to_end(multi30k_dir, tmp_path):
     assert 0.0 <= row["lc_tok_bleu"] <= 100.0 and 0.0 <= row["bleu"] <= 100.0 and row["chrf"] > 0.0
     assert row["bleu_signature"].startswith("nrefs:1|case:mixed")
   assert summary["steps_per_s"] > 0 and len(summary["load_average_1_5_15min"]) == 3
+  assert [step for step, _ in summary["val_bleu_by_step"]] == [8, 16, 24]
   assert len((workdir / "test2016.hyp").read_text().splitlines()) == 30
 
   # Validation BLEU and loss were logged at every evaluation (the curve's points), and the cool-down ran.
@@ -68,5 +69,6 @@ def test_shortened_recipe_end_to_end(multi30k_dir, tmp_path):
   text = results.read_text()
   start, end = docblock.markers("multi30k:last-run")
   assert text.startswith("# Results\n\nHand-written lever table.\n") and start in text and end in text
-  assert "| average of last 5 |" in text and "seed 0" in text
+  assert "| average of last 5 |" in text and "seed 0" in text and "by step: 8: " in text
+  assert "/attention/" not in text  # the diagnostics stay in results.json and TensorBoard
   assert "average of last 5: test2016 lc-tok BLEU" in proc.stdout

@@ -1,0 +1,95 @@
+r"""Choose the decoding settings on a development split: checkpoints averaged x beam size x length penalty α.
+
+    python -m experiments.tune_decoding --workdir=DIR --source=val.en --reference=val.de \
+        [--average_last=1,5,10] [--beam_sizes=4,5] [--alphas=0.4,0.6,0.8,1.0] [--extra_len=50] [--report=FILE]
+
+For every number of checkpoints N in `--average_last` (the newest N of the run, averaged as
+`experiments.average_checkpoints` does, into a temporary directory; 1 = the newest checkpoint alone) and every
+beam size and α, translates `--source` and scores cased sacreBLEU against `--reference`; prints one table row per
+setting and the best one, and writes every row as JSON to `--report` (default `<workdir>/eval/tune_decoding.json`).
+Greedy (beam 1) ignores α. Score a test set once, afterwards, with the chosen settings (`experiments.evaluate`);
+tuning on it would fit the test set.
+"""
+
+import os
+import tempfile
+import time
+
+from absl import flags
+
+from experiments import common, launch
+from experiments.configs import default
+from transformer_jax import checkpoint as checkpoint_lib
+from transformer_jax import inference, metrics
+from transformer_jax.workdir import Workdir, write_json_atomically
+
+FLAGS = flags.FLAGS
+flags.DEFINE_string("workdir", None, "The training run's --workdir.")
+flags.DEFINE_string("source", None, "Development source text, one sentence per line.")
+flags.DEFINE_string("reference", None, "Development references, aligned with --source.")
+flags.DEFINE_list("average_last", ["1"], "Numbers of newest checkpoints to average (1 = the newest alone).")
+flags.DEFINE_list("beam_sizes", ["4"], "Beam sizes (1 = greedy).")
+flags.DEFINE_list("alphas", ["0.6"], "GNMT length penalty exponents.")
+flags.DEFINE_integer("extra_len", 50, "Maximum output length = input length + extra_len.")
+flags.DEFINE_string("report", None, "JSON file for every row (default: <workdir>/eval/tune_decoding.json).")
+flags.mark_flags_as_required(["workdir", "source", "reference"])
+launch.check_flags(extra_len="decode.extra_len")
+launch.check_files_exist("source", "reference")
+
+
+def _grid() -> tuple[list[int], list[int], list[float]]:
+  """The three flag lists as numbers, each checked against its config key's rule (one-line errors)."""
+  def parse(values, kind, key, flag):
+    out = []
+    for value in values:
+      try:
+        out.append(kind(value))
+      except ValueError:
+        wanted = "an integer" if kind is int else "a number"
+        raise ValueError(f"--{flag}={','.join(values)}: {value!r} is not {wanted}") from None
+      default.check_value(key, out[-1], f"--{flag}")
+    return out
+
+  return (parse(FLAGS.average_last, int, "decode.average_last", "average_last"),
+          parse(FLAGS.beam_sizes, int, "decode.beam_size", "beam_sizes"),
+          parse(FLAGS.alphas, float, "decode.alpha", "alphas"))
+
+
+def _params_of_newest(workdir: str, n: int, scratch: str):
+  """(model_config, params, tokenizer) with the mean of the newest `n` checkpoints' parameters."""
+  if n == 1:
+    return common.load_for_inference(workdir)
+  output = os.path.join(scratch, f"average_{n}")
+  checkpoint_lib.average_checkpoints(os.fspath(Workdir(workdir).checkpoints), last_n=n, output_directory=output)
+  return common.load_for_inference(workdir, output)
+
+
+@common.program
+def main():
+  sources, references = common.read_lines(FLAGS.source), common.read_lines(FLAGS.reference)
+  if len(sources) != len(references):
+    raise ValueError(f"{FLAGS.source} has {len(sources)} lines but {FLAGS.reference} has {len(references)}")
+  averages, beams, alphas = _grid()
+  rows = []
+  with tempfile.TemporaryDirectory() as scratch:
+    for n in averages:
+      model_config, params, tokenizer = _params_of_newest(FLAGS.workdir, n, scratch)
+      for beam, alpha in [(b, a) for b in beams for a in (alphas if b > 1 else alphas[:1])]:  # greedy: one row
+        start = time.perf_counter()
+        hypotheses = inference.translate_texts(params, model_config, tokenizer, sources, beam_size=beam,
+                                               alpha=alpha, extra_len=FLAGS.extra_len)
+        scores = metrics.sacrebleu_scores(hypotheses, references)
+        rows.append({"average_last": n, "beam_size": beam, "alpha": alpha if beam > 1 else None,
+                     "bleu": scores["bleu"], "chrf": scores["chrf"], "seconds": time.perf_counter() - start,
+                     "bleu_signature": scores["bleu_signature"]})
+        print(f"average_last {n:>3} | beam {beam:>2} | alpha {alpha if beam > 1 else '-':>4} | "
+              f"BLEU {scores['bleu']:6.2f} | chrF {scores['chrf']:6.2f} | {rows[-1]['seconds']:6.1f}s", flush=True)
+  best = max(rows, key=lambda r: r["bleu"])
+  print(f"best on {os.path.basename(FLAGS.source)}: average_last {best['average_last']}, beam {best['beam_size']}, "
+        f"alpha {best['alpha']} -> BLEU {best['bleu']:.2f} ({best['bleu_signature']})")
+  report = FLAGS.report or os.fspath(Workdir(FLAGS.workdir).eval / "tune_decoding.json")
+  write_json_atomically(report, {"source": FLAGS.source, "reference": FLAGS.reference, "rows": rows, "best": best})
+
+
+if __name__ == "__main__":
+  launch.run(main)
