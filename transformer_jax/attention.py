@@ -481,13 +481,21 @@ class MultiHeadAttention(nn.Module):
     """One decoding step of self-attention for beam search, over a K/V cache that is never reordered.
 
     The cache (made by `beam_self_attention_cache`) holds, per source, the K/V of its `beams` rows side by
-    side, `beam_key`/`beam_value` `[batch, heads, beams * max_decode_len, head_dim]`, and `beam_ancestry`
-    `[batch, beams, max_decode_len]` int32: which beam row holds position s of beam j's hypothesis. Each row
-    writes only its own current position, so what it wrote earlier never changes, and a beam reorder moves
-    only the ancestry table (`reorder_beam_self_attention_cache`) instead of gathering every layer's K/V
-    cache at every step (the largest cost of a CPU beam step besides the decoder itself). The beams of a
-    source attend as `beams` queries over the `beams * max_decode_len` cached positions, each masked to its
-    own history: the same softmax(Q Kᵀ / √d_k) V as `dot_product_attention` (float32 scores and softmax).
+    side, and `beam_ancestry` `[batch, beams, max_decode_len]` int32: which beam row holds position s of beam
+    j's hypothesis. Each row writes only its own current position, so what it wrote earlier never changes,
+    and a beam reorder moves only the ancestry table (`reorder_beam_self_attention_cache`) instead of
+    gathering every layer's K/V cache at every step (the largest cost of a CPU beam step besides the decoder
+    itself). The beams of a source attend as `beams` queries over the `beams * max_decode_len` cached
+    positions, each masked to its own history: the same softmax(Q Kᵀ / √d_k) V as `dot_product_attention`
+    (float32 scores and softmax).
+
+    The K/V are stored in the layouts the two dots read and written in place (`_write_beam_positions`):
+    `beam_key` `[batch, heads, head_dim, beams * max_decode_len]` (Kᵀ: the score dot is a plain
+    `[beams, head_dim] x [head_dim, beams * L]` product per source and head) and `beam_value`
+    `[batch, heads, beams * max_decode_len, head_dim]`. Keys stored `[..., beams * L, head_dim]` made
+    XLA:CPU transpose every layer's key cache inside the score dot at every step, and a write through a
+    `[..., beams, L, ...]` reshape of the carried cache copied the cache whole (twice with the reshape's two
+    readers): together about as long as the rest of a beam-4 step (base model).
 
     query, key, value `[batch * beams, 1, heads, head_dim]` -> `[batch * beams, 1, heads, head_dim]`.
     """
@@ -499,17 +507,16 @@ class MultiHeadAttention(nn.Module):
     rows, _, heads, head_dim = query.shape
     index = cache_index.value
 
-    def write(cache, x):  # x [rows, 1, h, d] -> position `index` of every beam row of `cache`
-      x = jnp.transpose(x.reshape(batch, beams, heads, 1, head_dim), (0, 2, 1, 3, 4)).astype(cache.dtype)
-      cache = cache.reshape(batch, heads, beams, length, head_dim)
-      return jax.lax.dynamic_update_slice(cache, x, (0, 0, 0, index, 0)).reshape(
-          batch, heads, beams * length, head_dim)
-
-    cached_key.value, cached_value.value = write(cached_key.value, key), write(cached_value.value, value)
+    per_source = lambda x: x.reshape(batch, beams, heads, head_dim)  # noqa: E731  [rows, 1, h, d] -> [b, j, h, d]
+    cached_key.value = _write_beam_positions(  # keys [b, h, d, j]
+        cached_key.value, jnp.transpose(per_source(key), (0, 2, 3, 1)), index, length, axis=3)
+    cached_value.value = _write_beam_positions(  # values [b, h, j, d]
+        cached_value.value, jnp.transpose(per_source(value), (0, 2, 1, 3)), index, length, axis=2)
     ancestry.value = ancestry.value.at[:, :, index].set(jnp.arange(beams, dtype=jnp.int32)[None, :])
     cache_index.value = index + 1
-    q = jnp.transpose(query.reshape(batch, beams, heads, head_dim), (0, 2, 1, 3))  # [b, h, j, d]
-    logits = jnp.einsum("bhjd,bhkd->bhjk", q, cached_key.value, preferred_element_type=jnp.float32)
+
+    q = jnp.transpose(per_source(query), (0, 2, 1, 3))  # [b, h, j, d]
+    logits = jnp.einsum("bhjd,bhdk->bhjk", q, cached_key.value, preferred_element_type=jnp.float32)
     logits = logits * jnp.float32(1.0 / np.sqrt(head_dim))  # [b, h, j, beams * L]
     # keep[b, j, m, l]: row m holds position l of beam j's history, and l has been written.
     keep = ancestry.value[:, :, None, :] == jnp.arange(beams)[None, None, :, None]
@@ -521,16 +528,29 @@ class MultiHeadAttention(nn.Module):
     return jnp.transpose(out, (0, 2, 1, 3)).reshape(rows, 1, heads, head_dim)
 
 
+def _write_beam_positions(cache: Array, x: Array, index: Array, length: int, axis: int) -> Array:
+  """Writes slice m of `x` (`beams` along `axis`) at position `m * length + index` of `cache` (`beams * length`
+  along `axis`), for every beam m: `beams` one-position in-place updates of the loop-carried buffer (no
+  reshape of it, which XLA:CPU turns into whole-cache copies)."""
+  for m in range(x.shape[axis]):
+    start = [0] * cache.ndim
+    start[axis] = m * length + index
+    update = jax.lax.slice_in_dim(x, m, m + 1, axis=axis).astype(cache.dtype)
+    cache = jax.lax.dynamic_update_slice(cache, update, start)
+  return cache
+
+
 def beam_self_attention_cache(entry: dict, batch: int, beams: int) -> dict:
   """A decoding self-attention cache entry `{cached_key, cached_value, cache_index}` (rows = batch * beams,
   as tiled for beam search) -> the never-reordered beam form that `MultiHeadAttention` then uses:
-  `beam_key`/`beam_value` `[batch, heads, beams * max_decode_len, head_dim]` and `beam_ancestry`
-  `[batch, beams, max_decode_len]` int32 (values written before the first step are never read)."""
+  `beam_key` `[batch, heads, head_dim, beams * max_decode_len]` (keys transposed), `beam_value`
+  `[batch, heads, beams * max_decode_len, head_dim]` and `beam_ancestry` `[batch, beams, max_decode_len]`
+  int32 (values written before the first step are never read)."""
   rows, heads, length, head_dim = entry["cached_key"].shape
   if rows != batch * beams:
     raise ValueError(f"cache has {rows} rows, expected batch * beams = {batch} * {beams}")
-  zeros = jnp.zeros((batch, heads, beams * length, head_dim), entry["cached_key"].dtype)
-  return {"beam_key": zeros, "beam_value": zeros.astype(entry["cached_value"].dtype),
+  return {"beam_key": jnp.zeros((batch, heads, head_dim, beams * length), entry["cached_key"].dtype),
+          "beam_value": jnp.zeros((batch, heads, beams * length, head_dim), entry["cached_value"].dtype),
           "beam_ancestry": jnp.zeros((batch, beams, length), jnp.int32), "cache_index": entry["cache_index"]}
 
 

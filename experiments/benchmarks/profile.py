@@ -1,7 +1,12 @@
-r"""Where a training step's time goes: a `jax.profiler` trace aggregated by XLA op and by model source.
+r"""Where a training or decoding step's time goes: a `jax.profiler` trace aggregated by XLA op and model source.
 
     python -m experiments.benchmarks.profile --preset=tiny            # CPU preset, 4096-token batches
     python -m experiments.benchmarks.profile --preset=base --vocab=37000 --steps=2
+    python -m experiments.benchmarks.profile --preset=base --search=beam4 --sources=64   # one decoding batch
+
+With `--search=greedy|beam4` it traces `translate_ids`' compiled search on one batch of `--sources` multi30k
+test2016 sources of the `--bucket` length bucket (random init, outputs capped at len(source)+50, as the
+ctranslate2 bench section), and reports per decoder step.
 
 Compiles the trainer's own train step (`common.build_train_step`: `trainer.create_state` +
 `trainer.make_train_step` of the default recipe with the preset's sizes, one-device mesh) on the
@@ -23,12 +28,15 @@ import re
 import tempfile
 import time
 
+import flax.linen as nn
 import jax
+import numpy as np
 
 from experiments import launch
 from experiments.benchmarks import common
-from transformer_jax import sharding
+from transformer_jax import inference, sharding
 from transformer_jax.data.batching import PackedBatches
+from transformer_jax.training.steps import init_params
 
 # First match wins: the finer module paths before the blocks that contain them.
 AREAS = (("Dropout", "dropout"), ("layer_norm", "layer norm"), ("attend", "tied logits"),
@@ -93,10 +101,19 @@ def main(argv=None):
   parser.add_argument("--tokens", type=int, default=4096)
   parser.add_argument("--row_length", type=int, default=64)
   parser.add_argument("--steps", type=int, default=3)
+  parser.add_argument("--search", choices=("train", "greedy", "beam4"), default="train",
+                      help="profile the train step (default) or a decoding batch")
+  parser.add_argument("--sources", type=int, default=64, help="decoding: sources in the batch")
+  parser.add_argument("--bucket", type=int, default=16, help="decoding: their padded source length")
   parser.add_argument("--top", type=int, default=15)
   parser.add_argument("--trace_dir", default="")
   args = parser.parse_args(argv)
+  program = _train_program(args) if args.search == "train" else _decode_program(args)
+  _report(args, *program)
 
+
+def _train_program(args):
+  """(compiled step, run once, steps per run, title) for the trainer's step on one packed batch."""
   corpus = common.load_corpus(args.row_length)
   cfg = common.preset_config(args.preset, args.vocab or corpus.vocab_size)
   batches = PackedBatches(corpus.sources, corpus.targets, tokens_per_batch=args.tokens,
@@ -105,41 +122,77 @@ def main(argv=None):
   batch = built.shard(next(batches))
   state, rng = built.state, built.rng
   step = built.step.lower(state, batch, rng).compile()
-  for _ in range(2):
-    state, metrics = step(state, batch, rng)
+  carry = {"state": state}
+
+  def run_once():
+    carry["state"], metrics = step(carry["state"], batch, rng)
     jax.block_until_ready(metrics)
+
+  flops = common.model_flops(cfg, args.tokens // args.row_length, args.row_length, args.row_length)["total"]
+  title = (f"{args.preset} (d={cfg.d_model}, V={cfg.vocab_size}), {args.tokens} tokens/batch: "
+           + "step {wall:.3f}s (traced), {gflops:.0f} model GFLOP/s")
+  return step, run_once, 1, title, flops
+
+
+def _decode_program(args):
+  """(compiled search, run once, decoder steps per run, title) for one batch of `translate_ids`."""
+  corpus = common.load_corpus()
+  cfg = common.preset_config(args.preset, args.vocab or corpus.vocab_size)
+  params = jax.device_put(nn.unbox(init_params(cfg, jax.random.key(0))))
+  prepared = [p for p in inference._prepare_sources(corpus.test_sources, cfg, 50, True)
+              if inference._bucket_of(p[1], cfg) == args.bucket][:args.sources]
+  if not prepared:
+    raise SystemExit(f"error: no test source falls in bucket {args.bucket}")
+  inputs = np.full((len(prepared), args.bucket), cfg.pad_id, np.int32)
+  limits = np.zeros((len(prepared),), np.int32)
+  for r, (_, ids, limit) in enumerate(prepared):
+    inputs[r, :len(ids)] = ids
+    limits[r] = min(limit, args.bucket + 50)
+  beam = 4 if args.search == "beam4" else 1
+  search = inference._search_fn(cfg, beam, 0.6, args.bucket + 50)
+  compiled = search.lower(params, inputs, limits).compile()
+  run_once = lambda: jax.block_until_ready(compiled(params, inputs, limits))  # noqa: E731
+  title = (f"{args.search} {args.preset} (d={cfg.d_model}, V={cfg.vocab_size}), {len(prepared)} sources of "
+           f"bucket {args.bucket} ({len(prepared) * beam} decoder rows): "
+           "{wall:.3f}s per decoder step (traced)")
+  return compiled, run_once, int(limits.max()), title, 0.0
+
+
+def _report(args, compiled, run_once, steps_per_run: int, title: str, flops: float):
+  """Traces `args.steps` runs (after two untimed ones) and prints the op time by kind, area and op."""
+  runs = args.steps if args.search == "train" else 1
+  for _ in range(2 if args.search == "train" else 1):
+    run_once()
   trace_dir = args.trace_dir or tempfile.mkdtemp(prefix="profile_")
   start = time.perf_counter()
   with jax.profiler.trace(trace_dir):
-    for _ in range(args.steps):
-      state, metrics = step(state, batch, rng)
-      jax.block_until_ready(metrics)
-  wall = (time.perf_counter() - start) / args.steps
+    for _ in range(runs):
+      run_once()
+  steps = runs * steps_per_run
+  wall = (time.perf_counter() - start) / steps
 
-  instructions = hlo_instructions(step.as_text())
+  instructions = hlo_instructions(compiled.as_text())
   events = op_events(trace_dir)
   per_op = collections.Counter()
   for s, e, _, name in events:
     per_op[name] += e - s
   total = sum(per_op.values())
   shares, span = concurrency(events)
-  flops = common.model_flops(cfg, args.tokens // args.row_length, args.row_length, args.row_length)["total"]
-  print(f"{args.preset} (d={cfg.d_model}, V={cfg.vocab_size}), {args.tokens} tokens/batch: step {wall:.3f}s "
-        f"(traced), {flops / wall / 1e9:.0f} model GFLOP/s; op time {total / args.steps / 1e9:.3f}s per step "
-        f"summed over threads; ops running during the traced span: "
+  print(title.format(wall=wall, gflops=flops / wall / 1e9) + f"; op time {total / steps / 1e9:.3f}s per step "
+        "summed over threads; ops running during the traced span: "
         + ", ".join(f"{k}{'+' if k == 2 else ''}: {v:.0%}" for k, v in shares.items()))
   by_kind, by_area = collections.Counter(), collections.Counter()
   for name, t in per_op.items():
     by_kind[re.sub(r"[.\d]+$", "", name)] += t
     by_area[area(instructions.get(name, ("", "", ""))[2])] += t
-  for title, counter in (("by op kind", by_kind), ("by model area", by_area)):
-    print(f"\n{title} (share of op time)")
+  for title_, counter in (("by op kind", by_kind), ("by model area", by_area)):
+    print(f"\n{title_} (share of op time)")
     for key, t in counter.most_common(args.top):
       print(f"  {t / total:6.1%}  {key}")
   print(f"\ntop {args.top} ops (ms per step, share, output, source)")
   for name, t in per_op.most_common(args.top):
     typ, _, op_name = instructions.get(name, ("?", "?", ""))
-    print(f"  {t / args.steps / 1e6:7.1f} {t / total:6.1%}  {name:28s} {typ[:28]:28s} {op_name[-90:]}")
+    print(f"  {t / steps / 1e6:7.1f} {t / total:6.1%}  {name:28s} {typ[:28]:28s} {op_name[-90:]}")
   print(f"\ntrace: {trace_dir}")
 
 
