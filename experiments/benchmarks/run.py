@@ -504,8 +504,8 @@ def targets(results: dict) -> list[str]:
 def _render_ctranslate2(c: dict) -> list[str]:
   """Section 6: our searches vs CTranslate2 fp32/int8 (experiments/benchmarks/ctranslate2_bench.py)."""
   if "ours_greedy" not in c:
-    return [f"**6. Decoding vs CTranslate2**: {c['error']}", ""] if "error" in c else []
-  lines = [f"**6. Decoding vs CTranslate2** ({c['preset']} preset, vocabulary {c['vocab_size']}, random init, "
+    return [f"**4b. Decoding vs CTranslate2**: {c['error']}", ""] if "error" in c else []
+  lines = [f"**4b. Decoding vs CTranslate2** ({c['preset']} preset, vocabulary {c['vocab_size']}, random init, "
            f"{c['sources']} multi30k test2016 sources, outputs capped at len(source)+{c['extra_len']}; "
            f"CTranslate2 {c['ct2_threads']} intra-op threads, max_batch_size {c['ct2_max_batch_size']}; "
            f"ours: {c['jax_threads']}, {c['max_tokens_per_batch']} source tokens/batch)", "",
