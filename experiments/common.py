@@ -16,7 +16,7 @@ from transformer_jax import checkpoint as checkpoint_lib
 from transformer_jax import inference, metrics, trainer
 from transformer_jax.data import datasets, parallel_text, sources
 from transformer_jax.data.tokenizer import Tokenizer, VocabularyError
-from transformer_jax.interop.marian_vocab import MarianVocabulary
+from transformer_jax.data.marian_vocab import MarianVocabulary
 from transformer_jax.workdir import Workdir, write_json_atomically
 
 # Exceptions that mean "bad input or state": printed as one line, exit status 1, no traceback.

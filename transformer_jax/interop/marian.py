@@ -42,8 +42,8 @@ import sentencepiece as spm
 from transformer_jax import checkpoint as checkpoint_lib
 from transformer_jax.config import ModelConfig
 from transformer_jax.data.tokenizer import VocabularyError
-from transformer_jax.interop.marian_vocab import (EOS_PIECE, MARIAN_TOKENIZER_FILES, PAD_PIECE, SOURCE_SPM,
-                                                  TARGET_SPM, VOCAB_JSON, MarianVocabulary)
+from transformer_jax.data.marian_vocab import (EOS_PIECE, MARIAN_TOKENIZER_FILES, PAD_PIECE, SOURCE_SPM,
+                                              TARGET_SPM, VOCAB_JSON, MarianVocabulary)
 from transformer_jax.model import sinusoid_table
 from transformer_jax.training import schedule, steps
 from transformer_jax.training.steps import init_params
