@@ -15,7 +15,7 @@ from experiments.configs import default
 from transformer_jax import checkpoint as checkpoint_lib
 from transformer_jax import inference, metrics, trainer
 from transformer_jax.data import datasets, parallel_text, sources
-from transformer_jax.data.tokenizer import Tokenizer, VocabularyError
+from transformer_jax.data.tokenizer import Tokenizer, VocabularyError, check_model_ids
 from transformer_jax.data.marian_vocab import MarianVocabulary
 from transformer_jax.workdir import Workdir, write_json_atomically
 
@@ -82,6 +82,7 @@ def load_for_inference(workdir: str, checkpoint: str | None = None):
     tokenizer = Tokenizer(datasets.vocab_path(config.data, workdir))
   model_config = trainer.model_config_from(config, config.model.vocab_size)
   tokenizer.check_model_vocab(model_config.vocab_size)
+  check_model_ids(tokenizer, model_config)
   directory, step = os.fspath(Workdir(workdir).checkpoints), None
   if checkpoint:
     if checkpoint.isdigit():

@@ -37,7 +37,7 @@ from tensorboardX import SummaryWriter
 from transformer_jax import checkpoint as checkpoint_lib
 from transformer_jax import diagnostics, inference, metrics as metrics_lib, sharding
 from transformer_jax.config import ModelConfig
-from transformer_jax.data import batching, datasets as datasets_lib
+from transformer_jax.data import batching, datasets as datasets_lib, tokenizer as tokenizer_lib
 from transformer_jax.training import schedule as schedule_lib
 from transformer_jax.training import steps
 from transformer_jax.workdir import Workdir, to_jsonable, write_json_atomically
@@ -194,9 +194,10 @@ class LossEvaluator:
 
   def __call__(self, run: "Run", params: Any, split: str, eval_set: datasets_lib.EvalSet) -> dict[str, float]:
     totals = None
-    for batch in batching.eval_batches(eval_set.sources, eval_set.targets, self.tokens_per_batch):
+    pad_id = run.model_config.pad_id
+    for batch in batching.eval_batches(eval_set.sources, eval_set.targets, self.tokens_per_batch, pad_id=pad_id):
       sums = run.eval_step(params, sharding.shard_batch(batch, run.mesh, run.rules, process_local=False,
-                                                        pad_rows=True))
+                                                        pad_rows=True, pad_id=pad_id))
       totals = sums if totals is None else jax.tree_util.tree_map(jnp.add, totals, sums)
     metrics = {k: float(v) for k, v in steps.metrics_from_sums(totals).items()}
     metrics["perplexity"] = float(math.exp(min(metrics["nll"], 50.0)))
@@ -240,7 +241,7 @@ class AttentionEvaluator:
     if not self.rows or not eval_set.sources:
       return {}
     batch = next(batching.eval_batches(eval_set.sources[:self.rows], eval_set.targets[:self.rows],
-                                       max_tokens=1 << 30))
+                                       max_tokens=1 << 30, pad_id=run.model_config.pad_id))
     statistics = _attention_statistics(params, run.model_config, jnp.asarray(batch["inputs"]),
                                        jnp.asarray(batch["targets"]))
     return diagnostics.summary_scalars(statistics)
@@ -307,6 +308,7 @@ def prepare(config: Any, workdir: str) -> Run:
   data = datasets_lib.build_datasets(config.data, str(run_dir.root), seed=config.seed,
                                      process_index=jax.process_index(), process_count=jax.process_count())
   model_config = model_config_from(config, data.tokenizer.vocab_size)
+  tokenizer_lib.check_model_ids(data.tokenizer, model_config)
   resolved = to_jsonable(config)
   resolved["model"] = to_jsonable(model_config)
   run_dir.check_compatible(resolved, keys=MODEL_KEYS, defaults={"model": ModelConfig()})

@@ -28,6 +28,7 @@ import jax
 from experiments import launch
 from experiments.benchmarks import common
 from transformer_jax import sharding
+from transformer_jax.config import PAD_ID
 from transformer_jax.data.batching import PackedBatches
 
 # First match wins: the finer module paths before the blocks that contain them.
@@ -100,7 +101,7 @@ def main(argv=None):
   corpus = common.load_corpus(args.row_length)
   cfg = common.preset_config(args.preset, args.vocab or corpus.vocab_size)
   batches = PackedBatches(corpus.sources, corpus.targets, tokens_per_batch=args.tokens,
-                          row_length=args.row_length, seed=0)
+                          row_length=args.row_length, pad_id=PAD_ID, seed=0)
   built = common.build_train_step(common.train_config(cfg), mesh=sharding.single_device_mesh())
   batch = built.shard(next(batches))
   state, rng = built.state, built.rng

@@ -105,8 +105,8 @@ def build_datasets(data_config: Any, workdir: str, *, seed: int, process_index: 
   srcs, tgts, too_long = batching.filter_by_length(srcs, tgts, data_config.max_len)
   batching.log_drop_counts("train", too_long, blank, len(srcs), data_config.max_len)
   train = batching.PackedBatches(srcs, tgts, tokens_per_batch=data_config.tokens_per_batch,
-                                 row_length=data_config.max_len, seed=seed, process_index=process_index,
-                                 process_count=process_count)
+                                 row_length=data_config.max_len, pad_id=tok.pad_id, seed=seed,
+                                 process_index=process_index, process_count=process_count)
   eval_sets = {}
   for name in eval_names:
     eval_sets[name] = build_eval_set(tok, sources.read_tfds_pairs(builder, name, source_key, target_key))
