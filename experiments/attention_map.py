@@ -27,7 +27,7 @@ def _draw() -> None:
   target = FLAGS.target
   if target is None:
     target = inference.translate_texts(params, model_config, tokenizer, [FLAGS.source])[0]
-  source_ids, target_ids = tokenizer.encode(FLAGS.source), tokenizer.encode(target)
+  source_ids, target_ids = tokenizer.encode(FLAGS.source), tokenizer.encode(target, target=True)
   maps = visualize.attention_maps(params, model_config, source_ids, target_ids)
   visualize.plot_attention(maps, tokenizer.pieces(source_ids), tokenizer.pieces(target_ids), FLAGS.output)
   statistics = diagnostics.attention_statistics(params, model_config, jnp.asarray([source_ids], jnp.int32),

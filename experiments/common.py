@@ -18,8 +18,7 @@ from experiments.configs import default
 from transformer_jax import checkpoint as checkpoint_lib
 from transformer_jax import inference, metrics, trainer
 from transformer_jax.data import datasets, parallel_text, sources
-from transformer_jax.data.tokenizer import Tokenizer, VocabularyError
-from transformer_jax.interop.marian_vocab import MarianVocabulary
+from transformer_jax.data.tokenizer import VocabularyError, check_model_ids
 from transformer_jax.workdir import Workdir, write_json_atomically
 
 # Exceptions that mean "bad input or state": printed as one line, exit status 1, no traceback.
@@ -100,12 +99,10 @@ def load_for_inference(workdir: str, checkpoint: str | None = None):
   The checkpoint's parameter tree must match the workdir's model (`checkpoint.CheckpointMismatchError`).
   """
   config = load_workdir_config(workdir)
-  if config.data.tokenizer == "marian":  # an imported Marian model (experiments.import_marian)
-    tokenizer = MarianVocabulary(config.data.vocab_path or os.fspath(Workdir(workdir).vocab.parent))
-  else:
-    tokenizer = Tokenizer(datasets.vocab_path(config.data, workdir))
+  tokenizer = datasets.open_tokenizer(config.data, workdir)  # ours, or an imported model's Marian files
   model_config = trainer.model_config_from(config, config.model.vocab_size)
   tokenizer.check_model_vocab(model_config.vocab_size)
+  check_model_ids(tokenizer, model_config)
   directory, step = os.fspath(Workdir(workdir).checkpoints), None
   if checkpoint:
     if checkpoint.isdigit():

@@ -3,12 +3,14 @@ r"""Train a Transformer from an ml_collections config file.
     python -m experiments.train --workdir=DIR [--config=experiments/configs/NAME.py] [--config.a.b=value ...]
 
 With no --config the built-in number-words task is trained. Re-running with the same --workdir resumes from
-its latest checkpoint.
+its latest checkpoint. A --workdir made by `experiments.import_marian` is fine-tuned: its model and tokenizer
+come from the workdir, and a --config.model.* flag that contradicts them is refused (docs/interop.md).
 """
 
 import os
 
 from absl import flags
+from ml_collections import config_flags
 
 from experiments import common, launch
 from transformer_jax import trainer
@@ -23,8 +25,11 @@ flags.mark_flags_as_required(["workdir"])
 
 @common.program
 def main():
-  result = trainer.train_and_evaluate(FLAGS.config, FLAGS.workdir)
-  common.report_final_eval(FLAGS.config, FLAGS.workdir, result)
+  # An imported model's workdir fixes the model and tokenizer; the flags given must agree with them.
+  config = trainer.config_for_workdir(FLAGS.config, FLAGS.workdir,
+                                      explicit=config_flags.get_override_values(FLAGS["config"]))
+  result = trainer.train_and_evaluate(config, FLAGS.workdir)
+  common.report_final_eval(config, FLAGS.workdir, result)
 
 
 if __name__ == "__main__":

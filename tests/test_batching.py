@@ -9,13 +9,21 @@ import pytest
 from transformer_jax import config as C
 from transformer_jax.data import batching
 from transformer_jax.model import Transformer
-from transformer_jax.training.loss import label_smoothed_cross_entropy
+from transformer_jax.training import eval_step
+from transformer_jax.training.loss import label_smoothed_cross_entropy, token_weights
+
+PAD = C.PAD_ID
+# Special ids as in our vocabularies, and as in an OPUS-MT (Marian) one: </s> 0, <pad> the last id, which is
+# also the decoder start. With Marian's ids, code that pads with 0 pads with EOS, a real token.
+IDS = {"ours": dict(pad_id=C.PAD_ID, bos_id=C.BOS_ID, eos_id=C.EOS_ID),
+       "marian": dict(pad_id=39, bos_id=39, eos_id=0)}
 
 
-def _random_corpus(n, seed=0, vocab=40, src=(3, 14), tgt=(2, 10)):
+def _random_corpus(n, seed=0, vocab=40, src=(3, 14), tgt=(2, 10), eos=C.EOS_ID, low=4):
+  """Token ids in [low, vocab - 1) (never a special id of `IDS`) ending with `eos`."""
   rs = np.random.RandomState(seed)
-  sources = [np.append(rs.randint(4, vocab, rs.randint(*src)), C.EOS_ID).astype(np.int32) for _ in range(n)]
-  targets = [np.append(rs.randint(4, vocab, rs.randint(*tgt)), C.EOS_ID).astype(np.int32) for _ in range(n)]
+  sources = [np.append(rs.randint(low, vocab - 1, rs.randint(*src)), eos).astype(np.int32) for _ in range(n)]
+  targets = [np.append(rs.randint(low, vocab - 1, rs.randint(*tgt)), eos).astype(np.int32) for _ in range(n)]
   return sources, targets
 
 
@@ -30,7 +38,7 @@ def test_filter_by_length_counts_drops():
 
 def test_packed_epoch_covers_every_example_once_and_respects_rows():
   sources, targets = _random_corpus(500)
-  batches = batching.PackedBatches(sources, targets, tokens_per_batch=8 * 32, row_length=32, seed=3)
+  batches = batching.PackedBatches(sources, targets, tokens_per_batch=8 * 32, row_length=32, pad_id=PAD, seed=3)
   plan = batches.plan(0)
   seen = sorted(i for batch in plan for row in batch for i in row)
   assert seen == list(range(500))
@@ -42,9 +50,11 @@ def test_packed_epoch_covers_every_example_once_and_respects_rows():
   assert src_eff > 0.85  # the longer side packs tightly
 
 
-def test_packed_batch_layout():
-  sources, targets = _random_corpus(50)
-  batches = batching.PackedBatches(sources, targets, tokens_per_batch=4 * 32, row_length=32, seed=0)
+@pytest.mark.parametrize("ids", IDS.values(), ids=IDS.keys())
+def test_packed_batch_layout(ids):
+  sources, targets = _random_corpus(50, eos=ids["eos_id"])
+  batches = batching.PackedBatches(sources, targets, tokens_per_batch=4 * 32, row_length=32, seed=0,
+                                   pad_id=ids["pad_id"])
   rows = batches.plan(0)[0]
   batch = next(batches)
   for r, row in enumerate(rows):
@@ -55,15 +65,20 @@ def test_packed_batch_layout():
       np.testing.assert_array_equal(batch["inputs_position"][r, offset:offset + n], np.arange(n))
       assert (batch["inputs_segmentation"][r, offset:offset + n] == segment).all()
       offset += n
-    assert (batch["inputs"][r, offset:] == C.PAD_ID).all()
+    assert (batch["inputs"][r, offset:] == ids["pad_id"]).all()
     assert (batch["inputs_segmentation"][r, offset:] == 0).all()
+  for side in ("inputs", "targets"):  # every slot outside an example is padding, and only those
+    np.testing.assert_array_equal(batch[side] == ids["pad_id"], batch[f"{side}_segmentation"] == 0)
 
 
-def test_packed_row_gives_the_same_per_example_loss_as_examples_alone():
-  cfg = C.tiny(vocab_size=40, num_encoder_layers=2, num_decoder_layers=2, d_model=32, d_ff=64, num_heads=4)
+@pytest.mark.parametrize("ids", IDS.values(), ids=IDS.keys())
+def test_packed_row_gives_the_same_per_example_loss_as_examples_alone(ids):
+  cfg = C.tiny(vocab_size=40, num_encoder_layers=2, num_decoder_layers=2, d_model=32, d_ff=64, num_heads=4,
+               **ids)
   model = Transformer(cfg)
-  sources, targets = _random_corpus(6, seed=1)
-  batches = batching.PackedBatches(sources, targets, tokens_per_batch=2 * 48, row_length=48, seed=0)
+  sources, targets = _random_corpus(6, seed=1, eos=cfg.eos_id)
+  batches = batching.PackedBatches(sources, targets, tokens_per_batch=2 * 48, row_length=48, seed=0,
+                                   pad_id=cfg.pad_id)
   rows = batches.plan(0)[0]
   batch = {k: jnp.asarray(v) for k, v in next(batches).items()}
   params = nn.unbox(model.init(jax.random.key(0), batch["inputs"], batch["targets"])["params"])
@@ -83,9 +98,40 @@ def test_packed_row_gives_the_same_per_example_loss_as_examples_alone():
   assert checked >= 2 and any(len(row) > 1 for row in rows)
 
 
+def test_marian_ids_padding_has_loss_weight_zero_and_eos_counts():
+  """Marian's ids (pad 39 = last id, EOS 0): the train/eval sums weigh exactly the examples' tokens."""
+  cfg = C.tiny(vocab_size=40, num_encoder_layers=1, num_decoder_layers=1, d_model=32, d_ff=64, num_heads=4,
+               dropout_rate=0.0, **IDS["marian"])
+  sources, targets = _random_corpus(40, seed=2, eos=cfg.eos_id)
+  batch = next(batching.PackedBatches(sources, targets, tokens_per_batch=4 * 32, row_length=32, seed=0,
+                                      pad_id=cfg.pad_id))
+  real = batch["targets_segmentation"] != 0
+  assert (~real).any() and (batch["targets"][real] == cfg.eos_id).any()
+  np.testing.assert_array_equal(np.asarray(token_weights(jnp.asarray(batch["targets"]), cfg.pad_id)), real)
+  # An assumed pad id of 0 would weigh the padding and drop every EOS.
+  assert float(token_weights(jnp.asarray(batch["targets"]), 0).sum()) != real.sum()
+  params = nn.unbox(Transformer(cfg).init(jax.random.key(0), jnp.asarray(batch["inputs"]),
+                                          jnp.asarray(batch["targets"]))["params"])
+  sums = eval_step(params, {k: jnp.asarray(v) for k, v in batch.items()}, config=cfg, label_smoothing=0.1)
+  assert float(sums["token_count"]) == real.sum()
+  # The same sum, example by example, with nothing packed around them.
+  expected = 0.0
+  for segment_rows in zip(*np.nonzero(batch["targets_position"] == 0)):
+    r, start = segment_rows
+    if not real[r, start]:
+      continue
+    segment = batch["targets_segmentation"][r, start]
+    src = batch["inputs"][r][batch["inputs_segmentation"][r] == segment]
+    tgt = batch["targets"][r][batch["targets_segmentation"][r] == segment]
+    logits = Transformer(cfg).apply({"params": params}, jnp.asarray(src)[None], jnp.asarray(tgt)[None])
+    expected += float(label_smoothed_cross_entropy(logits, jnp.asarray(tgt)[None])[0].sum())
+  np.testing.assert_allclose(float(sums["loss_sum"]), expected, rtol=1e-4)
+
+
 def test_exact_resume_replays_the_same_batches():
   sources, targets = _random_corpus(300)
-  make = lambda: batching.PackedBatches(sources, targets, tokens_per_batch=4 * 32, row_length=32, seed=7)
+  make = lambda: batching.PackedBatches(sources, targets, tokens_per_batch=4 * 32, row_length=32,  # noqa: E731
+                                        pad_id=PAD, seed=7)
   uninterrupted = make()
   reference = [next(uninterrupted) for _ in range(60)]  # crosses an epoch boundary
   assert uninterrupted.epoch >= 1
@@ -104,35 +150,37 @@ def test_exact_resume_replays_the_same_batches():
 
 def test_same_seed_same_batches_other_seed_differs():
   sources, targets = _random_corpus(100)
-  a = next(batching.PackedBatches(sources, targets, tokens_per_batch=64, row_length=32, seed=1))
-  b = next(batching.PackedBatches(sources, targets, tokens_per_batch=64, row_length=32, seed=1))
-  c = next(batching.PackedBatches(sources, targets, tokens_per_batch=64, row_length=32, seed=2))
+  a = next(batching.PackedBatches(sources, targets, tokens_per_batch=64, row_length=32, pad_id=PAD, seed=1))
+  b = next(batching.PackedBatches(sources, targets, tokens_per_batch=64, row_length=32, pad_id=PAD, seed=1))
+  c = next(batching.PackedBatches(sources, targets, tokens_per_batch=64, row_length=32, pad_id=PAD, seed=2))
   np.testing.assert_array_equal(a["inputs"], b["inputs"])
   assert not np.array_equal(a["inputs"], c["inputs"])
 
 
 def test_resume_with_another_seed_is_refused():
   sources, targets = _random_corpus(20)
-  batches = batching.PackedBatches(sources, targets, tokens_per_batch=64, row_length=32, seed=1)
+  batches = batching.PackedBatches(sources, targets, tokens_per_batch=64, row_length=32, pad_id=PAD, seed=1)
   with pytest.raises(ValueError, match="seed 5"):
     batches.set_state({"epoch": 0, "index": 1, "seed": 5})
 
 
 def test_hosts_split_rows():
   sources, targets = _random_corpus(100)
-  whole = next(batching.PackedBatches(sources, targets, tokens_per_batch=4 * 32, row_length=32, seed=0))
-  parts = [next(batching.PackedBatches(sources, targets, tokens_per_batch=4 * 32, row_length=32, seed=0,
-                                       process_index=p, process_count=2)) for p in range(2)]
+  whole = next(batching.PackedBatches(sources, targets, tokens_per_batch=4 * 32, row_length=32, pad_id=PAD,
+                                      seed=0))
+  parts = [next(batching.PackedBatches(sources, targets, tokens_per_batch=4 * 32, row_length=32, pad_id=PAD,
+                                       seed=0, process_index=p, process_count=2)) for p in range(2)]
   np.testing.assert_array_equal(np.concatenate([p["inputs"] for p in parts]), whole["inputs"])
 
 
-def test_eval_batches_keep_every_example_untruncated():
-  sources, targets = _random_corpus(100, src=(1, 60))
+@pytest.mark.parametrize("ids", IDS.values(), ids=IDS.keys())
+def test_eval_batches_keep_every_example_untruncated(ids):
+  sources, targets = _random_corpus(100, src=(1, 60), eos=ids["eos_id"])
   seen = []
-  for batch in batching.eval_batches(sources, targets, max_tokens=256):
+  for batch in batching.eval_batches(sources, targets, max_tokens=256, pad_id=ids["pad_id"]):
     assert batch["inputs"].shape[1] % 16 == 0
     for row in batch["inputs"]:
-      seen.append(tuple(row[row != C.PAD_ID]))
+      seen.append(tuple(row[row != ids["pad_id"]]))
   assert sorted(seen) == sorted(tuple(s) for s in sources)
 
 

@@ -29,7 +29,7 @@ from transformer_jax.data import tokenizer as tokenizer_lib  # noqa: E402
 from transformer_jax.data.tokenizer import VocabularyError  # noqa: E402
 from transformer_jax.interop import ctranslate2 as ct2_lib  # noqa: E402
 from transformer_jax.interop import marian  # noqa: E402
-from transformer_jax.interop.marian_vocab import MarianVocabulary  # noqa: E402
+from transformer_jax.data.marian_vocab import MarianVocabulary  # noqa: E402
 from transformer_jax.model import Transformer, sinusoid_table  # noqa: E402
 from transformer_jax.training.steps import init_params  # noqa: E402
 
@@ -78,8 +78,11 @@ def _perturb(module, scale=0.05, seed=0):
 
 @pytest.fixture(scope="module")
 def marian_dir(tmp_path_factory):
-  """A saved random MarianMTModel (swish, 2+2 layers, d_model 32) with two SentencePiece models."""
-  root = tmp_path_factory.mktemp("marian")
+  return build_marian_dir(tmp_path_factory.mktemp("marian"))
+
+
+def build_marian_dir(root) -> str:
+  """A saved random MarianMTModel (swish, 2+2 layers, d_model 32) with two SentencePiece models, under `root`."""
   src_model, tgt_model = _train_spm(ENGLISH, root / "src"), _train_spm(GERMAN, root / "tgt")
   vocab = _marian_vocab(src_model, tgt_model)
   pad = vocab["<pad>"]
@@ -334,7 +337,7 @@ def test_import_program_makes_a_workdir_that_translate_accepts(marian_dir, tmp_p
 
 
 def test_core_import_does_not_load_interop_dependencies():
-  code = ("import sys, transformer_jax, transformer_jax.interop.marian_vocab; "
+  code = ("import sys, transformer_jax, transformer_jax.data.marian_vocab, transformer_jax.data.datasets; "
           "print(sorted(m for m in ('torch', 'transformers', 'ctranslate2') if m in sys.modules))")
   out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300,
                        env=dict(os.environ, PYTHONPATH=REPO))

@@ -38,7 +38,7 @@ def test_bf16_training_on_the_builtin_task_tracks_fp32(tmp_path):
   sources, targets = encode_pairs(tok, pairs)
 
   def batches():
-    it = PackedBatches(sources, targets, tokens_per_batch=1024, row_length=32, seed=0)
+    it = PackedBatches(sources, targets, tokens_per_batch=1024, row_length=32, pad_id=tok.pad_id, seed=0)
     return [next(it) for _ in range(STEPS)]
 
   fp32_state, fp32 = _train("float32", batches, tok.vocab_size)

@@ -176,8 +176,12 @@ def test_eval_step_with_padded_uneven_batch_matches_single_device(reference):
   eval_fn = sharding.jit_eval_step(CFG, mesh, shardings.params, label_smoothing=0.1)
   with pytest.raises(ValueError, match="10 rows, not divisible by the 4-way batch split"):
     sharding.shard_batch(reference["eval_batch"], mesh, process_local=False)
-  batch = sharding.shard_batch(reference["eval_batch"], mesh, process_local=False, pad_rows=True)
+  with pytest.raises(ValueError, match="needs pad_id"):
+    sharding.shard_batch(reference["eval_batch"], mesh, process_local=False, pad_rows=True)
+  batch = sharding.shard_batch(reference["eval_batch"], mesh, process_local=False, pad_rows=True,
+                               pad_id=CFG.pad_id)
   assert batch["inputs"].shape == (12, LENGTH)  # 10 rows + 2 padding rows
+  assert (np.asarray(batch["targets"])[10:] == CFG.pad_id).all()
   sums = eval_fn(params, batch)
   for key, value in reference["eval_sums"].items():
     np.testing.assert_allclose(sums[key], value, rtol=RTOL, err_msg=key)

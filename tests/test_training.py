@@ -163,27 +163,29 @@ def test_label_smoothed_loss_is_minimised_by_the_smoothed_distribution():
     assert float(label_smoothed_cross_entropy(other, jnp.array([[target]]), eps)[0][0, 0]) > entropy
 
 
-def test_normalized_loss_is_mean_over_real_tokens():
+@pytest.mark.parametrize("pad", [0, VOCAB - 1], ids=["pad0", "pad-last"])
+def test_normalized_loss_is_mean_over_real_tokens(pad):
+  """Padding is `pad_id`, whatever id that is (Marian: the last id, with EOS = 0 a real token)."""
   rng = np.random.default_rng(2)
   logits = rng.normal(size=(2, 6, VOCAB)).astype(np.float32)
-  targets = rng.integers(4, VOCAB, size=(2, 6))
-  targets[0, 4:] = 0
-  targets[1, 2:] = 0
+  targets = rng.integers(0, VOCAB - 1, size=(2, 6)) + (pad == 0)  # real tokens: every id but `pad`
+  targets[0, 4:] = pad
+  targets[1, 2:] = pad
   per_token = -(((0.9 * np.eye(VOCAB)[targets]) + 0.1 / VOCAB) * _np_log_softmax(logits)).sum(-1)
-  real = targets != 0
+  real = targets != pad
   expected = per_token[real].sum() / real.sum()
-  got = float(normalized_loss(jnp.asarray(logits), jnp.asarray(targets), 0.1))
+  got = float(normalized_loss(jnp.asarray(logits), jnp.asarray(targets), 0.1, pad_id=pad))
   np.testing.assert_allclose(got, expected, rtol=1e-5)
   # More padding (with arbitrary logits there) does not change it.
   logits_more = np.concatenate([logits, 100 * rng.normal(size=(2, 3, VOCAB)).astype(np.float32)], 1)
-  targets_more = np.concatenate([targets, np.zeros((2, 3), int)], 1)
-  np.testing.assert_allclose(
-      float(normalized_loss(jnp.asarray(logits_more), jnp.asarray(targets_more), 0.1)), expected, rtol=1e-5)
+  targets_more = np.concatenate([targets, np.full((2, 3), pad)], 1)
+  np.testing.assert_allclose(float(normalized_loss(jnp.asarray(logits_more), jnp.asarray(targets_more), 0.1,
+                                                   pad_id=pad)), expected, rtol=1e-5)
   # A mean over tokens, not a mean of per-row means (the rows hold 4 and 2 tokens).
   row_means = np.mean([per_token[0, :4].mean(), per_token[1, :2].mean()])
   assert abs(got - row_means) > 1e-3
   # All padding: 0, not NaN.
-  assert float(normalized_loss(jnp.asarray(logits), jnp.zeros((2, 6), jnp.int32))) == 0.0
+  assert float(normalized_loss(jnp.asarray(logits), jnp.full((2, 6), pad, jnp.int32), pad_id=pad)) == 0.0
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -234,10 +236,12 @@ def test_train_step_grad_accumulation_equals_one_big_batch():
   # The metrics are the token-normalised loss of the model's logits.
   logits = Transformer(CFG).apply({"params": _params()}, batch["inputs"], batch["targets"])
   np.testing.assert_allclose(float(metrics_big["loss"]),
-                             float(normalized_loss(logits, batch["targets"], 0.1)), rtol=1e-5)
+                             float(normalized_loss(logits, batch["targets"], 0.1, pad_id=CFG.pad_id)),
+                             rtol=1e-5)
   # And the update is the gradient of that normalised loss (divided by the token count once).
   grads = jax.jit(jax.grad(lambda p: normalized_loss(
-      Transformer(CFG).apply({"params": p}, batch["inputs"], batch["targets"]), batch["targets"], 0.1)))(
+      Transformer(CFG).apply({"params": p}, batch["inputs"], batch["targets"]), batch["targets"], 0.1,
+      pad_id=CFG.pad_id)))(
           _params())
   expected = jax.tree_util.tree_map(lambda p, g: p - g, _params(), grads)
   for a, b in zip(jax.tree_util.tree_leaves(expected), jax.tree_util.tree_leaves(new_big.params)):

@@ -337,8 +337,12 @@ def _local_batch_ways(mesh: Mesh, axes: Any) -> int:
   return max(len({tuple(int(c[i]) for i in positions) for c in np.argwhere(local)}), 1)
 
 
+_TOKEN_KEYS = ("inputs", "targets")  # batch keys that hold token ids (the rest: positions, segmentation)
+
+
 def shard_batch(batch: Mapping[str, Any], mesh: Mesh, rules: LogicalRules = LOGICAL_AXIS_RULES, *,
-                process_local: bool = True, pad_rows: bool = False) -> dict[str, jax.Array]:
+                process_local: bool = True, pad_rows: bool = False,
+                pad_id: Optional[int] = None) -> dict[str, jax.Array]:
   """Host NumPy batch -> global `jax.Array`s with rows split over the batch mesh axes.
 
   Arrays are `[rows, length]` or, with gradient accumulation, `[accum, rows, length]` (split along rows).
@@ -347,9 +351,12 @@ def shard_batch(batch: Mapping[str, Any], mesh: Mesh, rules: LogicalRules = LOGI
     `process_index`/`process_count`); the global batch is their concatenation
     (`jax.make_array_from_process_local_data`). With one process this is the whole batch.
   process_local=False (evaluation, decoding): every process passes the same, whole batch.
-  pad_rows: append all-padding rows (zeros = pad id) up to a multiple of the batch split; padding rows
-    carry no target tokens, so summed eval metrics are unchanged. Without it an uneven row count is refused.
+  pad_rows: append all-padding rows up to a multiple of the batch split: `inputs`/`targets` hold `pad_id`
+    (the model's `ModelConfig.pad_id`, required then), other keys 0. Padding rows carry no target tokens, so
+    summed eval metrics are unchanged. Without it an uneven row count is refused (ValueError).
   """
+  if pad_rows and pad_id is None:
+    raise ValueError("shard_batch(pad_rows=True) needs pad_id (the model's pad id) for the padding rows")
   axes = batch_mesh_axes(rules)
   ways = _axis_size(mesh, axes)
   out = {}
@@ -369,7 +376,7 @@ def shard_batch(batch: Mapping[str, Any], mesh: Mesh, rules: LogicalRules = LOGI
                          f"or pass pad_rows=True")
       pad = [(0, 0)] * array.ndim
       pad[axis] = (0, -rows % multiple)
-      array = np.pad(array, pad)
+      array = np.pad(array, pad, constant_values=pad_id if key in _TOKEN_KEYS else 0)
     if process_local:
       out[key] = jax.make_array_from_process_local_data(sharding, array)
     else:

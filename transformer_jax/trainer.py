@@ -9,9 +9,14 @@ named steps, each small enough to read at once:
 1. `prepare`: refuse an incompatible workdir before touching it, build the datasets and the model config,
    write `config.json`.
 2. `init_or_restore`: the train state born sharded on the config's mesh, or the latest complete checkpoint
-   (state, dropout rng, data position) read straight into that layout.
+   (state, dropout rng, data position) read straight into that layout, or, in a workdir that holds an
+   imported model no run has trained yet, its parameters with a fresh optimizer state (fine-tuning).
 3. `train`: the compiled step (`make_train_step`, the same one the benchmarks time) in a loop whose periodic
    actions (logging, evaluators, checkpoints, stop signals) are each decided by `itstime`.
+
+Fine-tuning an imported model (`experiments.import_marian`): the workdir's `config.json` fixes the model's
+architecture and tokenizer; `config_for_workdir(config, workdir, explicit)` takes them from there (and refuses
+a key the user set that contradicts them) before `train_and_evaluate` runs as for any other workdir.
 
 Periodic decisions follow big_vision's `itstime(step, every, total)`; evaluators are small objects listed by
 `config.evals` (`loss`, `attention`, `bleu`), each with its own `every_steps`.
@@ -19,13 +24,14 @@ Periodic decisions follow big_vision's `itstime(step, every, total)`; evaluators
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 import logging
 import math
 import signal
 import time
-from typing import Any, Iterator, Protocol
+from typing import Any, Iterable, Iterator, Mapping, Protocol
 
 import jax
 import jax.numpy as jnp
@@ -36,16 +42,23 @@ from tensorboardX import SummaryWriter
 
 from transformer_jax import checkpoint as checkpoint_lib
 from transformer_jax import diagnostics, inference, metrics as metrics_lib, sharding
-from transformer_jax.config import ModelConfig
-from transformer_jax.data import batching, datasets as datasets_lib
+from transformer_jax.config import RUNTIME_FIELDS, ModelConfig
+from transformer_jax.data import batching, datasets as datasets_lib, tokenizer as tokenizer_lib
+from transformer_jax.data.marian_vocab import TOKENIZER_NAME as MARIAN_TOKENIZER
 from transformer_jax.training import schedule as schedule_lib
 from transformer_jax.training import steps
-from transformer_jax.workdir import Workdir, to_jsonable, write_json_atomically
+from transformer_jax.workdir import IMPORTED_DATASET, Workdir, config_diff, to_jsonable, write_json_atomically
 
 # Keys of the saved config that must match to reuse a workdir: the data and vocabulary first (checked
-# before the datasets are built), then the model (checked once the vocabulary fixes its size).
-DATA_KEYS = ("data.vocab_size", "data.dataset")
+# before the datasets are built), then the model (checked once the vocabulary fixes its size). A config
+# saved before `data.tokenizer` existed used SentencePiece.
+DATA_KEYS = ("data.vocab_size", "data.dataset", "data.tokenizer")
+DATA_DEFAULTS = {"data": {"tokenizer": "sentencepiece"}}
 MODEL_KEYS = ("model",)
+# In a workdir that holds an imported model no run has trained yet, the first fine-tune may choose its
+# dataset and the model's run-time fields (`config.RUNTIME_FIELDS`, e.g. dropout); these must match.
+IMPORT_DATA_KEYS = ("data.vocab_size", "data.tokenizer")
+IMPORT_MODEL_KEYS = tuple(f"model.{f.name}" for f in dataclasses.fields(ModelConfig) if f.name not in RUNTIME_FIELDS)
 
 
 class NonFiniteLossError(FloatingPointError):
@@ -64,6 +77,54 @@ def model_config_from(config: Any, vocab_size: int) -> ModelConfig:
     raise ValueError(f"config.model has unknown fields {sorted(unknown)}; ModelConfig fields are {sorted(fields)}")
   values["vocab_size"] = vocab_size
   return ModelConfig(**values)
+
+
+def holds_imported_model(saved: Mapping | None) -> bool:
+  """True for the `config.json` of a workdir whose model was imported (`data.tokenizer` "marian"), whether
+  or not a fine-tune has run in it since."""
+  return bool(saved) and (saved.get("data") or {}).get("tokenizer") == MARIAN_TOKENIZER
+
+
+def is_untrained_import(saved: Mapping | None) -> bool:
+  """True for the config (`config.json`, or a checkpoint's config item) of an imported model that no training
+  run has used yet (`data.dataset` is `workdir.IMPORTED_DATASET`)."""
+  return bool(saved) and (saved.get("data") or {}).get("dataset") == IMPORTED_DATASET
+
+
+def config_for_workdir(config: Any, workdir: str, explicit: Iterable[str] = ()) -> Any:
+  """`config` as a run in `workdir` must use it: for an imported model, its architecture and tokenizer.
+
+  A workdir holding an imported model (`holds_imported_model`: written by `experiments.import_marian`, or a
+  fine-tune of one) fixes `config.model`, `data.tokenizer` and `data.vocab_size`: they are taken from its
+  `config.json`, whatever the defaults and the recipe say (model fields the saved config predates keep
+  `ModelConfig`'s defaults). `explicit` names the dotted keys the user set on purpose (a program's
+  `--config.*` flags, e.g. `{"model.d_model", "data.dir"}`): one of those fixed keys with another value than
+  the workdir's is refused, except the model's run-time fields (`config.RUNTIME_FIELDS`: dropout rates,
+  dtype, remat, attention kernel, query chunks), which keep the requested value. Any other workdir (ours, or
+  none yet): `config` itself. `config` is never modified; a changed config is a copy.
+
+  Raises:
+    ValueError: one line naming each explicit key that contradicts the imported model (nothing is written).
+  """
+  saved = Workdir(workdir).read_config()
+  if not holds_imported_model(saved):
+    return config
+  fixed = {"model": {**to_jsonable(ModelConfig()), **saved["model"]},
+           "data": {"tokenizer": saved["data"]["tokenizer"], "vocab_size": saved["data"]["vocab_size"]}}
+  explicit = set(explicit)
+  adopted, conflicts = copy.deepcopy(config), []
+  for section, values in fixed.items():
+    for name, value in values.items():
+      key, requested = f"{section}.{name}", config[section][name]
+      if key in explicit and section == "model" and name in RUNTIME_FIELDS:
+        continue
+      if key in explicit and config_diff({key: value}, {key: requested}, keys=None):
+        conflicts.append(f"--config.{key}={requested!r} (the model has {value!r})")
+      adopted[section][name] = value
+  if conflicts:
+    raise ValueError(f"{'; '.join(conflicts)}: contradicts the imported model in {workdir}, whose architecture "
+                     f"and tokenizer are fixed; drop the flag")
+  return adopted
 
 
 def itstime(step: int, every_steps: int, total_steps: int, *, last: bool = True) -> bool:
@@ -194,9 +255,10 @@ class LossEvaluator:
 
   def __call__(self, run: "Run", params: Any, split: str, eval_set: datasets_lib.EvalSet) -> dict[str, float]:
     totals = None
-    for batch in batching.eval_batches(eval_set.sources, eval_set.targets, self.tokens_per_batch):
+    pad_id = run.model_config.pad_id
+    for batch in batching.eval_batches(eval_set.sources, eval_set.targets, self.tokens_per_batch, pad_id=pad_id):
       sums = run.eval_step(params, sharding.shard_batch(batch, run.mesh, run.rules, process_local=False,
-                                                        pad_rows=True))
+                                                        pad_rows=True, pad_id=pad_id))
       totals = sums if totals is None else jax.tree_util.tree_map(jnp.add, totals, sums)
     metrics = {k: float(v) for k, v in steps.metrics_from_sums(totals).items()}
     metrics["perplexity"] = float(math.exp(min(metrics["nll"], 50.0)))
@@ -240,7 +302,7 @@ class AttentionEvaluator:
     if not self.rows or not eval_set.sources:
       return {}
     batch = next(batching.eval_batches(eval_set.sources[:self.rows], eval_set.targets[:self.rows],
-                                       max_tokens=1 << 30))
+                                       max_tokens=1 << 30, pad_id=run.model_config.pad_id))
     statistics = _attention_statistics(params, run.model_config, jnp.asarray(batch["inputs"]),
                                        jnp.asarray(batch["targets"]))
     return diagnostics.summary_scalars(statistics)
@@ -299,17 +361,32 @@ class TrainResult:
 
 
 def prepare(config: Any, workdir: str) -> Run:
-  """Checks the workdir, builds the datasets and the model config, writes `config.json` (process 0)."""
+  """Checks the workdir, builds the datasets and the model config, writes `config.json` (process 0).
+
+  A workdir holding an imported model needs `config` from `config_for_workdir` (ValueError otherwise). The
+  model's pad/EOS ids must be the tokenizer's (`tokenizer.check_model_ids`, VocabularyError).
+  """
   sharding.maybe_initialize_distributed(config.distributed)
   run_dir = Workdir(workdir)
-  run_dir.check_compatible(config.to_dict(), keys=DATA_KEYS)  # before anything in the workdir is touched
+  saved = run_dir.read_config()
+  if holds_imported_model(saved) and config.data.tokenizer != saved["data"]["tokenizer"]:
+    raise ValueError(f"{run_dir.root} holds an imported model (data.tokenizer={saved['data']['tokenizer']!r}): "
+                     "build the config with trainer.config_for_workdir(config, workdir), as experiments.train does")
+  untrained_import = is_untrained_import(saved)
+  # Before anything in the workdir is touched:
+  run_dir.check_compatible(config.to_dict(), keys=IMPORT_DATA_KEYS if untrained_import else DATA_KEYS,
+                           defaults=DATA_DEFAULTS)
   run_dir.root.mkdir(parents=True, exist_ok=True)
   data = datasets_lib.build_datasets(config.data, str(run_dir.root), seed=config.seed,
                                      process_index=jax.process_index(), process_count=jax.process_count())
   model_config = model_config_from(config, data.tokenizer.vocab_size)
+  tokenizer_lib.check_model_ids(data.tokenizer, model_config)
   resolved = to_jsonable(config)
   resolved["model"] = to_jsonable(model_config)
-  run_dir.check_compatible(resolved, keys=MODEL_KEYS, defaults={"model": ModelConfig()})
+  if saved and "imported_from" in saved:  # provenance of an imported model, kept through its fine-tunes
+    resolved["imported_from"] = saved["imported_from"]
+  run_dir.check_compatible(resolved, keys=IMPORT_MODEL_KEYS if untrained_import else MODEL_KEYS,
+                           defaults={"model": ModelConfig()})
   if jax.process_index() == 0:
     write_json_atomically(run_dir.config_json, resolved)
   mesh = sharding.mesh_from_config(config.mesh)
@@ -337,7 +414,10 @@ def init_or_restore(run: Run) -> None:
   logging.info("Mesh %s over %d devices; train state %.1f MiB per device", dict(run.mesh.shape), run.mesh.size,
                max(sharding.per_device_bytes(run.state).values()) / 2**20)
   run.checkpointer = _checkpointer(run.config, run.workdir)
-  if run.checkpointer.latest_step() is not None:
+  latest = run.checkpointer.latest_step()
+  if latest is not None and is_untrained_import(checkpoint_lib.read_config(run.checkpointer.directory, latest)):
+    start_from_import(run, latest)
+  elif latest is not None:
     restored = run.checkpointer.restore_latest_complete(sharding.abstract_state(run.state))
     run.state, run.start_step = restored.state, restored.step
     run.rng = restored.rng if restored.rng is not None else run.rng
@@ -347,6 +427,25 @@ def init_or_restore(run: Run) -> None:
   run.train_step = make_train_step(run.config, run.model_config, run.mesh, run.state, run.rules)
   run.eval_step = sharding.jit_eval_step(run.model_config, run.mesh, sharding.shardings_of(run.state.params),
                                          run.rules, label_smoothing=run.config.label_smoothing)
+
+
+def start_from_import(run: Run, step: int) -> None:
+  """Fine-tuning: the imported checkpoint's parameters in `run.state` (read straight into their shards), at
+  its step; the optimizer state stays the fresh one `init_or_restore` built.
+
+  An import has no optimizer state worth restoring (Adam's moments of a model trained elsewhere are not in a
+  Hugging Face checkpoint), so Adam starts from zero moments and its count from 0: the learning-rate schedule
+  (indexed by Adam's count) starts again with its warm-up. The step counter continues from the imported step
+  (0 for `experiments.import_marian`), the data from the start of the first epoch, dropout from
+  `config.seed`. The first checkpoint this run saves is a normal one, so a restart resumes exactly.
+  """
+  params = checkpoint_lib.restore_params(run.checkpointer.directory, step=step,
+                                         abstract=sharding.abstract_state(run.state.params))
+  step_array = jax.device_put(np.asarray(step, run.state.step.dtype), run.state.step.sharding)
+  run.state = run.state.replace(params=params, step=step_array)
+  run.start_step = step
+  logging.info("Fine-tuning the model imported in %s from its step %d: parameters restored; a fresh Adam state "
+               "(the import has none) with the schedule's warm-up; data from the start", run.workdir.root, step)
 
 
 def _format_eta(seconds: float) -> str:
@@ -447,6 +546,9 @@ def train(run: Run, writer: MetricWriter, stop: StopSignal) -> TrainResult:
 
 def train_and_evaluate(config: Any, workdir: str) -> TrainResult:
   """Trains `config` in `workdir` (resuming from its latest complete checkpoint) and returns the result.
+
+  For a workdir holding an imported model, pass `config_for_workdir(config, workdir)`: the run then
+  fine-tunes it (`start_from_import`) with its own tokenizer and special ids.
 
   Raises ValueError for a workdir holding an incompatible run or an invalid config (nothing written then),
   `checkpoint.CheckpointMismatchError` for a checkpoint of another architecture, NonFiniteLossError when

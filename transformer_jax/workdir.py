@@ -4,7 +4,8 @@
       config.json             the resolved experiment config (written by process 0 before training starts)
       checkpoints/<step>/     orbax checkpoints (`transformer_jax.checkpoint`)
       vocab/spm.model         the SentencePiece vocabulary (unless `data.vocab_path` names another), and
-      vocab/spm.normalization.json  the text normalisation it was trained with (`data.tokenizer.stamp_path`)
+      vocab/spm.normalization.json  the text normalisation it was trained with (`data.tokenizer.stamp_path`);
+      vocab/source.spm, target.spm, vocab.json  instead, for an imported Marian model (`data.tokenizer` "marian")
       data/<split>.ids.npz    the training split's token ids (`data.token_cache`), so restarts skip the text
       tfds/                   tfds-prepared datasets (unless `data.tfds_data_dir` names another)
       metrics.jsonl           one JSON object per logged step: {"step", "time", "train/loss", ...}
@@ -12,6 +13,10 @@
       averaged/<step>/        averaged checkpoint (`experiments.average_checkpoints`)
       eval/                   hypotheses and scores of `experiments.evaluate`
       final_eval.json         the test-split report of `experiments.train`
+
+A workdir written by an importer (`experiments.import_marian`) has the same layout: `config.json` names the
+model and its tokenizer, `data.dataset` is `IMPORTED_DATASET` (no training data yet) and checkpoint 0 holds
+the imported parameters; `experiments.train` fine-tunes it from there (`trainer.config_for_workdir`).
 
 Paths go through `etils.epath`, the path type orbax and tfds use, so a `gs://bucket/run` workdir works the
 same way for TPU users (tested here on local paths only).
@@ -28,6 +33,10 @@ import numpy as np
 from etils import epath
 
 PathLike = str | os.PathLike
+
+# `data.dataset` of a workdir that holds an imported model no training run has used yet (its config.json and
+# the config item of its checkpoint say so): a fine-tune may choose any dataset and starts a fresh optimizer.
+IMPORTED_DATASET = "marian_import"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,8 +57,12 @@ class Workdir:
     return self.root / "checkpoints"
 
   @property
+  def vocab_dir(self) -> epath.Path:
+    return self.root / "vocab"
+
+  @property
   def vocab(self) -> epath.Path:
-    return self.root / "vocab" / "spm.model"
+    return self.vocab_dir / "spm.model"
 
   def token_ids(self, split: str) -> epath.Path:
     """`data/<split>.ids.npz` (characters other than letters, digits, `.` and `-` become `_`)."""

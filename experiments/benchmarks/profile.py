@@ -35,6 +35,7 @@ import numpy as np
 from experiments import launch
 from experiments.benchmarks import common
 from transformer_jax import inference, sharding
+from transformer_jax.config import PAD_ID
 from transformer_jax.data.batching import PackedBatches
 from transformer_jax.training.steps import init_params
 
@@ -117,7 +118,7 @@ def _train_program(args):
   corpus = common.load_corpus(args.row_length)
   cfg = common.preset_config(args.preset, args.vocab or corpus.vocab_size)
   batches = PackedBatches(corpus.sources, corpus.targets, tokens_per_batch=args.tokens,
-                          row_length=args.row_length, seed=0)
+                          row_length=args.row_length, pad_id=PAD_ID, seed=0)
   built = common.build_train_step(common.train_config(cfg), mesh=sharding.single_device_mesh())
   batch = built.shard(next(batches))
   state, rng = built.state, built.rng

@@ -79,7 +79,7 @@ class _Pipeline:
 
   def __init__(self, corpus, tokens_per_batch, row_length):
     self.batches = PackedBatches(corpus.sources, corpus.targets, tokens_per_batch=tokens_per_batch,
-                                 row_length=row_length, seed=0)
+                                 row_length=row_length, pad_id=presets.PAD_ID, seed=0)
     _, self.plan_s = _timed(lambda: self.batches.plan(0))
     self.batches_per_epoch = len(self.batches.plan(0))
     self.times: list[float] = []
@@ -228,7 +228,7 @@ def _peer_batches(args) -> tuple[list[dict], int, int, int]:
   if args.kind == "packed":
     corpus = common.load_corpus(args.row_length)
     batches = PackedBatches(corpus.sources, corpus.targets, tokens_per_batch=args.tokens,
-                            row_length=args.row_length, seed=0)
+                            row_length=args.row_length, pad_id=presets.PAD_ID, seed=0)
     host = [next(batches) for _ in range(args.num_batches)]
     return host, args.tokens // args.row_length, args.row_length, args.vocab or corpus.vocab_size
   vocab = args.vocab or common.VOCAB_SIZE
@@ -484,7 +484,8 @@ def scaling(args) -> dict:
   probe = common.MatmulProbe(2048)
   runs = []
   for kind, L, T in points:
-    batches = PackedBatches(corpus.sources, corpus.targets, tokens_per_batch=T, row_length=L, seed=0)
+    batches = PackedBatches(corpus.sources, corpus.targets, tokens_per_batch=T, row_length=L,
+                            pad_id=presets.PAD_ID, seed=0)
     host = [next(batches) for _ in range(3)]
     dev = [sharding.shard_batch(b, mesh) for b in host]
     built = common.build_train_step(config, mesh=mesh)

@@ -5,6 +5,11 @@ Training rows are packed: several (source, target) pairs share a row of `row_len
 every example, which the model honours in its masks and positional encodings. Every batch has the same
 shape `[rows_per_batch, row_length]`, so the train step compiles once.
 
+Token arrays are padded with the `pad_id` the caller passes: the tokenizer's (`TextTokenizer.pad_id`), which
+`trainer.prepare` checks is the model's `ModelConfig.pad_id` (0 for vocabularies trained here, the last id
+for an imported Marian model). The model masks `ids != pad_id` and the loss weighs only `targets != pad_id`,
+so padding never counts as a token. Positions and segmentation ids are 0 in padding (segment 0 = no example).
+
 The order of an epoch is a pure function of `(seed, epoch)`, so the iterator's position is just
 `{"epoch", "index"}`: restoring it replays exactly the batches an uninterrupted run would have seen.
 """
@@ -15,8 +20,6 @@ import logging
 from typing import Iterator, Sequence
 
 import numpy as np
-
-from transformer_jax.config import PAD_ID
 
 BATCH_KEYS = ("inputs", "targets", "inputs_position", "targets_position", "inputs_segmentation",
               "targets_segmentation")
@@ -61,9 +64,14 @@ def pack_epoch(source_lengths: np.ndarray, target_lengths: np.ndarray, order: np
 
 
 def build_packed_batch(rows: list[list[int]], sources: Sequence[np.ndarray], targets: Sequence[np.ndarray],
-                       row_length: int, rows_per_batch: int) -> dict[str, np.ndarray]:
-  """Arrays `[rows_per_batch, row_length]` int32 for one planned batch (missing rows are all padding)."""
+                       row_length: int, rows_per_batch: int, *, pad_id: int) -> dict[str, np.ndarray]:
+  """Arrays `[rows_per_batch, row_length]` int32 for one planned batch (missing rows are all padding).
+
+  `inputs`/`targets` hold `pad_id` after each row's last example; positions and segmentation hold 0 there.
+  """
   out = {key: np.zeros((rows_per_batch, row_length), np.int32) for key in BATCH_KEYS}
+  out["inputs"][:] = pad_id
+  out["targets"][:] = pad_id
   for r, row in enumerate(rows):
     for side, seqs in (("inputs", sources), ("targets", targets)):
       offset = 0
@@ -84,12 +92,13 @@ class PackedBatches:
     sources, targets: token-id arrays (EOS included), already filtered to `row_length`.
     tokens_per_batch: slot budget per side; rows_per_batch = tokens_per_batch // row_length.
     row_length: slots per row (the longest example that fits).
+    pad_id: the token id of padding slots (the tokenizer's `pad_id`).
     seed: the shuffling seed; epoch e uses `default_rng([seed, e])`.
     process_index, process_count: each host yields its own contiguous slice of every batch's rows.
   """
 
   def __init__(self, sources: Sequence[np.ndarray], targets: Sequence[np.ndarray], *, tokens_per_batch: int,
-               row_length: int, seed: int = 0, process_index: int = 0, process_count: int = 1):
+               row_length: int, pad_id: int, seed: int = 0, process_index: int = 0, process_count: int = 1):
     if not sources:
       raise ValueError("no training examples left to batch")
     rows = tokens_per_batch // row_length
@@ -101,7 +110,7 @@ class PackedBatches:
     self.target_lengths = np.array([len(t) for t in targets])
     if max(self.source_lengths.max(), self.target_lengths.max()) > row_length:
       raise ValueError(f"examples longer than row_length={row_length}; filter them first")
-    self.row_length, self.rows_per_batch, self.seed = row_length, rows, seed
+    self.row_length, self.rows_per_batch, self.seed, self.pad_id = row_length, rows, seed, int(pad_id)
     self.process_index, self.process_count = process_index, process_count
     self.epoch, self.index = 0, 0
     self._plan_epoch: int | None = None
@@ -136,7 +145,8 @@ class PackedBatches:
       plan = self.plan(self.epoch)
     rows = plan[self.index]
     self.index += 1
-    batch = build_packed_batch(rows, self.sources, self.targets, self.row_length, self.rows_per_batch)
+    batch = build_packed_batch(rows, self.sources, self.targets, self.row_length, self.rows_per_batch,
+                               pad_id=self.pad_id)
     if self.process_count > 1:
       per_host = self.rows_per_batch // self.process_count
       lo = self.process_index * per_host
@@ -179,21 +189,22 @@ def length_sorted_batches(lengths: Sequence[int], max_tokens: int, length_multip
   return batches
 
 
-def pad_batch(seqs: Sequence[np.ndarray], length: int, rows: int | None = None) -> np.ndarray:
-  """`[rows or len(seqs), length]` int32, right-padded with PAD."""
-  out = np.full((rows or len(seqs), length), PAD_ID, np.int32)
+def pad_batch(seqs: Sequence[np.ndarray], length: int, rows: int | None = None, *, pad_id: int) -> np.ndarray:
+  """`[rows or len(seqs), length]` int32, right-padded with `pad_id`."""
+  out = np.full((rows or len(seqs), length), pad_id, np.int32)
   for r, seq in enumerate(seqs):
     out[r, : len(seq)] = seq
   return out
 
 
 def eval_batches(sources: Sequence[np.ndarray], targets: Sequence[np.ndarray], max_tokens: int,
-                 length_multiple: int = 16) -> Iterator[dict[str, np.ndarray]]:
-  """Padded, length-sorted `{'inputs', 'targets'}` batches covering every example exactly once."""
+                 length_multiple: int = 16, *, pad_id: int) -> Iterator[dict[str, np.ndarray]]:
+  """Padded (`pad_id`), length-sorted `{'inputs', 'targets'}` `[rows, length]` int32 batches covering every
+  example exactly once."""
   lengths = [max(len(s), len(t)) for s, t in zip(sources, targets)]
   for indices, length in length_sorted_batches(lengths, max_tokens, length_multiple):
-    yield {"inputs": pad_batch([sources[i] for i in indices], length),
-           "targets": pad_batch([targets[i] for i in indices], length)}
+    yield {"inputs": pad_batch([sources[i] for i in indices], length, pad_id=pad_id),
+           "targets": pad_batch([targets[i] for i in indices], length, pad_id=pad_id)}
 
 
 def log_drop_counts(name: str, dropped_long: int, skipped_blank: int, kept: int, max_len: int) -> None:

@@ -3,6 +3,10 @@
 text (tfds) -> normalise (`normalize`, inside the tokenizer) -> SentencePiece ids (+EOS) -> drop blank /
 over-long pairs (counted, logged) -> packed batches. The training split's ids are cached in `<workdir>/data/`
 (`token_cache`, keyed by the vocabulary and its normalisation), so a restart skips the text.
+
+`data.tokenizer` chooses the vocabulary: "sentencepiece" (ours: `<workdir>/vocab/spm.model`, trained on the
+training split the first time) or "marian" (an imported model's `source.spm`/`target.spm`/`vocab.json` in
+`<workdir>/vocab/`, never trained here). Batches are padded with the tokenizer's `pad_id`.
 """
 
 from __future__ import annotations
@@ -16,6 +20,8 @@ from typing import Any
 import numpy as np
 
 from transformer_jax.data import batching, normalize, sources, token_cache, tokenizer as tokenizer_lib
+from transformer_jax.data.marian_vocab import TOKENIZER_NAME as MARIAN_TOKENIZER
+from transformer_jax.data.marian_vocab import MarianVocabulary
 from transformer_jax.workdir import Workdir
 
 
@@ -30,15 +36,28 @@ class EvalSet:
 
 @dataclasses.dataclass
 class Datasets:
-  tokenizer: tokenizer_lib.Tokenizer
+  tokenizer: tokenizer_lib.TextTokenizer
   train: batching.PackedBatches
   eval_sets: dict[str, EvalSet]
   stats: dict[str, Any]
 
 
 def vocab_path(data_config: Any, workdir: str) -> str:
-  """The vocabulary this run uses: `data.vocab_path` if given, else `<workdir>/vocab/spm.model`."""
-  return data_config.vocab_path or os.fspath(Workdir(workdir).vocab)
+  """The vocabulary this run uses: `data.vocab_path` if given, else `<workdir>/vocab/spm.model`, or for
+  `data.tokenizer="marian"` the directory `<workdir>/vocab` (source.spm, target.spm, vocab.json)."""
+  if data_config.vocab_path:
+    return data_config.vocab_path
+  run_dir = Workdir(workdir)
+  return os.fspath(run_dir.vocab_dir if data_config.tokenizer == MARIAN_TOKENIZER else run_dir.vocab)
+
+
+def open_tokenizer(data_config: Any, workdir: str) -> tokenizer_lib.TextTokenizer:
+  """The run's existing vocabulary (`vocab_path`): a `Tokenizer`, or a `MarianVocabulary` for
+  `data.tokenizer="marian"`. Raises `VocabularyError` (one line) when it is missing or unreadable."""
+  path = vocab_path(data_config, workdir)
+  if data_config.tokenizer == MARIAN_TOKENIZER:
+    return MarianVocabulary(path)
+  return tokenizer_lib.Tokenizer(path)
 
 
 def skip_blank(pairs, is_blank=normalize.is_blank):
@@ -51,9 +70,12 @@ def skip_blank(pairs, is_blank=normalize.is_blank):
   return kept, len(pairs) - len(kept)
 
 
-def load_tokenizer(data_config: Any, workdir: str, train_pairs=None) -> tokenizer_lib.Tokenizer:
-  """Loads the run's vocabulary, training it on both sides of the training split the first time."""
+def load_tokenizer(data_config: Any, workdir: str, train_pairs=None) -> tokenizer_lib.TextTokenizer:
+  """Loads the run's vocabulary, training a SentencePiece one on both sides of the training split the first
+  time; a Marian tokenizer is only ever loaded (`open_tokenizer`)."""
   path = vocab_path(data_config, workdir)
+  if data_config.tokenizer == MARIAN_TOKENIZER or os.path.exists(path):
+    return open_tokenizer(data_config, workdir)
 
   def texts():
     for s, t in train_pairs:
@@ -65,7 +87,7 @@ def load_tokenizer(data_config: Any, workdir: str, train_pairs=None) -> tokenize
       max_sentences=data_config.vocab_max_sentences, character_coverage=data_config.vocab_character_coverage)
 
 
-def build_eval_set(tokenizer: tokenizer_lib.Tokenizer, pairs) -> EvalSet:
+def build_eval_set(tokenizer: tokenizer_lib.TextTokenizer, pairs) -> EvalSet:
   """Eval splits keep every pair (blank ones as empty sequences) so outputs stay aligned with inputs."""
   srcs, tgts = tokenizer_lib.encode_pairs(tokenizer, pairs)
   return EvalSet(list(pairs), srcs, tgts)
@@ -82,8 +104,8 @@ def build_datasets(data_config: Any, workdir: str, *, seed: int, process_index: 
   key = lambda: token_cache.cache_key(builder.info.full_name, split, source_key, target_key,  # noqa: E731
                                       vocab_path(data_config, workdir), normalize.signature(tok.normalization))
   cached, tok = None, None
-  if os.path.exists(vocab_path(data_config, workdir)):
-    tok = load_tokenizer(data_config, workdir)
+  if data_config.tokenizer == MARIAN_TOKENIZER or os.path.exists(vocab_path(data_config, workdir)):
+    tok = open_tokenizer(data_config, workdir)
     start = time.perf_counter()
     cached = token_cache.load(cache_file, key())
     if cached:
@@ -105,8 +127,8 @@ def build_datasets(data_config: Any, workdir: str, *, seed: int, process_index: 
   srcs, tgts, too_long = batching.filter_by_length(srcs, tgts, data_config.max_len)
   batching.log_drop_counts("train", too_long, blank, len(srcs), data_config.max_len)
   train = batching.PackedBatches(srcs, tgts, tokens_per_batch=data_config.tokens_per_batch,
-                                 row_length=data_config.max_len, seed=seed, process_index=process_index,
-                                 process_count=process_count)
+                                 row_length=data_config.max_len, pad_id=tok.pad_id, seed=seed,
+                                 process_index=process_index, process_count=process_count)
   eval_sets = {}
   for name in eval_names:
     eval_sets[name] = build_eval_set(tok, sources.read_tfds_pairs(builder, name, source_key, target_key))

@@ -5,9 +5,9 @@ encode both sides with SentencePiece. That is seconds for Multi30k and tens of m
 (36M pairs) on a small host, paid again at every restart. `save` writes the encoded split once, as
 concatenated ids plus offsets (uint16 when the vocabulary fits), with a key naming what produced them;
 `load` returns them only when the key matches: the same dataset (tfds full name: builder, config - for
-local text files a fingerprint of their contents - and version), split, language keys, vocabulary file
-(SHA-256) and the text normalisation the ids were encoded with (`normalize.signature`: its version and the
-Unicode database of NFC). Anything else (missing, different key, unreadable) means "encode again", with the
+local text files a fingerprint of their contents - and version), split, language keys, vocabulary (SHA-256
+of the SentencePiece model, or of the files of a Marian tokenizer directory) and the text normalisation the
+ids were encoded with (`normalize.signature`: its version and the Unicode database of NFC). Anything else (missing, different key, unreadable) means "encode again", with the
 reason logged.
 """
 
@@ -25,7 +25,13 @@ FORMAT = 1
 
 
 def file_sha256(path: str) -> str:
+  """SHA-256 (hex) of a file; of a directory, of its files' names and SHA-256s in name order."""
   digest = hashlib.sha256()
+  if os.path.isdir(path):
+    for name in sorted(os.listdir(path)):
+      if os.path.isfile(os.path.join(path, name)):
+        digest.update(f"{name}:{file_sha256(os.path.join(path, name))}\n".encode())
+    return digest.hexdigest()
   with open(path, "rb") as f:
     for block in iter(lambda: f.read(1 << 20), b""):
       digest.update(block)
@@ -34,7 +40,8 @@ def file_sha256(path: str) -> str:
 
 def cache_key(dataset_full_name: str, split: str, source_key: str, target_key: str, vocab_file: str,
               normalization: str) -> dict:
-  """What the cached ids depend on; `normalization` is `normalize.signature(tokenizer.normalization)`."""
+  """What the cached ids depend on. `vocab_file` is the tokenizer's `path` (a SentencePiece model, or the
+  directory of a Marian tokenizer's files); `normalization` is `normalize.signature(tokenizer.normalization)`."""
   return {"format": FORMAT, "dataset": dataset_full_name, "split": split, "source": source_key,
           "target": target_key, "vocab_sha256": file_sha256(vocab_file), "normalization": normalization}
 

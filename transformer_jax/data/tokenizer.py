@@ -1,6 +1,9 @@
 """One shared SentencePiece vocabulary for source and target (section 5.1: shared BPE).
 
-Ids: pad 0, unk 1, bos 2, eos 3 (the model's `PAD_ID`, `UNK_ID`, `BOS_ID`, `EOS_ID`).
+Ids: pad 0, unk 1, bos 2, eos 3 (the model's `PAD_ID`, `UNK_ID`, `BOS_ID`, `EOS_ID`). The rest of the library
+reads them from the tokenizer (`pad_id`, `eos_id`) or the model (`ModelConfig.pad_id`, ...), never from these
+constants, so another vocabulary (an imported Marian model's, `data.marian_vocab`, pad = its last id) works
+the same way; `check_model_ids` refuses a model whose ids are not its tokenizer's.
 
 Text normalisation (`transformer_jax.data.normalize`): every text is normalised here, before SentencePiece
 sees it, both when the vocabulary is trained and at every `encode`: BOM and zero-width characters dropped,
@@ -25,12 +28,12 @@ import os
 import random
 import shutil
 import tempfile
-from typing import Iterable, Sequence
+from typing import Iterable, Protocol, Sequence
 
 import numpy as np
 import sentencepiece as spm
 
-from transformer_jax.config import BOS_ID, EOS_ID, PAD_ID, UNK_ID
+from transformer_jax.config import BOS_ID, EOS_ID, PAD_ID, UNK_ID, ModelConfig
 from transformer_jax.data import normalize as normalize_lib
 
 VOCAB_FILENAME = "spm.model"
@@ -39,6 +42,40 @@ STAMP_SUFFIX = ".normalization.json"
 
 class VocabularyError(ValueError):
   """The vocabulary file is missing, unreadable, or does not match the model."""
+
+
+class TextTokenizer(Protocol):
+  """What the data pipeline, inference and the programs use of a vocabulary: `Tokenizer` (ours, one shared
+  SentencePiece model) or `marian_vocab.MarianVocabulary` (an imported Marian model's files)."""
+
+  path: str             # the file or directory it was loaded from
+  pad_id: int           # fills batches after the last token; never a real token
+  eos_id: int           # appended by `encode`; ends a sequence
+  normalization: int    # the text normalisation `encode` applies (`normalize` version; 0 = none)
+
+  @property
+  def vocab_size(self) -> int: ...
+  def is_blank(self, text: str) -> bool: ...
+  # `target=True`: text of the target language (Marian segments it with its target model; ours is shared).
+  def encode(self, text: str, add_eos: bool = True, *, target: bool = False) -> list[int]: ...
+  def encode_batch(self, texts: Sequence[str], add_eos: bool = True, *,
+                   target: bool = False) -> list[list[int]]: ...
+  def decode(self, ids: Iterable[int]) -> str: ...
+  def pieces(self, ids: Iterable[int]) -> list[str]: ...
+  def check_model_vocab(self, model_vocab_size: int) -> None: ...
+
+
+def check_model_ids(tokenizer: TextTokenizer, config: ModelConfig) -> None:
+  """Raises `VocabularyError` (one line) when the model's pad or EOS id is not the tokenizer's.
+
+  The data pipeline pads and ends sequences with the tokenizer's ids; the model masks and the loss weights
+  use the model's (`config.pad_id`), so the two must be the same ids. (The decoder start, `config.bos_id`, is
+  the model's own: Marian's equals its pad id and has no piece of its own.)
+  """
+  for name, want, have in (("pad_id", tokenizer.pad_id, config.pad_id), ("eos_id", tokenizer.eos_id, config.eos_id)):
+    if want != have:
+      raise VocabularyError(f"{tokenizer.path}: the tokenizer's {name} is {want} but the model's (model.{name}) "
+                            f"is {have}; they must be the same id")
 
 
 def stamp_path(model_path: str) -> str:
@@ -91,6 +128,8 @@ class Tokenizer:
   a vocabulary from before normalisation; see the module docstring) before it is encoded.
   """
 
+  pad_id, unk_id, bos_id, eos_id = PAD_ID, UNK_ID, BOS_ID, EOS_ID  # every vocabulary trained here has these
+
   def __init__(self, model_path: str):
     self.path = model_path
     self._sp = spm.SentencePieceProcessor()
@@ -120,24 +159,26 @@ class Tokenizer:
     """True when `text` has nothing to encode (after this vocabulary's normalisation; 0: whitespace only)."""
     return not self.normalize(text).strip()
 
-  def encode(self, text: str, add_eos: bool = True) -> list[int]:
-    """Text -> ids (normalised first), `[..., EOS]` by default."""
+  def encode(self, text: str, add_eos: bool = True, *, target: bool = False) -> list[int]:
+    """Text -> ids (normalised first), `[..., EOS]` by default; one shared model, so `target` changes nothing."""
+    del target
     ids = self._sp.encode(self.normalize(text))
-    return ids + [EOS_ID] if add_eos else ids
+    return ids + [self.eos_id] if add_eos else ids
 
-  def encode_batch(self, texts: Sequence[str], add_eos: bool = True) -> list[list[int]]:
+  def encode_batch(self, texts: Sequence[str], add_eos: bool = True, *, target: bool = False) -> list[list[int]]:
     """Many texts at once (normalised, then encoded as a list in C++)."""
+    del target  # one shared model
     batch = self._sp.encode([self.normalize(t) for t in texts])
-    return [ids + [EOS_ID] for ids in batch] if add_eos else batch
+    return [ids + [self.eos_id] for ids in batch] if add_eos else batch
 
   def decode(self, ids: Iterable[int]) -> str:
     """Ids -> text, stopping at the first EOS and skipping pad/bos."""
     out = []
     for i in ids:
       i = int(i)
-      if i == EOS_ID:
+      if i == self.eos_id:
         break
-      if i not in (PAD_ID, BOS_ID):
+      if i not in (self.pad_id, self.bos_id):
         out.append(i)
     return self._sp.decode(out)
 
@@ -209,8 +250,9 @@ def load_or_train_tokenizer(path: str, texts_fn, vocab_size: int, **train_kwargs
   return train_tokenizer(texts_fn(), path, vocab_size, **train_kwargs)
 
 
-def encode_pairs(tokenizer: Tokenizer, pairs: Sequence[tuple[str, str]]):
-  """(source, target) texts -> two lists of int32 arrays, each ending with EOS."""
+def encode_pairs(tokenizer: TextTokenizer, pairs: Sequence[tuple[str, str]]):
+  """(source, target) texts -> two lists of int32 arrays `[len]`, each ending with the tokenizer's EOS (targets
+  encoded as target-language text, `target=True`)."""
   sources = tokenizer.encode_batch([p[0] for p in pairs])
-  targets = tokenizer.encode_batch([p[1] for p in pairs])
+  targets = tokenizer.encode_batch([p[1] for p in pairs], target=True)
   return ([np.asarray(s, np.int32) for s in sources], [np.asarray(t, np.int32) for t in targets])

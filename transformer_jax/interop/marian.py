@@ -42,11 +42,12 @@ import sentencepiece as spm
 from transformer_jax import checkpoint as checkpoint_lib
 from transformer_jax.config import ModelConfig
 from transformer_jax.data.tokenizer import VocabularyError
-from transformer_jax.interop.marian_vocab import (EOS_PIECE, MARIAN_TOKENIZER_FILES, PAD_PIECE, SOURCE_SPM,
-                                                  TARGET_SPM, VOCAB_JSON, MarianVocabulary)
+from transformer_jax.data.marian_vocab import (EOS_PIECE, MARIAN_TOKENIZER_FILES, PAD_PIECE, SOURCE_SPM,
+                                              TARGET_SPM, TOKENIZER_NAME, VOCAB_JSON, MarianVocabulary)
 from transformer_jax.model import sinusoid_table
 from transformer_jax.training import schedule, steps
 from transformer_jax.training.steps import init_params
+from transformer_jax.workdir import IMPORTED_DATASET
 
 MARIAN_LAYER_NORM_EPSILON = 1e-5  # torch.nn.LayerNorm's default; MarianMTModel does not make it configurable
 WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
@@ -439,20 +440,23 @@ def _write_json(path: str, value: Mapping) -> None:
 # Workdirs: an imported model as if trained here
 # ----------------------------------------------------------------------------------------------------------
 
-MARIAN_TOKENIZER = "marian"  # `config.data.tokenizer` of an imported workdir; its files are in <workdir>/vocab
+MARIAN_TOKENIZER = TOKENIZER_NAME  # `config.data.tokenizer` of an imported workdir; its files are in <workdir>/vocab
 
 
 def workdir_config(config: ModelConfig, model_dir: str) -> dict:
-  """The `config.json` of an imported workdir: the model, and a data section naming the Marian tokenizer."""
+  """The `config.json` of an imported workdir: the model, and a data section naming the Marian tokenizer and
+  no dataset yet (`workdir.IMPORTED_DATASET`, until `experiments.train` fine-tunes it)."""
   return {"seed": 0, "model": dataclasses.asdict(config),
-          "data": {"dataset": "marian_import", "tokenizer": MARIAN_TOKENIZER, "vocab_path": "",
+          "data": {"dataset": IMPORTED_DATASET, "tokenizer": MARIAN_TOKENIZER, "vocab_path": "",
                    "vocab_size": config.vocab_size, "max_len": config.max_len},
           "imported_from": os.path.abspath(model_dir)}
 
 
 def import_to_workdir(model_dir: str, workdir: str) -> dict:
   """Converts a Marian directory into a workdir (config.json, vocab/, checkpoints/0) for `translate`,
-  `evaluate` and `attention_map`; returns the workdir config. Validates everything before writing anything.
+  `evaluate`, `attention_map` and fine-tuning with `experiments.train`; returns the workdir config. Validates
+  everything before writing anything. Checkpoint 0 holds the parameters (its Adam state is a fresh one that
+  fine-tuning does not read: `trainer.init_or_restore` starts a fresh optimizer at the imported step).
 
   Raises:
     UnsupportedModelError, VocabularyError: see `load_marian`.

@@ -63,14 +63,21 @@ def _xent_backward(eps, residuals, cotangents):
 smoothed_cross_entropy_and_correct.defvjp(_xent_forward, _xent_backward)
 
 
-def token_weights(targets: jax.Array, pad_id: int = 0) -> jax.Array:
-  """1.0 at real (non-pad) target tokens, 0.0 at padding: `[batch, length]` float32."""
+def token_weights(targets: jax.Array, pad_id: int) -> jax.Array:
+  """1.0 at real (non-pad) target tokens, 0.0 at padding: `[batch, length]` float32.
+
+  `pad_id` is the model's (`ModelConfig.pad_id`: 0 for vocabularies trained here, the last id of an imported
+  Marian model, whose EOS is 0); there is no default, so no caller can silently weigh EOS as padding.
+  """
   return (targets != pad_id).astype(jnp.float32)
 
 
-def normalized_loss(logits: jax.Array, targets: jax.Array, label_smoothing: float = 0.1,
-                    pad_id: int = 0) -> jax.Array:
-  """Mean label-smoothed loss over the real (non-pad) target tokens: a scalar."""
+def normalized_loss(logits: jax.Array, targets: jax.Array, label_smoothing: float = 0.1, *,
+                    pad_id: int) -> jax.Array:
+  """Mean label-smoothed loss over the real (`!= pad_id`) target tokens: a float32 scalar.
+
+  `logits` `[batch, length, vocab]`, `targets` `[batch, length]` int ids.
+  """
   loss, _ = label_smoothed_cross_entropy(logits, targets, label_smoothing)
   weights = token_weights(targets, pad_id)
   return jnp.sum(loss * weights) / jnp.maximum(jnp.sum(weights), 1.0)
