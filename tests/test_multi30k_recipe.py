@@ -61,7 +61,7 @@ def test_shortened_recipe_end_to_end(multi30k_dir, tmp_path):
   rows = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
   assert [r["step"] for r in rows if "val/bleu" in r] == [8, 16, 24]
   assert [r["step"] for r in rows if "val/loss" in r] == [8, 16, 24]
-  learning_rates = {r["step"]: r["learning_rate"] for r in rows if "learning_rate" in r}
+  learning_rates = {r["step"]: r["train/learning_rate"] for r in rows if "train/learning_rate" in r}
   assert learning_rates[STEPS] < learning_rates[16] / 3  # cooling since step 18: at most 2/7 of the rate left
   assert curve.stat().st_size > 10_000
 
