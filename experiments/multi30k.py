@@ -168,14 +168,14 @@ def run_markdown(path, curve, config, model_config, rows, summary) -> str:
   sig = next(iter(rows.values()))["bleu_signature"]
   val = ", ".join(f"{k} {v:.3f}" for k, v in sorted(summary["val"].items())
                   if isinstance(v, float) and "/attention/" not in k)
-  curve = ", ".join(f"{step}: {bleu:.2f}" for step, bleu in summary.get("val_bleu_by_step", []))
+  bleu_by_step = ", ".join(f"{step}: {bleu:.2f}" for step, bleu in summary.get("val_bleu_by_step", []))
   lines += ["", f"sacreBLEU signature: `{sig}`; the published-style score uses `tokenize='none'` against "
             "`test_2016_flickr.lc.norm.tok.de`.", "",
             f"Wall time: **{summary['total_minutes']:.1f} min** in total from the recipe's first start in its "
             f"workdir (data preparation, training at {summary['steps_per_s']:.3f} steps/s with periodic "
             f"validation, averaging and test decoding; a resumed or re-scored run counts from the first start).",
             "", f"Validation at the end: {val}", "",
-            f"Validation BLEU (greedy, cased sacreBLEU) by step: {curve}", "",
+            f"Validation BLEU (greedy, cased sacreBLEU) by step: {bleu_by_step}", "",
             f"![learning curve]({os.path.relpath(curve, os.path.dirname(os.path.abspath(path)))})"]
   return "\n".join(lines)
 

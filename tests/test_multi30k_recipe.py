@@ -70,5 +70,6 @@ def test_shortened_recipe_end_to_end(multi30k_dir, tmp_path):
   start, end = docblock.markers("multi30k:last-run")
   assert text.startswith("# Results\n\nHand-written lever table.\n") and start in text and end in text
   assert "| average of last 5 |" in text and "seed 0" in text and "by step: 8: " in text
+  assert "![learning curve](curve.png)" in text  # the image link points at the PNG, relative to the results file
   assert "/attention/" not in text  # the diagnostics stay in results.json and TensorBoard
   assert "average of last 5: test2016 lc-tok BLEU" in proc.stdout
