@@ -73,6 +73,14 @@ def save(path: str, key: dict, sources: Sequence[np.ndarray], targets: Sequence[
   os.replace(tmp, path)
 
 
+def read(path: str) -> tuple[list[np.ndarray], list[np.ndarray]]:
+  """(sources, targets) stored at `path`, int32, whatever they were written for (no key check).
+
+  Raises OSError/KeyError on a missing or foreign file."""
+  with np.load(path) as data:
+    return _split(data["src"], data["src_offsets"]), _split(data["tgt"], data["tgt_offsets"])
+
+
 def load(path: str, key: dict) -> Optional[tuple[list[np.ndarray], list[np.ndarray], int]]:
   """(sources, targets, skipped_blank) saved under `key` at `path`, or None (reason logged)."""
   if not os.path.exists(path):

@@ -1,0 +1,143 @@
+r"""Side by side: the training step of a recipe's variants on that recipe's own data, in one process.
+
+    python -m experiments.benchmarks.recipe_speed --workdir=runs/multi30k \
+        --variant='rows 128:data.max_len=128,data.tokens_per_batch=4096' \
+        --variant='rows 64, 2048 tokens:data.max_len=64,data.tokens_per_batch=2048' \
+        --variant='4+4 x d128:model.d_model=128,model.num_encoder_layers=4,model.num_decoder_layers=4'
+
+What it answers: which sizes give the most real target tokens per second on this machine, before an hour is
+spent on a run (docs/results.md's lever table quotes it). Each `--variant` is `NAME:KEY=VALUE,...` of overrides
+to `--config` (a module in `experiments/configs`, the one the workdir was trained with by default), the first is
+the reference. Every variant packs the workdir's cached training ids (`data/train.ids.npz`, written by any
+`experiments.train`/`experiments.multi30k` run) into its own batches (`PackedBatches`, its `data.max_len` row
+length and `data.tokens_per_batch`), builds the trainer's own state and compiled step
+(`benchmarks.common.build_train_step`, one-device mesh) and is timed in rounds that interleave the variants
+(this machine is shared: read the ratios). Prints per variant: parameters, median step seconds, real (non-pad)
+target tokens per batch, real target tokens/s and its ratio to the first variant, steps/s.
+
+Timings only: nothing is trained to convergence and nothing in the workdir is written.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import importlib
+import json
+import os
+import sys
+import time
+
+import jax
+import numpy as np
+
+from experiments import launch
+from experiments.benchmarks import common
+from transformer_jax.data import token_cache
+from transformer_jax.data.batching import PackedBatches
+
+
+def parse_variant(text: str) -> tuple[str, dict]:
+  """`NAME:KEY=VALUE,...` -> (NAME, {KEY: value}); values are Python literals or else strings.
+
+  Raises ValueError naming the variant on a missing name or a term without `=`."""
+  name, sep, body = text.partition(":")
+  if not sep or not name.strip():
+    raise ValueError(f"--variant={text!r}: expected NAME:KEY=VALUE,... (e.g. 'rows 64:data.max_len=64')")
+  overrides = {}
+  for term in filter(None, (t.strip() for t in body.split(","))):
+    key, eq, value = term.partition("=")
+    if not eq:
+      raise ValueError(f"--variant={text!r}: {term!r} is not KEY=VALUE")
+    try:
+      overrides[key.strip()] = ast.literal_eval(value.strip())
+    except (ValueError, SyntaxError):
+      overrides[key.strip()] = value.strip()
+  return name.strip(), overrides
+
+
+def variant_config(config_module: str, vocab_size: int, overrides: dict):
+  """The recipe's config with `overrides` applied (ml_collections raises KeyError on an unknown key)."""
+  config = importlib.import_module(f"experiments.configs.{config_module}").get_config()
+  config.model.vocab_size = vocab_size
+  for key, value in overrides.items():
+    node, *path = key.split(".")
+    target = config
+    for part in [node, *path][:-1]:
+      target = target[part]
+    if [node, *path][-1] not in target:
+      raise KeyError(f"--variant key {key!r} is not in experiments/configs/{config_module}.py")
+    target[[node, *path][-1]] = value
+  return config
+
+
+def main(argv=None) -> int:
+  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  parser.add_argument("--workdir", required=True, help="a run whose data/train.ids.npz and vocab/ to use")
+  parser.add_argument("--config", default="multi30k", help="module in experiments/configs")
+  parser.add_argument("--variant", action="append", default=[], help="NAME:KEY=VALUE,... (repeatable)")
+  parser.add_argument("--rounds", type=int, default=3)
+  parser.add_argument("--steps_per_round", type=int, default=4)
+  parser.add_argument("--batches", type=int, default=6, help="distinct batches cycled per variant")
+  args = parser.parse_args(argv)
+
+  ids_path = os.path.join(args.workdir, "data", "train.ids.npz")
+  config_json = os.path.join(args.workdir, "config.json")
+  for path in (ids_path, config_json):
+    if not os.path.exists(path):
+      print(f"error: {path} does not exist (run experiments.train or experiments.multi30k there first)",
+            file=sys.stderr)
+      return 1
+  try:
+    variants = [parse_variant(v) for v in (args.variant or ["recipe:"])]
+  except ValueError as e:
+    print(f"error: {e}", file=sys.stderr)
+    return 1
+  with open(config_json) as f:
+    vocab_size = int(json.load(f)["model"]["vocab_size"])
+  sources, targets = token_cache.read(ids_path)
+
+  runs = {}
+  for name, overrides in variants:
+    try:
+      config = variant_config(args.config, vocab_size, overrides)
+    except KeyError as e:
+      print(f"error: {e.args[0]}", file=sys.stderr)
+      return 1
+    built = common.build_train_step(config)
+    batches = PackedBatches(sources, targets, tokens_per_batch=config.data.tokens_per_batch,
+                            row_length=config.data.max_len, seed=config.seed, pad_id=built.model_config.pad_id)
+    batches = [next(batches) for _ in range(args.batches)]
+    real = float(np.mean([(b["targets"] != built.model_config.pad_id).sum() for b in batches]))
+    start = time.perf_counter()
+    state, metrics = built.step(built.state, batches[0], built.rng)
+    jax.block_until_ready(metrics)
+    params = sum(x.size for x in jax.tree.leaves(state.params))
+    print(f"[recipe_speed] {name}: {params / 1e6:.2f}M parameters, first step (compiles) "
+          f"{time.perf_counter() - start:.1f}s", file=sys.stderr, flush=True)
+    runs[name] = dict(built=built, state=state, batches=batches, real=real, params=params, times=[])
+
+  for _ in range(args.rounds):
+    for run in runs.values():
+      for i in range(args.steps_per_round):
+        start = time.perf_counter()
+        run["state"], metrics = run["built"].step(run["state"], run["batches"][i % len(run["batches"])],
+                                                  run["built"].rng)
+        jax.block_until_ready(metrics)
+        run["times"].append(time.perf_counter() - start)
+
+  print(f"{'variant':36s} {'params':>7s} {'step (median)':>14s} {'real tgt tok/batch':>19s} "
+        f"{'real tgt tok/s':>15s} {'ratio':>6s} {'steps/s':>8s}")
+  reference = None
+  for name, run in runs.items():
+    step_s = float(np.median(run["times"]))
+    tokens_per_s = run["real"] / step_s
+    reference = reference or tokens_per_s
+    print(f"{name:36s} {run['params'] / 1e6:6.2f}M {step_s:13.3f}s {run['real']:19.0f} {tokens_per_s:15.0f} "
+          f"{tokens_per_s / reference:5.2f}x {1 / step_s:8.2f}")
+  return 0
+
+
+if __name__ == "__main__":
+  launch.maybe_reexecute_with_huge_pages()
+  sys.exit(main())

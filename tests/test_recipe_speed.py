@@ -1,0 +1,79 @@
+"""`experiments.benchmarks.recipe_speed`: variants of a recipe timed side by side on a workdir's cached ids.
+
+A workdir is faked with what a run leaves (`data/train.ids.npz` through `token_cache.save`, `config.json`); the
+probe must build each variant's own batches and compiled step, report one row per variant with the reference
+first, and refuse bad variants and missing workdirs in one line without writing anything.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from experiments.benchmarks import recipe_speed
+from transformer_jax.data import token_cache
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY = "model.d_model=32,model.d_ff=64,model.num_heads=2,model.num_encoder_layers=1,model.num_decoder_layers=1"
+
+
+@pytest.fixture
+def workdir(tmp_path):
+  rng = np.random.default_rng(0)
+  pairs = [(rng.integers(4, 200, rng.integers(3, 30)), rng.integers(4, 200, rng.integers(3, 30)))
+           for _ in range(300)]
+  eos = np.array([3])
+  token_cache.save(str(tmp_path / "data" / "train.ids.npz"), {"format": "test"},
+                   [np.concatenate([s, eos]) for s, _ in pairs], [np.concatenate([t, eos]) for _, t in pairs], 0)
+  (tmp_path / "config.json").write_text(json.dumps({"model": {"vocab_size": 200}}))
+  return tmp_path
+
+
+def test_token_cache_read_returns_what_was_saved(workdir):
+  sources, targets = token_cache.read(str(workdir / "data" / "train.ids.npz"))
+  assert len(sources) == len(targets) == 300
+  assert all(s.dtype == np.int32 and s[-1] == 3 for s in sources)
+
+
+def test_parse_variant():
+  assert recipe_speed.parse_variant("rows 64: data.max_len=64, data.tokens_per_batch=2048") == (
+      "rows 64", {"data.max_len": 64, "data.tokens_per_batch": 2048})
+  assert recipe_speed.parse_variant("gelu:model.activation=gelu") == ("gelu", {"model.activation": "gelu"})
+  assert recipe_speed.parse_variant("as is:") == ("as is", {})
+  for bad in ("no colon", ":data.max_len=64", "x:data.max_len"):
+    with pytest.raises(ValueError, match="--variant"):
+      recipe_speed.parse_variant(bad)
+
+
+def test_variants_are_timed_side_by_side(workdir, capsys):
+  rc = recipe_speed.main([f"--workdir={workdir}", "--rounds=1", "--steps_per_round=2", "--batches=2",
+                          f"--variant=rows 32:{TINY},data.max_len=32,data.tokens_per_batch=256",
+                          f"--variant=rows 64:{TINY},data.max_len=64,data.tokens_per_batch=512"])
+  assert rc == 0
+  lines = capsys.readouterr().out.strip().splitlines()
+  assert lines[0].split()[0] == "variant" and len(lines) == 3
+  assert lines[1].startswith("rows 32") and " 1.00x " in lines[1]  # the first variant is the reference
+  assert lines[2].startswith("rows 64")
+  real_tokens = [float(line.split()[-4]) for line in lines[1:]]  # columns from the right: names have spaces
+  assert 0 < real_tokens[0] <= 256 and 256 < real_tokens[1] <= 512  # each variant packed its own batches
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--variant=x:model.no_such_field=1"], "'model.no_such_field' is not in experiments/configs/multi30k.py"),
+    (["--variant=no colon"], "expected NAME:KEY=VALUE"),
+])
+def test_bad_variants_are_one_line_refusals(workdir, extra, message):
+  before = sorted(p.name for p in workdir.rglob("*"))
+  proc = subprocess.run([sys.executable, "-m", "experiments.benchmarks.recipe_speed", f"--workdir={workdir}",
+                         *extra], cwd=REPO, capture_output=True, text=True, timeout=300,
+                        env=dict(os.environ, PYTHONPATH=REPO, TRANSFORMER_JAX_HUGE_PAGES="0"))
+  assert proc.returncode == 1 and proc.stderr.startswith("error: ") and message in proc.stderr
+  assert len(proc.stderr.strip().splitlines()) == 1
+  assert sorted(p.name for p in workdir.rglob("*")) == before
+
+
+def test_missing_workdir_is_a_one_line_refusal(tmp_path):
+  assert recipe_speed.main([f"--workdir={tmp_path / 'none'}"]) == 1
