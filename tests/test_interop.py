@@ -353,3 +353,28 @@ def test_export_refuses_what_marian_cannot_hold_and_writes_nothing(tmp_path, our
   with pytest.raises(marian.UnsupportedModelError, match=message):
     marian.save_marian(params, config, str(out), tokenizer_path=our_spm)
   assert not out.exists() and os.listdir(tmp_path) == []
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The `ctranslate2` bench section (make bench): its code runs, and it compares like with like
+# ----------------------------------------------------------------------------------------------------------
+
+def test_ctranslate2_bench_section_runs_on_a_tiny_model(our_spm):
+  import argparse
+
+  from experiments.benchmarks import common, ctranslate2_bench
+
+  tokenizer = tokenizer_lib.Tokenizer(our_spm)
+  config, params = _our_model(tokenizer.vocab_size)
+  test_sources = [np.asarray(ids, np.int32) for ids in tokenizer.encode_batch(SOURCES)]
+  corpus = common.Corpus("test", [], [], test_sources, tokenizer.vocab_size, our_spm, 0.0)
+  args = argparse.Namespace(preset="tiny", sources=len(SOURCES), extra_len=6, threads=1, ct2_batch=4,
+                            max_tokens=64, rounds=1)
+  out = ctranslate2_bench.run(args, corpus, config, params)
+  runners = [f"{who}_{search}" for who in ("ours", "ct2_float32", "ct2_int8") for search in ("greedy", "beam4")]
+  for name in runners:
+    assert out[name]["tokens_per_s"] > 0 and len(out[name]["times"]) == 1
+  # Same model, same sources, same caps and bans: fp32 greedy emits the same number of tokens on both sides.
+  assert out["ours_greedy"]["target_tokens"] == out["ct2_float32_greedy"]["target_tokens"]
+  assert out["ours_vs_ct2_float32_beam4"] == pytest.approx(
+      out["ours_beam4"]["tokens_per_s"] / out["ct2_float32_beam4"]["tokens_per_s"])
