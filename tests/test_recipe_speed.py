@@ -63,6 +63,9 @@ def test_variants_are_timed_side_by_side(workdir, capsys):
 
 @pytest.mark.parametrize("extra, message", [
     (["--variant=x:model.no_such_field=1"], "'model.no_such_field' is not in experiments/configs/multi30k.py"),
+    (["--variant=x:model.d_model.width=1"], "'model.d_model.width' is not in experiments/configs/multi30k.py"),
+    (["--variant=x:nowhere.d_model=1"], "'nowhere.d_model' is not in experiments/configs/multi30k.py"),
+    (["--variant=x:data.max_len=long"], "max_len"),  # a value of another type than the key's
     (["--variant=no colon"], "expected NAME:KEY=VALUE"),
 ])
 def test_bad_variants_are_one_line_refusals(workdir, extra, message):

@@ -45,6 +45,7 @@ import flax.linen as nn
 import jax
 import numpy as np
 import optax
+from jax.experimental import multihost_utils
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 from transformer_jax.config import ModelConfig
@@ -158,7 +159,6 @@ def agree_across_hosts(decision: bool) -> bool:
   """
   if jax.process_count() == 1:
     return bool(decision)
-  from jax.experimental import multihost_utils
   return bool(multihost_utils.broadcast_one_to_all(np.asarray(bool(decision), np.int32)))
 
 

@@ -29,6 +29,7 @@ import sys
 import time
 
 import jax
+import ml_collections
 import numpy as np
 
 from experiments import launch
@@ -57,17 +58,18 @@ def parse_variant(text: str) -> tuple[str, dict]:
 
 
 def variant_config(config_module: str, vocab_size: int, overrides: dict):
-  """The recipe's config with `overrides` applied (ml_collections raises KeyError on an unknown key)."""
+  """The recipe's config with `overrides` applied. Raises KeyError naming a key the config does not have,
+  TypeError for a value of another type than the key's."""
   config = importlib.import_module(f"experiments.configs.{config_module}").get_config()
   config.model.vocab_size = vocab_size
   for key, value in overrides.items():
-    node, *path = key.split(".")
-    target = config
-    for part in [node, *path][:-1]:
-      target = target[part]
-    if [node, *path][-1] not in target:
+    *parents, leaf = key.split(".")
+    node = config
+    for part in parents:
+      node = node.get(part) if isinstance(node, ml_collections.ConfigDict) else None
+    if not isinstance(node, ml_collections.ConfigDict) or leaf not in node:
       raise KeyError(f"--variant key {key!r} is not in experiments/configs/{config_module}.py")
-    target[[node, *path][-1]] = value
+    node[leaf] = value
   return config
 
 
@@ -101,7 +103,7 @@ def main(argv=None) -> int:
   for name, overrides in variants:
     try:
       config = variant_config(args.config, vocab_size, overrides)
-    except KeyError as e:
+    except (KeyError, TypeError) as e:
       print(f"error: {e.args[0]}", file=sys.stderr)
       return 1
     built = common.build_train_step(config)

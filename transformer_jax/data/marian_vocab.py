@@ -23,7 +23,7 @@ from typing import Iterable, Sequence
 import sentencepiece as spm
 
 from transformer_jax.data import normalize as normalize_lib
-from transformer_jax.data.tokenizer import VocabularyError
+from transformer_jax.data.tokenizer import VocabularyError, ids_until_eos
 
 TOKENIZER_NAME = "marian"  # `config.data.tokenizer` of a run that uses these files (an imported model's)
 SOURCE_SPM, TARGET_SPM, VOCAB_JSON = "source.spm", "target.spm", "vocab.json"
@@ -103,14 +103,7 @@ class MarianVocabulary:
 
   def decode(self, ids: Iterable[int]) -> str:
     """Ids -> text with `target.spm`, stopping at the first `</s>` and skipping `<pad>`."""
-    pieces = []
-    for i in ids:
-      i = int(i)
-      if i == self.eos_id:
-        break
-      if i != self.pad_id:
-        pieces.append(self.decoder.get(i, UNK_PIECE))
-    return self._target.decode_pieces(pieces)
+    return self._target.decode_pieces(self.pieces(ids_until_eos(ids, self.eos_id, skip=(self.pad_id,))))
 
   def pieces(self, ids: Iterable[int]) -> list[str]:
     """The subword strings of `ids` (for attention-map axes)."""

@@ -78,6 +78,18 @@ def check_model_ids(tokenizer: TextTokenizer, config: ModelConfig) -> None:
                             f"is {have}; they must be the same id")
 
 
+def ids_until_eos(ids: Iterable[int], eos_id: int, skip: Sequence[int]) -> list[int]:
+  """`ids` as Python ints up to (not including) the first `eos_id`, without the ids in `skip` (pad, BOS):
+  what a tokenizer's `decode` turns into text."""
+  out = []
+  for i in map(int, ids):
+    if i == eos_id:
+      break
+    if i not in skip:
+      out.append(i)
+  return out
+
+
 def stamp_path(model_path: str) -> str:
   """Where the normalisation stamp of `model_path` lives: `vocab/spm.model` -> `vocab/spm.normalization.json`."""
   root, ext = os.path.splitext(model_path)
@@ -173,14 +185,7 @@ class Tokenizer:
 
   def decode(self, ids: Iterable[int]) -> str:
     """Ids -> text, stopping at the first EOS and skipping pad/bos."""
-    out = []
-    for i in ids:
-      i = int(i)
-      if i == self.eos_id:
-        break
-      if i not in (self.pad_id, self.bos_id):
-        out.append(i)
-    return self._sp.decode(out)
+    return self._sp.decode(ids_until_eos(ids, self.eos_id, skip=(self.pad_id, self.bos_id)))
 
   def pieces(self, ids: Iterable[int]) -> list[str]:
     """The subword strings of `ids` (for attention-map axes)."""
