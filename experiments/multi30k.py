@@ -12,6 +12,7 @@ the generated block of `--results` (between `<!-- multi30k:last-run:start/end --
 around it are hand-written and kept).
 """
 
+import dataclasses
 import json
 import os
 import shutil
@@ -20,9 +21,11 @@ import time
 from absl import flags
 
 from experiments import common, docblock, launch
+from experiments.benchmarks import common as bench_common
 from transformer_jax import checkpoint as checkpoint_lib
 from transformer_jax import inference, metrics, trainer, visualize
 from transformer_jax.data.parallel_text import read_lines
+from transformer_jax.training import budget as budget_lib
 from transformer_jax.workdir import Workdir
 
 FLAGS = flags.FLAGS
@@ -95,6 +98,7 @@ def main():
   if result.stopped_early:
     return
   train_minutes = (time.time() - wall_start) / 60
+  config = result.config  # num_train_steps as the time budget set it
   model_config, tokenizer = result.model_config, result.datasets.tokenizer
 
   rows = {}
@@ -120,8 +124,9 @@ def main():
   summary = {"train_minutes": train_minutes, "total_minutes": total_minutes, "rows": rows,
              "val": _last_logged(logged, "val/"), "val_bleu_by_step": _logged_by_step(logged, "val/bleu"),
              "steps": config.num_train_steps, "seed": config.seed,
-             "steps_per_s": _mean_steps_per_s(logged),
+             "steps_per_s": _mean_steps_per_s(logged), "train_budget": _budget_dict(FLAGS.workdir),
              "load_average_1_5_15min": os.getloadavg(), "cpu_count": os.cpu_count(),
+             "machine": bench_common.machine_info(),
              "test_sentences": len(test_src), "model": model_config.__dict__}
   with open(os.path.join(FLAGS.workdir, "results.json"), "w", encoding="utf-8") as f:
     json.dump(summary, f, indent=2, default=str)
@@ -132,6 +137,11 @@ def main():
           f"({r['bleu_signature']}) | chrF {r['chrf']:.2f}")
   print(f"total wall time {total_minutes:.1f} min (training {train_minutes:.1f} min, "
         f"{summary['steps_per_s']:.3f} steps/s); load average {os.getloadavg()[2]:.2f} (15 min)")
+
+
+def _budget_dict(workdir: str) -> dict | None:
+  decision = budget_lib.read(workdir)
+  return dataclasses.asdict(decision) if decision else None
 
 
 def _logged_by_step(logged: list[dict], key: str) -> list[tuple[int, float]]:
@@ -148,16 +158,29 @@ def _mean_steps_per_s(logged: list[dict]) -> float:
   return (train[-1]["step"] - train[0]["step"]) / max(train[-1]["time"] - train[0]["time"], 1e-9)
 
 
+def _cpu_words(machine: dict) -> str:
+  simd = machine.get("simd") or "no AVX2"
+  return f"{machine.get('cpu_model', 'an unnamed CPU')} ({simd})"
+
+
+def _budget_words(decision: dict | None) -> str:
+  if not decision:
+    return ""
+  return (f"; the length fits a {decision['budget_minutes']:g}-minute training budget at the "
+          f"{decision['steps_per_s']:.3f} steps/s measured over the first {decision['decided_at_step']} steps, "
+          f"cap {decision['cap']}")
+
+
 def run_markdown(path, curve, config, model_config, rows, summary) -> str:
   """The generated part of docs/results.md: this run's recipe, test2016 scores, wall time and curve."""
   lines = [
       f"Produced by `python -m experiments.multi30k` on {time.strftime('%Y-%m-%d')} "
-      f"({summary['cpu_count']} CPU cores, load average {summary['load_average_1_5_15min'][2]:.2f} over the "
-      f"last 15 min). Model: {model_config.num_encoder_layers}+{model_config.num_decoder_layers} "
+      f"({summary['cpu_count']} cores of {_cpu_words(summary['machine'])}, load average "
+      f"{summary['load_average_1_5_15min'][2]:.2f} over the last 15 min). Model: {model_config.num_encoder_layers}+{model_config.num_decoder_layers} "
       f"layers, d_model {model_config.d_model}, d_ff {model_config.d_ff}, {model_config.num_heads} heads, "
       f"dropout {model_config.dropout_rate}, shared BPE vocabulary {model_config.vocab_size}; "
       f"{config.num_train_steps} steps of {config.data.tokens_per_batch} tokens (warm-up {config.warmup_steps}, "
-      f"cool-down {config.cooldown_steps}, seed {config.seed}); beam {config.decode.beam_size}, "
+      f"cool-down {config.cooldown_steps}, seed {config.seed}{_budget_words(summary['train_budget'])}); beam {config.decode.beam_size}, "
       f"α {config.decode.alpha}; {summary['test_sentences']} test2016 sentences.",
       "",
       "| checkpoint | test2016 BLEU (lc, norm, tok; published-style) | sacreBLEU (cased, detok) | chrF |",

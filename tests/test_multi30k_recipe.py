@@ -33,8 +33,11 @@ def test_the_recipe_config_is_the_one_the_docs_report():
   assert config.data.dataset == "parallel_text" and config.data.eval_splits == ("val",)  # tuned on val only
   assert 0 <= config.cooldown_steps <= config.num_train_steps
   assert config.checkpoint_keep >= config.decode.average_last
-  # The learning curve needs val BLEU at >= 8 points (issue 14).
-  assert config.num_train_steps // config.evals.bleu.every_steps >= 8
+  # The learning curve needs val BLEU at >= 8 points (issue 14), on the slowest 2-core host measured too
+  # (docs/results.md: ~1.3 steps/s, evaluations included), where the time budget shortens the run most.
+  assert config.train_budget_minutes > 0
+  slowest_steps = min(config.num_train_steps, int(config.train_budget_minutes * 60 * 1.3))
+  assert slowest_steps // config.evals.bleu.every_steps >= 8
 
 
 def test_shortened_recipe_end_to_end(multi30k_dir, tmp_path):
@@ -54,6 +57,10 @@ def test_shortened_recipe_end_to_end(multi30k_dir, tmp_path):
     assert 0.0 <= row["lc_tok_bleu"] <= 100.0 and 0.0 <= row["bleu"] <= 100.0 and row["chrf"] > 0.0
     assert row["bleu_signature"].startswith("nrefs:1|case:mixed")
   assert summary["steps_per_s"] > 0 and len(summary["load_average_1_5_15min"]) == 3
+  assert summary["machine"]["logical_cpus"] == os.cpu_count()  # which CPU: hosts of one kind differ in speed
+  # The recipe's time budget decided the length after step 18 (the cool-down's start); 24 steps fit it.
+  assert {k: summary["train_budget"][k] for k in ("decided_at_step", "cap", "num_train_steps")} == {
+      "decided_at_step": 18, "cap": STEPS, "num_train_steps": STEPS}
   assert [step for step, _ in summary["val_bleu_by_step"]] == [8, 16, 24]
   assert len((workdir / "test2016.hyp").read_text().splitlines()) == 30
 
@@ -70,6 +77,7 @@ def test_shortened_recipe_end_to_end(multi30k_dir, tmp_path):
   start, end = docblock.markers("multi30k:last-run")
   assert text.startswith("# Results\n\nHand-written lever table.\n") and start in text and end in text
   assert "| average of last 5 |" in text and "seed 0" in text and "by step: 8: " in text
+  assert "-minute training budget at the " in text
   assert "![learning curve](curve.png)" in text  # the image link points at the PNG, relative to the results file
   assert "/attention/" not in text  # the diagnostics stay in results.json and TensorBoard
   assert "average of last 5: test2016 lc-tok BLEU" in proc.stdout

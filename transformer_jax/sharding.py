@@ -162,6 +162,13 @@ def agree_across_hosts(decision: bool) -> bool:
   return bool(multihost_utils.broadcast_one_to_all(np.asarray(bool(decision), np.int32)))
 
 
+def agree_on_ints(*values: int) -> tuple[int, ...]:
+  """Process 0's `values` on every process (a no-op on one host), e.g. a run length decided from its clock."""
+  if jax.process_count() == 1:
+    return tuple(int(v) for v in values)
+  return tuple(int(v) for v in multihost_utils.broadcast_one_to_all(np.asarray(values, np.int32)))
+
+
 @contextlib.contextmanager
 def mesh_context(mesh: Mesh, rules: LogicalRules = LOGICAL_AXIS_RULES) -> Iterator[None]:
   """`jax.set_mesh(mesh)` and `nn.logical_axis_rules(rules)`: the model's logical constraints become real.

@@ -12,7 +12,9 @@ named steps, each small enough to read at once:
    (state, dropout rng, data position) read straight into that layout, or, in a workdir that holds an
    imported model no run has trained yet, its parameters with a fresh optimizer state (fine-tuning).
 3. `train`: the compiled step (`make_train_step`, the same one the benchmarks time) in a loop whose periodic
-   actions (logging, evaluators, checkpoints, stop signals) are each decided by `itstime`.
+   actions (logging, evaluators, checkpoints, stop signals) are each decided by `itstime`. With
+   `config.train_budget_minutes`, the run's length is set once, after the warm-up, from its measured rate
+   (`fit_to_budget`, `training/budget.py`).
 
 Fine-tuning an imported model (`experiments.import_marian`): the workdir's `config.json` fixes the model's
 architecture and tokenizer; `config_for_workdir(config, workdir, explicit)` takes them from there (and refuses
@@ -45,6 +47,7 @@ from transformer_jax import diagnostics, inference, metrics as metrics_lib, shar
 from transformer_jax.config import RUNTIME_FIELDS, ModelConfig
 from transformer_jax.data import batching, datasets as datasets_lib, tokenizer as tokenizer_lib
 from transformer_jax.data.marian_vocab import TOKENIZER_NAME as MARIAN_TOKENIZER
+from transformer_jax.training import budget as budget_lib
 from transformer_jax.training import schedule as schedule_lib
 from transformer_jax.training import steps
 from transformer_jax.workdir import IMPORTED_DATASET, Workdir, config_diff, to_jsonable, write_json_atomically
@@ -353,6 +356,7 @@ class TrainResult:
   state: steps.TrainState
   model_config: ModelConfig
   datasets: datasets_lib.Datasets
+  config: Any                      # the config trained with: `num_train_steps` as a time budget set it, if any
   final_step: int
   train_minutes: float
   stopped_early: bool              # a signal stopped the run before `num_train_steps`
@@ -369,6 +373,7 @@ def prepare(config: Any, workdir: str) -> Run:
   sharding.maybe_initialize_distributed(config.distributed)
   run_dir = Workdir(workdir)
   saved = run_dir.read_config()
+  config = with_budget_decision(config, budget_lib.read(run_dir) if config.train_budget_minutes > 0 else None)
   if holds_imported_model(saved) and config.data.tokenizer != saved["data"]["tokenizer"]:
     raise ValueError(f"{run_dir.root} holds an imported model (data.tokenizer={saved['data']['tokenizer']!r}): "
                      "build the config with trainer.config_for_workdir(config, workdir), as experiments.train does")
@@ -397,6 +402,32 @@ def prepare(config: Any, workdir: str) -> Run:
                data.train.rows_per_batch, data.train.row_length, 100 * src_eff, 100 * tgt_eff)
   return Run(config=config, workdir=run_dir, resolved_config=resolved, model_config=model_config, data=data,
              mesh=mesh, rules=rules)
+
+
+def with_budget_decision(config: Any, decision: budget_lib.BudgetDecision | None) -> Any:
+  """`config` with the run length a time budget decided (a copy), or `config` itself when there is none."""
+  if decision is None:
+    return config
+  config = copy.deepcopy(config)
+  config.num_train_steps, config.cooldown_steps = decision.num_train_steps, decision.cooldown_steps
+  return config
+
+
+def fit_to_budget(run: Run, step: int, seconds: float, first_step_seconds: float) -> None:
+  """Sets the run's length for `config.train_budget_minutes` after `step` (`training/budget.py`): process 0's
+  decision on every host, saved in the workdir and config.json; the step is rebuilt for the new schedule."""
+  decision = budget_lib.decide(run.config, step, run.start_step, seconds, first_step_seconds)
+  total, cooldown = sharding.agree_on_ints(decision.num_train_steps, decision.cooldown_steps)
+  decision = dataclasses.replace(decision, num_train_steps=total, cooldown_steps=cooldown)
+  logging.info("Time budget: %s", decision.describe())
+  changed = (total, cooldown) != (run.config.num_train_steps, run.config.cooldown_steps)
+  run.config = with_budget_decision(run.config, decision)
+  run.resolved_config.update(num_train_steps=total, cooldown_steps=cooldown)
+  if run.is_chief:  # saved even when nothing changed, so that a resumed run never decides again
+    budget_lib.write(run.workdir, decision)
+    write_json_atomically(run.workdir.config_json, run.resolved_config)
+  if changed:
+    run.train_step = make_train_step(run.config, run.model_config, run.mesh, run.state, run.rules)
 
 
 def _checkpointer(config: Any, workdir: Workdir) -> checkpoint_lib.Checkpointer:
@@ -517,12 +548,22 @@ def train(run: Run, writer: MetricWriter, stop: StopSignal) -> TrainResult:
   train_metrics: dict[str, float] = {}
   eval_metrics: dict[str, float] = {}
   last_save_time = train_start = time.time()
-  step, stopped = run.start_step, False
-  logging.info("Training %d parameters for %d steps (from step %d)",
-               sum(x.size for x in jax.tree_util.tree_leaves(run.state.params)), total, run.start_step)
-  for step in range(run.start_step + 1, total + 1):
+  step, stopped, first_step_seconds = run.start_step, False, 0.0
+  fit_at = (budget_lib.decision_step(config, run.start_step)
+            if config.train_budget_minutes > 0 and budget_lib.read(run.workdir) is None else None)
+  logging.info("Training %d parameters for %d steps (from step %d)%s",
+               sum(x.size for x in jax.tree_util.tree_leaves(run.state.params)), total, run.start_step,
+               f"; the time budget sets the length after step {fit_at}" if fit_at else "")
+  while step < total:
+    step += 1
     batch = sharding.shard_batch(next_batch(run.data.train, config.grad_accum_steps), run.mesh, run.rules)
     run.state, metrics = run.train_step(run.state, batch, run.rng)
+    if step == run.start_step + 1:
+      first_step_seconds = time.time() - train_start
+    if step == fit_at:
+      jax.block_until_ready(metrics)  # the rate of steps done, not of steps dispatched
+      fit_to_budget(run, step, time.time() - train_start, first_step_seconds)
+      config, total = run.config, run.config.num_train_steps
     log.add(step, metrics)
     if itstime(step, config.log_every_steps, total):
       train_metrics = log.flush(step, total)
@@ -539,8 +580,8 @@ def train(run: Run, writer: MetricWriter, stop: StopSignal) -> TrainResult:
       logging.warning("Received %s: saved the checkpoint of step %d; stopping. Re-run to resume.",
                       stop.signal_name, step)
       break
-  return TrainResult(state=run.state, model_config=run.model_config, datasets=run.data, final_step=step,
-                     train_minutes=(time.time() - train_start) / 60, stopped_early=stopped,
+  return TrainResult(state=run.state, model_config=run.model_config, datasets=run.data, config=run.config,
+                     final_step=step, train_minutes=(time.time() - train_start) / 60, stopped_early=stopped,
                      train_metrics=train_metrics, eval_metrics=eval_metrics)
 
 

@@ -51,6 +51,8 @@ def get_config() -> ml_collections.ConfigDict:
   config.warmup_steps = 4000                  # linear warm-up steps of the rsqrt schedule
   config.learning_rate = 1.0                  # multiplies the schedule
   config.cooldown_steps = 0                   # linear decay to 0 over the last N steps (not in the paper; 0 = off)
+  config.train_budget_minutes = 0.0           # > 0: fit num_train_steps (then a cap) to this much training time,
+                                              # at the rate measured over the warm-up (training/budget.py)
   config.adam_b1 = 0.9                        # Adam beta1
   config.adam_b2 = 0.98                       # Adam beta2
   config.adam_eps = 1e-9                      # Adam epsilon
@@ -164,6 +166,7 @@ RULES = {
     "warmup_steps": _integer(1),
     "learning_rate": _number(0.0, low_open=True),
     "cooldown_steps": _integer(0),
+    "train_budget_minutes": _number(0.0),
     "adam_b1": _number(0.0, 1.0),
     "adam_b2": _number(0.0, 1.0),
     "adam_eps": _number(0.0, low_open=True),
