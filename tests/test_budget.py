@@ -1,7 +1,10 @@
 """A run fitted to a wall-clock budget (transformer_jax/training/budget.py and the trainer's `fit_to_budget`)."""
 
+import dataclasses
 import json
 
+import jax
+import numpy as np
 import pytest
 
 from experiments.configs import default, number_words
@@ -19,36 +22,40 @@ def _config(**overrides):
 
 def test_decide_fits_the_steps_left_in_the_budget_at_the_measured_rate():
   # 800 steps in 60 s of which the first step (compiling) took 10 s: 799 steps / 50 s = 15.98 steps/s.
-  config = _config(num_train_steps=20_000, cooldown_steps=4000)
-  decision = budget_lib.decide(config, step=800, start_step=0, seconds=60.0, first_step_seconds=10.0)
+  decision = budget_lib.decide(10.0, 20_000, 0.2, step=800, start_step=0, seconds=60.0, first_step_seconds=10.0)
   assert decision.steps_per_s == pytest.approx(15.98)
   assert decision.elapsed_minutes == pytest.approx(1.0)
   assert decision.num_train_steps == 800 + int(540 * 15.98)  # 9 minutes left
-  # The cool-down keeps its share of the run: 4,000 of the 20,000-step cap, so a fifth of the fitted length.
-  assert decision.cap == 20_000 and decision.cooldown_steps == round(decision.num_train_steps / 5)
+  assert decision.cooldown_steps == round(0.2 * decision.num_train_steps)  # the cool-down keeps its share
+  assert budget_lib.plan(_config()) == dict(budget_minutes=10.0, cap=5000, cooldown_share=0.2)
 
 
 def test_decide_never_exceeds_the_cap_and_a_spent_budget_ends_the_run_at_once():
-  capped = budget_lib.decide(_config(train_budget_minutes=1e4), 800, 0, 60.0, 1.0)
+  capped = budget_lib.decide(1e4, 5000, 0.2, step=800, start_step=0, seconds=60.0, first_step_seconds=1.0)
   assert (capped.num_train_steps, capped.cooldown_steps) == (5000, 1000)
-  spent = budget_lib.decide(_config(train_budget_minutes=0.5), 800, 0, 60.0, 1.0)
+  spent = budget_lib.decide(0.5, 5000, 0.2, step=800, start_step=0, seconds=60.0, first_step_seconds=1.0)
   assert (spent.num_train_steps, spent.cooldown_steps) == (800, 0)
   # Fewer steps left than the cool-down's share: it is shortened to them, never started in the past.
-  short = budget_lib.decide(_config(train_budget_minutes=1.1, cooldown_steps=4000), 800, 0, 60.0, 10.0)
+  short = budget_lib.decide(1.1, 5000, 0.8, step=800, start_step=0, seconds=60.0, first_step_seconds=10.0)
   assert short.num_train_steps - 800 == short.cooldown_steps < 0.8 * short.num_train_steps
 
 
 def test_decide_counts_the_steps_of_an_earlier_process_at_the_same_rate():
-  # Resumed at step 600; 200 more steps in 21 s (1 s compiling): 10 steps/s, so 60 s of earlier training.
-  decision = budget_lib.decide(_config(), step=800, start_step=600, seconds=21.0, first_step_seconds=1.0)
+  # Resumed at step 600; 200 more steps in 21 s (1 s compiling): 199 / 20 steps/s, 60.3 s of earlier training.
+  decision = budget_lib.decide(10.0, 5000, 0.2, step=800, start_step=600, seconds=21.0, first_step_seconds=1.0)
   assert decision.steps_per_s == pytest.approx(199 / 20)
   assert decision.elapsed_minutes == pytest.approx((21.0 + 600 / (199 / 20)) / 60)
 
 
-def test_decision_step_is_the_end_of_the_warmup_before_any_cooldown():
+def test_the_plan_comes_after_the_warmup_and_its_revision_before_the_cooldown():
   assert budget_lib.decision_step(_config(), start_step=0) == 800
   assert budget_lib.decision_step(_config(), start_step=790) == 790 + budget_lib.MIN_MEASURED_STEPS
-  assert budget_lib.decision_step(_config(num_train_steps=1500), start_step=0) == 500
+  assert budget_lib.decision_step(_config(num_train_steps=1500), start_step=0) is None  # cool-down from 500
+  plan = budget_lib.decide(10.0, 5000, 0.25, step=800, start_step=0, seconds=300.0, first_step_seconds=1.0)
+  assert budget_lib.revision_step(plan, 0) == plan.num_train_steps - plan.cooldown_steps - 1
+  assert budget_lib.revision_step(plan, plan.num_train_steps - plan.cooldown_steps - 5) is None  # too few steps
+  final = dataclasses.replace(plan, decided_at_step=plan.num_train_steps - plan.cooldown_steps - 1)
+  assert budget_lib.revision_step(final, 0) is None
 
 
 def _tiny_config(tmp_path, **overrides):
@@ -64,33 +71,49 @@ def _tiny_config(tmp_path, **overrides):
   return config
 
 
-def test_the_trainer_ends_the_run_where_the_budget_says_and_a_resume_keeps_it(tmp_path, monkeypatch):
+def _fake_clock(monkeypatch, seconds_at):
+  """The trainer's decisions see `seconds_at(step)` of training (the first step 0.5 s), not the real clock."""
   real_decide = budget_lib.decide
-  # A fixed clock for the decision: 20 steps in 10 s, 1 s of it compiling (19/9 steps/s), 24 s of budget.
-  monkeypatch.setattr(trainer.budget_lib, "decide",
-                      lambda config, step, start, seconds, first: real_decide(config, step, start, 10.0, 1.0))
+  monkeypatch.setattr(trainer.budget_lib, "decide", lambda *args, **kw: real_decide(
+      *args, **{**kw, "seconds": seconds_at(kw["step"]), "first_step_seconds": 0.5}))
+
+
+def test_the_trainer_ends_the_run_where_the_budget_says_and_a_resume_keeps_it(tmp_path, monkeypatch):
+  _fake_clock(monkeypatch, lambda step: 0.5 * step)  # 2 steps/s throughout: 48 steps fit 24 s
   config = _tiny_config(tmp_path, train_budget_minutes=0.4)
   workdir = str(tmp_path / "run")
   result = trainer.train_and_evaluate(config, workdir)
 
-  expected = 20 + int(14 * 19 / 9)  # decided after step 20 (MIN_MEASURED_STEPS), 14 s left
-  assert result.final_step == int(result.state.step) == expected == result.config.num_train_steps
+  assert result.final_step == int(result.state.step) == 48 == result.config.num_train_steps
   assert config.num_train_steps == 60  # the caller's config is left alone; the result holds the run's
-  saved = budget_lib.read(workdir)
-  assert (saved.decided_at_step, saved.num_train_steps, saved.cap) == (20, expected, 60)
-  assert saved.cooldown_steps == round(10 * expected / 60) == result.config.cooldown_steps
-  assert Workdir(workdir).require_config()["num_train_steps"] == expected
-  # The step was rebuilt for the new schedule: the last update is deep in its cool-down (factor <= 2/9), where
-  # the configured schedule (cool-down from step 50) would still be at its full rate.
+  saved = budget_lib.read(workdir)  # planned after step 20, revised after 39 (the last before the cool-down)
+  assert (saved.decided_at_step, saved.num_train_steps, saved.cooldown_steps, saved.cap) == (39, 48, 8, 60)
+  assert saved.cooldown_steps == round(10 * 48 / 60) == result.config.cooldown_steps
+  assert Workdir(workdir).require_config()["num_train_steps"] == 48
+  # The optimizer itself follows the new schedule, not only the logged rate: the run is bitwise the run that
+  # was given that length and cool-down from the start (the schedules agree up to the decision at step 20).
   rows = [json.loads(line) for line in Workdir(workdir).metrics_jsonl.read_text().splitlines()]
-  last_lr = [r["train/learning_rate"] for r in rows if r["step"] == expected and "train/learning_rate" in r][0]
+  last_lr = [r["train/learning_rate"] for r in rows if r["step"] == 48 and "train/learning_rate" in r][0]
   _, configured = trainer.optimizer(config, 32)
-  assert last_lr < 0.25 * float(configured(expected))
+  assert last_lr < 0.25 * float(configured(48))  # deep in the new cool-down; the configured one is not
+  fixed = trainer.train_and_evaluate(_tiny_config(tmp_path, num_train_steps=48, cooldown_steps=8),
+                                     str(tmp_path / "fixed"))
+  for a, b in zip(jax.tree.leaves(result.state.params), jax.tree.leaves(fixed.state.params)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
-  # A resumed run keeps the decision (no second one: the clock of this process is not consulted).
-  monkeypatch.setattr(trainer.budget_lib, "decide", lambda *a: pytest.fail("decided twice"))
+  # A resumed run keeps the plan (it is final: no decision is left to take).
+  monkeypatch.setattr(trainer.budget_lib, "decide", lambda *a, **kw: pytest.fail("decided again"))
   again = trainer.train_and_evaluate(_tiny_config(tmp_path, train_budget_minutes=0.4), workdir)
-  assert again.final_step == expected and again.config.num_train_steps == expected
+  assert again.final_step == 48 and again.config.num_train_steps == 48
+
+
+def test_a_slowdown_after_the_plan_is_caught_by_the_revision(tmp_path, monkeypatch):
+  # 2 steps/s up to the plan after step 20 (48 steps), then 1 step/s: at step 39 the budget is spent.
+  _fake_clock(monkeypatch, lambda step: 0.5 * min(step, 20) + max(step - 20, 0))
+  result = trainer.train_and_evaluate(_tiny_config(tmp_path, train_budget_minutes=0.4), str(tmp_path / "run"))
+  saved = budget_lib.read(str(tmp_path / "run"))
+  assert (saved.decided_at_step, saved.num_train_steps, saved.cooldown_steps) == (39, 39, 0)
+  assert result.final_step == 39
 
 
 def test_without_a_budget_the_configured_length_holds(tmp_path, monkeypatch):

@@ -13,8 +13,8 @@ named steps, each small enough to read at once:
    imported model no run has trained yet, its parameters with a fresh optimizer state (fine-tuning).
 3. `train`: the compiled step (`make_train_step`, the same one the benchmarks time) in a loop whose periodic
    actions (logging, evaluators, checkpoints, stop signals) are each decided by `itstime`. With
-   `config.train_budget_minutes`, the run's length is set once, after the warm-up, from its measured rate
-   (`fit_to_budget`, `training/budget.py`).
+   `config.train_budget_minutes`, the run's length is planned after the warm-up from its measured rate and
+   revised before the cool-down (`fit_to_budget`, `training/budget.py`).
 
 Fine-tuning an imported model (`experiments.import_marian`): the workdir's `config.json` fixes the model's
 architecture and tokenizer; `config_for_workdir(config, workdir, explicit)` takes them from there (and refuses
@@ -413,21 +413,32 @@ def with_budget_decision(config: Any, decision: budget_lib.BudgetDecision | None
   return config
 
 
-def fit_to_budget(run: Run, step: int, seconds: float, first_step_seconds: float) -> None:
-  """Sets the run's length for `config.train_budget_minutes` after `step` (`training/budget.py`): process 0's
-  decision on every host, saved in the workdir and config.json; the step is rebuilt for the new schedule."""
-  decision = budget_lib.decide(run.config, step, run.start_step, seconds, first_step_seconds)
+def fit_to_budget(run: Run, previous: budget_lib.BudgetDecision | None, step: int, seconds: float,
+                  first_step_seconds: float) -> budget_lib.BudgetDecision:
+  """Plans (or, given the `previous` decision, revises) the run's length for its time budget after `step`
+  (`training/budget.py`): process 0's decision on every host, saved in the workdir and config.json. A revision
+  that moves the end by under 1% keeps it (no rebuild). A new length rebuilds the optimizer (its schedule ends
+  at the new last step; Adam's state carries over, a schedule has none) and the compiled step."""
+  basis = (dict(budget_minutes=previous.budget_minutes, cap=previous.cap, cooldown_share=previous.cooldown_share)
+           if previous else budget_lib.plan(run.config))
+  decision = budget_lib.decide(**basis, step=step, start_step=run.start_step, seconds=seconds,
+                               first_step_seconds=first_step_seconds)
   total, cooldown = sharding.agree_on_ints(decision.num_train_steps, decision.cooldown_steps)
+  if previous and abs(total - previous.num_train_steps) <= 0.01 * previous.num_train_steps:
+    total, cooldown = previous.num_train_steps, previous.cooldown_steps
   decision = dataclasses.replace(decision, num_train_steps=total, cooldown_steps=cooldown)
   logging.info("Time budget: %s", decision.describe())
   changed = (total, cooldown) != (run.config.num_train_steps, run.config.cooldown_steps)
   run.config = with_budget_decision(run.config, decision)
   run.resolved_config.update(num_train_steps=total, cooldown_steps=cooldown)
-  if run.is_chief:  # saved even when nothing changed, so that a resumed run never decides again
+  if run.is_chief:  # saved even when nothing changed: a resumed run starts from the latest plan
     budget_lib.write(run.workdir, decision)
     write_json_atomically(run.workdir.config_json, run.resolved_config)
-  if changed:
+  if changed:  # the schedule lives in the state's (static) optimizer: both it and the step are rebuilt
+    tx, _ = optimizer(run.config, run.model_config.d_model)
+    run.state = run.state.replace(tx=tx)
     run.train_step = make_train_step(run.config, run.model_config, run.mesh, run.state, run.rules)
+  return decision
 
 
 def _checkpointer(config: Any, workdir: Workdir) -> checkpoint_lib.Checkpointer:
@@ -549,11 +560,12 @@ def train(run: Run, writer: MetricWriter, stop: StopSignal) -> TrainResult:
   eval_metrics: dict[str, float] = {}
   last_save_time = train_start = time.time()
   step, stopped, first_step_seconds = run.start_step, False, 0.0
-  fit_at = (budget_lib.decision_step(config, run.start_step)
-            if config.train_budget_minutes > 0 and budget_lib.read(run.workdir) is None else None)
+  decision = budget_lib.read(run.workdir) if config.train_budget_minutes > 0 else None
+  fit_at = (budget_lib.revision_step(decision, run.start_step) if decision else
+            budget_lib.decision_step(config, run.start_step) if config.train_budget_minutes > 0 else None)
   logging.info("Training %d parameters for %d steps (from step %d)%s",
                sum(x.size for x in jax.tree_util.tree_leaves(run.state.params)), total, run.start_step,
-               f"; the time budget sets the length after step {fit_at}" if fit_at else "")
+               f"; the time budget plans the length after step {fit_at}" if fit_at else "")
   while step < total:
     step += 1
     batch = sharding.shard_batch(next_batch(run.data.train, config.grad_accum_steps), run.mesh, run.rules)
@@ -562,7 +574,8 @@ def train(run: Run, writer: MetricWriter, stop: StopSignal) -> TrainResult:
       first_step_seconds = time.time() - train_start
     if step == fit_at:
       jax.block_until_ready(metrics)  # the rate of steps done, not of steps dispatched
-      fit_to_budget(run, step, time.time() - train_start, first_step_seconds)
+      decision = fit_to_budget(run, decision, step, time.time() - train_start, first_step_seconds)
+      fit_at = budget_lib.revision_step(decision, run.start_step)
       config, total = run.config, run.config.num_train_steps
     log.add(step, metrics)
     if itstime(step, config.log_every_steps, total):

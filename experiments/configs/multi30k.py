@@ -36,14 +36,15 @@ def get_config() -> ml_collections.ConfigDict:
 
   # The paper's schedule (peak 2.2e-3 at step 800) falling linearly to 0 over the last quarter of the run (a
   # compute-limited run ends lower with a cool-down than at the rsqrt schedule's still-high rate; 1.5x the rate
-  # was worse at every evaluation, docs/results.md). The run is fitted to the hour: after the warm-up the
-  # trainer measures its steps/s and sets the length that fits 54 minutes of training (training/budget.py), so
-  # data preparation (~0.5 min), averaging and test decoding (~2 min) end inside 60 on any 2-core host: ~7,000
-  # steps (~26 epochs) where R5 ran at 2.2 steps/s, ~4,300 on the AMD EPYC host at 1.35 (docs/results.md).
+  # was worse at every evaluation, docs/results.md). The run is fitted to the hour: the trainer measures its
+  # steps/s, plans the length that fits 53 minutes of training after the warm-up and revises it before the
+  # cool-down (training/budget.py), so data preparation (~0.5 min), averaging and test decoding (~2.5 min) end
+  # inside 60 on any 2-core host: ~6,900 steps where R5 ran at 2.2 steps/s, ~3,500 on the AMD EPYC host at
+  # ~1.1 (docs/results.md).
   config.num_train_steps = 8000           # a cap: the budget sets the length
   config.cooldown_steps = 2000            # a quarter of the run, whatever length the budget sets
   config.warmup_steps = 800
-  config.train_budget_minutes = 54.0
+  config.train_budget_minutes = 53.0
 
   config.evals.loss.every_steps = 400
   config.evals.attention.every_steps = 1400
