@@ -2,6 +2,7 @@
 
     <workdir>/
       config.json             the resolved experiment config (written by process 0 before training starts)
+      train_budget.json       the run length a time budget set (`training/budget.py`), when one was given
       checkpoints/<step>/     orbax checkpoints (`transformer_jax.checkpoint`)
       vocab/spm.model         the SentencePiece vocabulary (unless `data.vocab_path` names another), and
       vocab/spm.normalization.json  the text normalisation it was trained with (`data.tokenizer.stamp_path`);
@@ -51,6 +52,10 @@ class Workdir:
   @property
   def config_json(self) -> epath.Path:
     return self.root / "config.json"
+
+  @property
+  def train_budget_json(self) -> epath.Path:
+    return self.root / "train_budget.json"
 
   @property
   def checkpoints(self) -> epath.Path:

@@ -50,8 +50,7 @@ class BudgetDecision:
 
 
 def path(workdir: Workdir | str | os.PathLike) -> os.PathLike:
-  root = workdir if isinstance(workdir, Workdir) else Workdir(workdir)
-  return root.root / "train_budget.json"
+  return (workdir if isinstance(workdir, Workdir) else Workdir(workdir)).train_budget_json
 
 
 def read(workdir) -> BudgetDecision | None:
