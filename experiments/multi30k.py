@@ -167,7 +167,7 @@ def _budget_words(decision: dict | None) -> str:
   if not decision:
     return ""
   return (f"; the length fits a {decision['budget_minutes']:g}-minute training budget at the "
-          f"{decision['steps_per_s']:.3f} steps/s measured over the first {decision['decided_at_step']} steps, "
+          f"{decision['steps_per_s']:.3f} steps/s measured up to step {decision['decided_at_step']}, "
           f"cap {decision['cap']}")
 
 
@@ -176,11 +176,13 @@ def run_markdown(path, curve, config, model_config, rows, summary) -> str:
   lines = [
       f"Produced by `python -m experiments.multi30k` on {time.strftime('%Y-%m-%d')} "
       f"({summary['cpu_count']} cores of {_cpu_words(summary['machine'])}, load average "
-      f"{summary['load_average_1_5_15min'][2]:.2f} over the last 15 min). Model: {model_config.num_encoder_layers}+{model_config.num_decoder_layers} "
-      f"layers, d_model {model_config.d_model}, d_ff {model_config.d_ff}, {model_config.num_heads} heads, "
+      f"{summary['load_average_1_5_15min'][2]:.2f} over the last 15 min). Model: "
+      f"{model_config.num_encoder_layers}+{model_config.num_decoder_layers} layers, d_model {model_config.d_model}, "
+      f"d_ff {model_config.d_ff}, {model_config.num_heads} heads, "
       f"dropout {model_config.dropout_rate}, shared BPE vocabulary {model_config.vocab_size}; "
       f"{config.num_train_steps} steps of {config.data.tokens_per_batch} tokens (warm-up {config.warmup_steps}, "
-      f"cool-down {config.cooldown_steps}, seed {config.seed}{_budget_words(summary['train_budget'])}); beam {config.decode.beam_size}, "
+      f"cool-down {config.cooldown_steps}, seed {config.seed}{_budget_words(summary['train_budget'])}); "
+      f"beam {config.decode.beam_size}, "
       f"α {config.decode.alpha}; {summary['test_sentences']} test2016 sentences.",
       "",
       "| checkpoint | test2016 BLEU (lc, norm, tok; published-style) | sacreBLEU (cased, detok) | chrF |",

@@ -440,3 +440,12 @@ def test_agree_across_hosts_takes_process_0s_decision(monkeypatch):
                       lambda x: sent.append(int(x)) or np.asarray(0, np.int32))  # process 0 said "no"
   assert sharding.agree_across_hosts(True) is False
   assert sent == [1]
+
+
+def test_agree_on_ints_takes_process_0s_values(monkeypatch):
+  from jax.experimental import multihost_utils
+  assert sharding.agree_on_ints(3433, 858) == (3433, 858)
+  # Two hosts whose clocks gave different run lengths: every host takes process 0's.
+  monkeypatch.setattr(jax, "process_count", lambda: 2)
+  monkeypatch.setattr(multihost_utils, "broadcast_one_to_all", lambda x: np.asarray([3400, 850], np.int32))
+  assert sharding.agree_on_ints(3433, 858) == (3400, 850)

@@ -15,6 +15,7 @@ import re
 from typing import Sequence
 
 import sacrebleu
+from sacremoses import MosesPunctNormalizer, MosesTokenizer
 
 from transformer_jax.data.normalize import normalize
 
@@ -36,7 +37,6 @@ def sacrebleu_scores(hypotheses: Sequence[str], references: Sequence[str]) -> di
 def moses_tokenize(lines: Sequence[str], lang: str, *, lowercase: bool = False,
                    normalize: bool = False) -> list[str]:
   """Moses punctuation normalisation (optional) and tokenisation via sacremoses, with escaping off."""
-  from sacremoses import MosesPunctNormalizer, MosesTokenizer
   tokenizer = MosesTokenizer(lang=lang)
   normalizer = MosesPunctNormalizer(lang=lang) if normalize else None
   out = []

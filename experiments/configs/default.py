@@ -52,7 +52,7 @@ def get_config() -> ml_collections.ConfigDict:
   config.learning_rate = 1.0                  # multiplies the schedule
   config.cooldown_steps = 0                   # linear decay to 0 over the last N steps (not in the paper; 0 = off)
   config.train_budget_minutes = 0.0           # > 0: fit num_train_steps (then a cap) to this much training time,
-                                              # at the rate measured over the warm-up (training/budget.py)
+                                              # at the measured rate (training/budget.py; 0 = off)
   config.adam_b1 = 0.9                        # Adam beta1
   config.adam_b2 = 0.98                       # Adam beta2
   config.adam_eps = 1e-9                      # Adam epsilon
