@@ -116,6 +116,16 @@ def test_a_slowdown_after_the_plan_is_caught_by_the_revision(tmp_path, monkeypat
   assert result.final_step == 39
 
 
+def test_a_speedup_after_the_plan_is_taken_up_by_further_revisions_up_to_the_cap(tmp_path, monkeypatch):
+  # 1 step/s up to the plan after step 20 (35 steps fit 36 s), then 4 steps/s: each revision, at the last step
+  # before the planned cool-down, moves the end later (45, 53, then the cap of 60), and the last keeps it.
+  _fake_clock(monkeypatch, lambda step: min(step, 20) + 0.25 * max(step - 20, 0))
+  result = trainer.train_and_evaluate(_tiny_config(tmp_path, train_budget_minutes=0.6), str(tmp_path / "run"))
+  saved = budget_lib.read(str(tmp_path / "run"))
+  assert (saved.decided_at_step, saved.num_train_steps, saved.cooldown_steps) == (49, 60, 10)
+  assert result.final_step == 60
+
+
 def test_without_a_budget_the_configured_length_holds(tmp_path, monkeypatch):
   monkeypatch.setattr(trainer.budget_lib, "decide", lambda *a: pytest.fail("no budget, no decision"))
   result = trainer.train_and_evaluate(_tiny_config(tmp_path, num_train_steps=24), str(tmp_path / "run"))
