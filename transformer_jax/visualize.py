@@ -6,6 +6,7 @@ import json
 from typing import Sequence
 
 import jax.numpy as jnp
+import matplotlib.pyplot as plt
 import numpy as np
 
 from transformer_jax.config import ModelConfig
@@ -40,11 +41,6 @@ def attention_maps(params, config: ModelConfig, source_ids: Sequence[int],
 def plot_attention(maps: dict[str, np.ndarray], source_tokens: Sequence[str], target_tokens: Sequence[str],
                    path: str | None = None, cell_inches: float = 1.6):
   """A grid: one row per (kind, layer), one column per head; tokens on the axes. Returns the figure."""
-  import matplotlib
-  if path is not None:
-    matplotlib.use("Agg", force=False)
-  import matplotlib.pyplot as plt
-
   rows = [(kind, layer) for kind in KINDS for layer in range(maps[kind].shape[0])]
   heads = maps[KINDS[0]].shape[1]
   fig, axes = plt.subplots(len(rows), heads, figsize=(cell_inches * heads + 1, cell_inches * len(rows) + 1),
@@ -74,11 +70,6 @@ def plot_attention(maps: dict[str, np.ndarray], source_tokens: Sequence[str], ta
 
 def plot_learning_curves(metrics_jsonl: str, path: str | None = None):
   """Train loss, validation loss and (when logged) validation BLEU against minutes since the first log."""
-  import matplotlib
-  if path is not None:
-    matplotlib.use("Agg", force=False)
-  import matplotlib.pyplot as plt
-
   rows = [json.loads(line) for line in open(metrics_jsonl, encoding="utf-8") if line.strip()]
   if not rows:
     raise ValueError(f"{metrics_jsonl} has no logged metrics")
