@@ -22,6 +22,7 @@ import textwrap
 import jax
 import numpy as np
 import pytest
+from jax.experimental import multihost_utils
 from jax.sharding import PartitionSpec as P
 
 from transformer_jax import sharding
@@ -431,7 +432,6 @@ def test_checkpoint_restores_across_device_counts(reference, tmp_path):
 
 
 def test_agree_across_hosts_takes_process_0s_decision(monkeypatch):
-  from jax.experimental import multihost_utils
   assert sharding.agree_across_hosts(True) is True and sharding.agree_across_hosts(False) is False
   # Two hosts whose clocks disagree: every host ends up with what process 0 broadcast.
   sent = []
@@ -443,7 +443,6 @@ def test_agree_across_hosts_takes_process_0s_decision(monkeypatch):
 
 
 def test_agree_on_ints_takes_process_0s_values(monkeypatch):
-  from jax.experimental import multihost_utils
   assert sharding.agree_on_ints(3433, 858) == (3433, 858)
   # Two hosts whose clocks gave different run lengths: every host takes process 0's.
   monkeypatch.setattr(jax, "process_count", lambda: 2)
