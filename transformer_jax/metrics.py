@@ -34,18 +34,20 @@ def sacrebleu_scores(hypotheses: Sequence[str], references: Sequence[str]) -> di
           "chrf_signature": str(chrf.get_signature())}
 
 
-def moses_tokenize(lines: Sequence[str], lang: str, *, lowercase: bool = False,
-                   normalize: bool = False) -> list[str]:
-  """Moses punctuation normalisation (optional) and tokenisation via sacremoses, with escaping off."""
+def moses_tokenize(lines: Sequence[str], lang: str, *, lowercase: bool = False, normalize: bool = False,
+                   escape: bool = False) -> list[str]:
+  """Moses tokenisation via sacremoses, after optional lowercasing and punctuation normalisation (in that order:
+  lowercase.perl | normalize-punctuation.perl | tokenizer.perl). `escape` writes `"` `'` `&` `<` `>` `[` `]` `|`
+  as tokenizer.perl's default entities (`&quot;` ...), as in Multi30k's lc.norm.tok references."""
   tokenizer = MosesTokenizer(lang=lang)
   normalizer = MosesPunctNormalizer(lang=lang) if normalize else None
   out = []
   for line in lines:
-    if normalizer is not None:
-      line = normalizer.normalize(line)
     if lowercase:
       line = line.lower()
-    out.append(tokenizer.tokenize(line, return_str=True, escape=False))
+    if normalizer is not None:
+      line = normalizer.normalize(line)
+    out.append(tokenizer.tokenize(line, return_str=True, escape=escape))
   return out
 
 
@@ -69,10 +71,11 @@ def tokenized_bleu(hypotheses: Sequence[str], references: Sequence[str], lang: s
 
 def lowercased_tokenized_bleu(hypotheses: Sequence[str], tokenized_references: Sequence[str],
                               lang: str = "de") -> float:
-  """Multi30k-style BLEU: hypotheses lowercased, punctuation-normalised and Moses-tokenised, scored with
-  `tokenize='none'` against references already processed that way (e.g. test_2016_flickr.lc.norm.tok.de)."""
+  """Multi30k-style BLEU: hypotheses lowercased, punctuation-normalised and Moses-tokenised with tokenizer.perl's
+  default escaping, scored with `tokenize='none'` against references already processed that way (e.g.
+  test_2016_flickr.lc.norm.tok.de, which this pipeline reproduces line for line from test2016.de)."""
   hypotheses, tokenized_references = _normalized(hypotheses, tokenized_references)
-  hyps = moses_tokenize(hypotheses, lang, lowercase=True, normalize=True)
+  hyps = moses_tokenize(hypotheses, lang, lowercase=True, normalize=True, escape=True)
   return sacrebleu.corpus_bleu(hyps, [list(tokenized_references)], tokenize="none").score
 
 
