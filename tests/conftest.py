@@ -1,15 +1,33 @@
-"""Test-wide setup: 8 forced host (CPU) devices, so sharding tests run on a laptop.
+"""Test-wide setup: 8 forced host (CPU) devices, so sharding tests run on a laptop, and one XLA compilation
+cache for the whole run.
 
-The flag must be set before jax is imported anywhere in the test process.
+Both must be set before jax is imported anywhere in the test process. The cache is JAX's persistent compilation
+cache in a fresh temporary folder that the pytest-xdist workers and the programs the tests start (resume after
+SIGKILL, the recipe end to end) inherit through the environment, so a train step that many tests build alike is
+compiled once per run instead of once per test and process; it is removed when the run ends. Nothing persists
+between runs; `JAX_COMPILATION_CACHE_DIR` set by the caller is used as it is (empty: no cache).
 """
 
 import os
+import shutil
+import tempfile
 
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:  # the first process of the run (xdist's controller) makes it
+  os.environ["JAX_COMPILATION_CACHE_DIR"] = _OWN_CACHE = tempfile.mkdtemp(prefix="transformer_jax-tests-xla-")
+  os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+else:
+  _OWN_CACHE = None
 
 import pytest  # noqa: E402
+
+
+def pytest_unconfigure(config):
+  if _OWN_CACHE is not None:  # only the process that made it; xdist's workers inherit the controller's
+    shutil.rmtree(_OWN_CACHE, ignore_errors=True)
+
 
 SHARED_MULTI30K = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "data", "multi30k")
 
