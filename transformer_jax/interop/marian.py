@@ -21,7 +21,7 @@ Export of a model trained with the paper's interleaved sinusoids permutes the hi
 matmuls are invariant under a consistent permutation) and its position table becomes Marian's.
 
 The array conversions need only NumPy; reading/writing weights needs `safetensors` (or `torch` for
-`pytorch_model.bin`), imported when called. Install the `interop` extra.
+`pytorch_model.bin`), both from the `interop` extra, which this module needs.
 """
 
 from __future__ import annotations
@@ -38,6 +38,8 @@ import flax.linen as nn
 import jax
 import numpy as np
 import sentencepiece as spm
+import torch
+from safetensors.numpy import load_file, save_file
 
 from transformer_jax import checkpoint as checkpoint_lib
 from transformer_jax.config import ModelConfig
@@ -336,10 +338,8 @@ def load_marian_state(model_dir: str) -> dict[str, np.ndarray]:
   """The weights of a `save_pretrained` directory as NumPy arrays (safetensors first, else pytorch_model.bin)."""
   safetensors_path, bin_path = (os.path.join(model_dir, f) for f in WEIGHT_FILES)
   if os.path.isfile(safetensors_path):
-    from safetensors.numpy import load_file  # pylint: disable=import-outside-toplevel
     return load_file(safetensors_path)
   if os.path.isfile(bin_path):
-    import torch  # pylint: disable=import-outside-toplevel
     return {k: v.float().numpy() for k, v in torch.load(bin_path, map_location="cpu", weights_only=True).items()}
   raise UnsupportedModelError(f"{model_dir}: no weights ({' or '.join(WEIGHT_FILES)}); sharded checkpoints "
                               "are not supported")
@@ -401,7 +401,6 @@ def save_marian(params: Mapping, config: ModelConfig, output_dir: str, *, tokeni
     UnsupportedModelError: what Marian cannot represent (learned positions, pre-LN, separate embeddings).
     FileExistsError: `output_dir` exists and is not empty.
   """
-  from safetensors.numpy import save_file  # pylint: disable=import-outside-toplevel
   if os.path.isdir(output_dir) and os.listdir(output_dir):
     raise FileExistsError(f"{output_dir} exists and is not empty; choose a new --output")
   hf_config = marian_config_from_model(config)
