@@ -27,6 +27,14 @@ def _random_corpus(n, seed=0, vocab=40, src=(3, 14), tgt=(2, 10), eos=C.EOS_ID, 
   return sources, targets
 
 
+
+def _one_per_row(sequences, pad_id):
+  """`[n, longest]` ids, sequence i alone in row i, padded after it: the unpacked batch packing must match."""
+  rows = np.full((len(sequences), max(map(len, sequences))), pad_id, np.int32)
+  for i, seq in enumerate(sequences):
+    rows[i, :len(seq)] = seq
+  return jnp.asarray(rows)
+
 def test_filter_by_length_counts_drops():
   sources, targets = _random_corpus(200)
   kept_s, kept_t, dropped = batching.filter_by_length(sources, targets, max_len=10)
@@ -85,17 +93,21 @@ def test_packed_row_gives_the_same_per_example_loss_as_examples_alone(ids):
   kwargs = {k: batch[k] for k in batching.BATCH_KEYS[2:]}
   packed_logits = model.apply({"params": params}, batch["inputs"], batch["targets"], **kwargs)
   packed_loss, _ = label_smoothed_cross_entropy(packed_logits, batch["targets"])
-  checked = 0
+  # The same examples unpacked, each alone in its row (one call: each row its own padded example).
+  order = [i for row in rows for i in row]
+  alone_targets = _one_per_row([targets[i] for i in order], cfg.pad_id)
+  alone_logits = model.apply({"params": params}, _one_per_row([sources[i] for i in order], cfg.pad_id),
+                             alone_targets)
+  alone_loss, _ = label_smoothed_cross_entropy(alone_logits, alone_targets)  # [examples, longest target]
+  k = 0
   for r, row in enumerate(rows):
     offset = 0
     for i in row:
       n = len(targets[i])
-      alone = model.apply({"params": params}, jnp.asarray(sources[i])[None], jnp.asarray(targets[i])[None])
-      alone_loss, _ = label_smoothed_cross_entropy(alone, jnp.asarray(targets[i])[None])
-      np.testing.assert_allclose(packed_loss[r, offset:offset + n], alone_loss[0], rtol=1e-5, atol=1e-5)
+      np.testing.assert_allclose(packed_loss[r, offset:offset + n], alone_loss[k, :n], rtol=1e-5, atol=1e-5)
       offset += n
-      checked += 1
-  assert checked >= 2 and any(len(row) > 1 for row in rows)
+      k += 1
+  assert k >= 2 and any(len(row) > 1 for row in rows)
 
 
 def test_marian_ids_padding_has_loss_weight_zero_and_eos_counts():
@@ -114,17 +126,17 @@ def test_marian_ids_padding_has_loss_weight_zero_and_eos_counts():
                                           jnp.asarray(batch["targets"]))["params"])
   sums = eval_step(params, {k: jnp.asarray(v) for k, v in batch.items()}, config=cfg, label_smoothing=0.1)
   assert float(sums["token_count"]) == real.sum()
-  # The same sum, example by example, with nothing packed around them.
-  expected = 0.0
-  for segment_rows in zip(*np.nonzero(batch["targets_position"] == 0)):
-    r, start = segment_rows
-    if not real[r, start]:
-      continue
+  # The same sum over the same examples with nothing packed around them: each alone in its row, padded with
+  # Marian's pad id, whose loss weight is 0 (so the padding adds nothing and the EOS counts once per example).
+  alone_sources, alone_targets = [], []
+  for r, start in zip(*np.nonzero((batch["targets_position"] == 0) & real)):
     segment = batch["targets_segmentation"][r, start]
-    src = batch["inputs"][r][batch["inputs_segmentation"][r] == segment]
-    tgt = batch["targets"][r][batch["targets_segmentation"][r] == segment]
-    logits = Transformer(cfg).apply({"params": params}, jnp.asarray(src)[None], jnp.asarray(tgt)[None])
-    expected += float(label_smoothed_cross_entropy(logits, jnp.asarray(tgt)[None])[0].sum())
+    alone_sources.append(batch["inputs"][r][batch["inputs_segmentation"][r] == segment])
+    alone_targets.append(batch["targets"][r][batch["targets_segmentation"][r] == segment])
+  alone_targets = _one_per_row(alone_targets, cfg.pad_id)
+  logits = Transformer(cfg).apply({"params": params}, _one_per_row(alone_sources, cfg.pad_id), alone_targets)
+  loss, _ = label_smoothed_cross_entropy(logits, alone_targets)  # [examples, longest target]
+  expected = float((loss * token_weights(alone_targets, cfg.pad_id)).sum())
   np.testing.assert_allclose(float(sums["loss_sum"]), expected, rtol=1e-4)
 
 
