@@ -16,6 +16,7 @@ import os
 import sys
 from typing import Any, Callable
 
+import jax
 from absl import app, flags
 from ml_collections import config_flags
 
@@ -97,15 +98,30 @@ def parse_flags(argv: list[str]) -> list[str]:
 
   Beyond absl's checks (unknown flags, bad literals, validators): a `--config` file that cannot be loaded or an
   override of a key that does not exist is named, and a loaded config is checked with `default.validate`.
-  Nothing has been written when this refuses.
+  Nothing has been written when this refuses. A config's `num_cpu_devices` is applied here
+  (`set_cpu_devices`), before the program's first JAX operation.
   """
   try:
     args = flags.FLAGS(argv)
     if "config" in flags.FLAGS and flags.FLAGS.config is not None:
       default.validate(flags.FLAGS.config)
+      set_cpu_devices(flags.FLAGS.config.get("num_cpu_devices", 0))
     return args
   except (flags.Error, AttributeError, KeyError, OSError, ValueError, TypeError) as error:
     _refuse(_config_error_message(error))
+
+
+def set_cpu_devices(count: int) -> None:
+  """Makes JAX's CPU backend `count` devices (`jax_num_cpu_devices`; 0 leaves JAX's default, XLA_FLAGS' count).
+
+  Why a 2-core host wants 2: XLA:CPU runs one op of a step at a time for most of it (docs/performance.md), so
+  one device keeps ~1.2 cores busy; two devices, each running half of the data-parallel batch, keep both busy
+  (the multi30k recipe's step: 1.10-1.12x real target tokens/s, side by side, docs/results.md). The gradients
+  are the same sums. It must run before JAX starts its backends; raises RuntimeError after that (JAX's error).
+  Only the CPU backend is affected: on a GPU or TPU host the mesh is still made of the accelerators.
+  """
+  if count:
+    jax.config.update("jax_num_cpu_devices", int(count))
 
 
 def check_flags(**flag_to_key: str) -> None:

@@ -18,6 +18,7 @@ import os
 import shutil
 import time
 
+import jax
 from absl import flags
 
 from experiments import common, docblock, launch
@@ -126,6 +127,7 @@ def main():
              "steps": config.num_train_steps, "seed": config.seed,
              "steps_per_s": _mean_steps_per_s(logged), "train_budget": _budget_dict(FLAGS.workdir),
              "load_average_1_5_15min": os.getloadavg(), "cpu_count": os.cpu_count(),
+             "devices": jax.device_count(),
              "machine": bench_common.machine_info(),
              "test_sentences": len(test_src), "model": model_config.__dict__}
   with open(os.path.join(FLAGS.workdir, "results.json"), "w", encoding="utf-8") as f:
@@ -163,6 +165,11 @@ def _cpu_words(machine: dict) -> str:
   return f"{machine.get('cpu_model', 'an unnamed CPU')} ({simd})"
 
 
+def _devices_words(summary: dict) -> str:
+  devices = summary.get("devices", 1)
+  return f", data parallel over {devices} devices" if devices > 1 else ""
+
+
 def _budget_words(decision: dict | None) -> str:
   if not decision:
     return ""
@@ -180,7 +187,8 @@ def run_markdown(path, curve, config, model_config, rows, summary) -> str:
       f"{model_config.num_encoder_layers}+{model_config.num_decoder_layers} layers, d_model {model_config.d_model}, "
       f"d_ff {model_config.d_ff}, {model_config.num_heads} heads, "
       f"dropout {model_config.dropout_rate}, shared BPE vocabulary {model_config.vocab_size}; "
-      f"{config.num_train_steps} steps of {config.data.tokens_per_batch} tokens (warm-up {config.warmup_steps}, "
+      f"{config.num_train_steps} steps of {config.data.tokens_per_batch} tokens{_devices_words(summary)} "
+      f"(warm-up {config.warmup_steps}, "
       f"cool-down {config.cooldown_steps}, seed {config.seed}{_budget_words(summary['train_budget'])}); "
       f"beam {config.decode.beam_size}, "
       f"α {config.decode.alpha}; {summary['test_sentences']} test2016 sentences.",

@@ -272,6 +272,11 @@ def test_bad_program_flags_are_one_line_errors(workdir, program, flags, needle):
     (["--config.checkpoint_best_metric=bleu"], "'<eval split>/<metric>'"),
     (["--config.cooldown_steps=-1"], "--config.cooldown_steps=-1: must be an integer >= 0"),
     (["--config.num_train_steps=10", "--config.cooldown_steps=11"], "must be <= num_train_steps (10)"),
+    (["--config.num_cpu_devices=-1"], "--config.num_cpu_devices=-1: must be an integer >= 0"),
+    # Two host devices (the config makes them: this process has no XLA_FLAGS) cannot split 3 rows.
+    (["--config.num_cpu_devices=2", "--config.data.max_len=64", "--config.data.tokens_per_batch=192"],
+     "--config.data.tokens_per_batch=192 packs 3 rows of data.max_len=64 slots, which do not split over the 2 "
+     "devices of the mesh {'data': 2, 'fsdp': 1, 'tensor': 1}: use a multiple of 128 tokens"),
 ])
 def test_bad_config_values_are_refused_before_anything_is_written(tmp_path, flags, needle):
   result = _run(["experiments.train", f"--workdir={tmp_path}/w", *flags], check=False)

@@ -44,7 +44,7 @@ def test_shortened_recipe_end_to_end(multi30k_dir, tmp_path):
   workdir, results, curve = tmp_path / "run", tmp_path / "results.md", tmp_path / "curve.png"
   results.write_text("# Results\n\nHand-written lever table.\n")
   env = dict(os.environ, PYTHONPATH=REPO)
-  env.pop("XLA_FLAGS", None)  # one host device, as a user has
+  env.pop("XLA_FLAGS", None)  # the host devices a user's run has: the recipe's num_cpu_devices
   proc = subprocess.run([sys.executable, "-m", "experiments.multi30k", f"--workdir={workdir}",
                          f"--data_dir={multi30k_dir}", f"--results={results}", f"--curve={curve}", *SHORTENED],
                         cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
@@ -58,6 +58,7 @@ def test_shortened_recipe_end_to_end(multi30k_dir, tmp_path):
     assert row["bleu_signature"].startswith("nrefs:1|case:mixed")
   assert summary["steps_per_s"] > 0 and len(summary["load_average_1_5_15min"]) == 3
   assert summary["machine"]["logical_cpus"] == os.cpu_count()  # which CPU: hosts of one kind differ in speed
+  assert summary["devices"] == multi30k.get_config().num_cpu_devices == 2  # data parallel over 2 host devices
   # The recipe's time budget planned the length after step 20 and revised it after 23 (the last step before
   # the cool-down); all 32 steps fit it.
   assert {k: summary["train_budget"][k] for k in ("decided_at_step", "cap", "num_train_steps")} == {
@@ -78,6 +79,7 @@ def test_shortened_recipe_end_to_end(multi30k_dir, tmp_path):
   start, end = docblock.markers("multi30k:last-run")
   assert text.startswith("# Results\n\nHand-written lever table.\n") and start in text and end in text
   assert "| average of last 5 |" in text and "seed 0" in text and "by step: 8: " in text
+  assert f"{STEPS} steps of 1024 tokens, data parallel over 2 devices (warm-up 8" in text
   assert "-minute training budget at the " in text
   assert "![learning curve](curve.png)" in text  # the image link points at the PNG, relative to the results file
   assert "/attention/" not in text  # the diagnostics stay in results.json and TensorBoard

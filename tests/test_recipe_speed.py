@@ -61,6 +61,24 @@ def test_variants_are_timed_side_by_side(workdir, capsys):
   assert 0 < real_tokens[0] <= 256 and 256 < real_tokens[1] <= 512  # each variant packed its own batches
 
 
+def test_each_variant_runs_on_its_own_number_of_devices(workdir, capsys):
+  """The recipe splits its batches over 2 host devices (num_cpu_devices); a variant can ask for 1."""
+  rc = recipe_speed.main([f"--workdir={workdir}", "--rounds=1", "--steps_per_round=1", "--batches=1",
+                          f"--variant=two:{TINY},data.max_len=32,data.tokens_per_batch=256",
+                          f"--variant=one:{TINY},data.max_len=32,data.tokens_per_batch=256,num_cpu_devices=0"])
+  assert rc == 0
+  lines = capsys.readouterr().out.strip().splitlines()[1:]
+  assert [(line.split()[0], line.split()[2]) for line in lines] == [("two", "2"), ("one", "1")]
+  # Same batches, same gradients: only the split differs, so the real tokens per batch are equal.
+  assert lines[0].split()[-4] == lines[1].split()[-4]
+
+
+def test_a_variant_whose_rows_do_not_split_over_its_devices_is_refused(workdir, capsys):
+  rc = recipe_speed.main([f"--workdir={workdir}", f"--variant=odd:{TINY},data.max_len=32,data.tokens_per_batch=96"])
+  assert rc == 1
+  assert "packs 3 rows of data.max_len=32 slots, which do not split over the 2 devices" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("extra, message", [
     (["--variant=x:model.no_such_field=1"], "'model.no_such_field' is not in experiments/configs/multi30k.py"),
     (["--variant=x:model.d_model.width=1"], "'model.d_model.width' is not in experiments/configs/multi30k.py"),

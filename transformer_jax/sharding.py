@@ -244,6 +244,11 @@ def batch_mesh_axes(rules: LogicalRules = LOGICAL_AXIS_RULES) -> Any:
   return _mesh_axes_of("batch", rules)
 
 
+def batch_ways(mesh: Mesh, rules: LogicalRules = LOGICAL_AXIS_RULES) -> int:
+  """How many devices a batch's rows are split over: the product of the batch axes' sizes (data x fsdp)."""
+  return _axis_size(mesh, batch_mesh_axes(rules))
+
+
 def batch_sharding(mesh: Mesh, rules: LogicalRules = LOGICAL_AXIS_RULES, *, accum: bool = False
                    ) -> NamedSharding:
   """Sharding of batch arrays `[rows, length]` (or `[accum, rows, length]`): rows over the batch axes."""

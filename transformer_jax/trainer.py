@@ -381,6 +381,8 @@ def prepare(config: Any, workdir: str) -> Run:
   # Before anything in the workdir is touched:
   run_dir.check_compatible(config.to_dict(), keys=IMPORT_DATA_KEYS if untrained_import else DATA_KEYS,
                            defaults=DATA_DEFAULTS)
+  mesh = sharding.mesh_from_config(config.mesh)
+  check_batch_rows(config.data, mesh)
   run_dir.root.mkdir(parents=True, exist_ok=True)
   data = datasets_lib.build_datasets(config.data, str(run_dir.root), seed=config.seed,
                                      process_index=jax.process_index(), process_count=jax.process_count())
@@ -394,7 +396,6 @@ def prepare(config: Any, workdir: str) -> Run:
                            defaults={"model": ModelConfig()})
   if jax.process_index() == 0:
     write_json_atomically(run_dir.config_json, resolved)
-  mesh = sharding.mesh_from_config(config.mesh)
   rules = sharding.validate_model_for_mesh(model_config, mesh)
   src_eff, tgt_eff = data.train.padding_efficiency()
   logging.info("Model: %s", model_config)
@@ -402,6 +403,16 @@ def prepare(config: Any, workdir: str) -> Run:
                data.train.rows_per_batch, data.train.row_length, 100 * src_eff, 100 * tgt_eff)
   return Run(config=config, workdir=run_dir, resolved_config=resolved, model_config=model_config, data=data,
              mesh=mesh, rules=rules)
+
+
+def check_batch_rows(data_config: Any, mesh: jax.sharding.Mesh) -> None:
+  """Raises ValueError (one line, naming `data.tokens_per_batch`) unless a packed batch's rows,
+  `tokens_per_batch // max_len`, split evenly over the devices of the mesh's batch axes (data x fsdp)."""
+  rows, ways = data_config.tokens_per_batch // data_config.max_len, sharding.batch_ways(mesh)
+  if rows % ways:
+    raise ValueError(f"--config.data.tokens_per_batch={data_config.tokens_per_batch} packs {rows} rows of "
+                     f"data.max_len={data_config.max_len} slots, which do not split over the {ways} devices of the "
+                     f"mesh {dict(mesh.shape)}: use a multiple of {ways * data_config.max_len} tokens")
 
 
 def with_budget_decision(config: Any, decision: budget_lib.BudgetDecision | None) -> Any:

@@ -11,9 +11,12 @@ to `--config` (a module in `experiments/configs`, the one the workdir was traine
 the reference. Every variant packs the workdir's cached training ids (`data/train.ids.npz`, written by any
 `experiments.train`/`experiments.multi30k` run) into its own batches (`PackedBatches`, its `data.max_len` row
 length and `data.tokens_per_batch`), builds the trainer's own state and compiled step
-(`benchmarks.common.build_train_step`, one-device mesh) and is timed in rounds that interleave the variants
-(this machine is shared: read the ratios). Prints per variant: parameters, median step seconds, real (non-pad)
-target tokens per batch, real target tokens/s and its ratio to the first variant, steps/s.
+(`benchmarks.common.build_train_step`) on its own mesh over the first `num_cpu_devices` host devices (1 for
+0: `--variant='one device:num_cpu_devices=0'` against a recipe that uses 2), and is timed in rounds that
+interleave the variants (this machine is shared: read the ratios). Run as a program, the process makes as many
+host CPU devices as the machine has cores (`launch.set_cpu_devices`). Prints per variant: parameters, devices,
+median step seconds, real (non-pad) target tokens per batch, real target tokens/s and its ratio to the first
+variant, steps/s.
 
 Timings only: nothing is trained to convergence and nothing in the workdir is written.
 """
@@ -34,6 +37,7 @@ import numpy as np
 
 from experiments import launch
 from experiments.benchmarks import common
+from transformer_jax import sharding, trainer
 from transformer_jax.data import token_cache
 from transformer_jax.data.batching import PackedBatches
 
@@ -106,18 +110,31 @@ def main(argv=None) -> int:
     except (KeyError, TypeError) as e:
       print(f"error: {e.args[0]}", file=sys.stderr)
       return 1
-    built = common.build_train_step(config)
+    devices = max(config.num_cpu_devices, 1)
+    if devices > jax.device_count():
+      print(f"error: variant {name!r} wants {devices} devices (num_cpu_devices); this process has "
+            f"{jax.device_count()}", file=sys.stderr)
+      return 1
+    mesh = sharding.mesh_from_config(config.mesh, devices=jax.devices()[:devices])
+    try:
+      trainer.check_batch_rows(config.data, mesh)
+    except ValueError as e:
+      print(f"error: variant {name!r}: {e}", file=sys.stderr)
+      return 1
+    built = common.build_train_step(config, mesh)
     batches = PackedBatches(sources, targets, tokens_per_batch=config.data.tokens_per_batch,
                             row_length=config.data.max_len, seed=config.seed, pad_id=built.model_config.pad_id)
     batches = [next(batches) for _ in range(args.batches)]
     real = float(np.mean([(b["targets"] != built.model_config.pad_id).sum() for b in batches]))
+    batches = [sharding.shard_batch(b, built.mesh, built.rules) for b in batches]
     start = time.perf_counter()
     state, metrics = built.step(built.state, batches[0], built.rng)
     jax.block_until_ready(metrics)
     params = sum(x.size for x in jax.tree.leaves(state.params))
     print(f"[recipe_speed] {name}: {params / 1e6:.2f}M parameters, first step (compiles) "
           f"{time.perf_counter() - start:.1f}s", file=sys.stderr, flush=True)
-    runs[name] = dict(built=built, state=state, batches=batches, real=real, params=params, times=[])
+    runs[name] = dict(built=built, state=state, batches=batches, real=real, params=params, devices=devices,
+                      times=[])
 
   for _ in range(args.rounds):
     for run in runs.values():
@@ -128,18 +145,19 @@ def main(argv=None) -> int:
         jax.block_until_ready(metrics)
         run["times"].append(time.perf_counter() - start)
 
-  print(f"{'variant':36s} {'params':>7s} {'step (median)':>14s} {'real tgt tok/batch':>19s} "
+  print(f"{'variant':36s} {'params':>7s} {'devices':>7s} {'step (median)':>14s} {'real tgt tok/batch':>19s} "
         f"{'real tgt tok/s':>15s} {'ratio':>6s} {'steps/s':>8s}")
   reference = None
   for name, run in runs.items():
     step_s = float(np.median(run["times"]))
     tokens_per_s = run["real"] / step_s
     reference = reference or tokens_per_s
-    print(f"{name:36s} {run['params'] / 1e6:6.2f}M {step_s:13.3f}s {run['real']:19.0f} {tokens_per_s:15.0f} "
+    print(f"{name:36s} {run['params'] / 1e6:6.2f}M {run['devices']:7d} {step_s:13.3f}s {run['real']:19.0f} {tokens_per_s:15.0f} "
           f"{tokens_per_s / reference:5.2f}x {1 / step_s:8.2f}")
   return 0
 
 
 if __name__ == "__main__":
   launch.maybe_reexecute_with_huge_pages()
+  launch.set_cpu_devices(os.cpu_count() or 1)  # each variant takes the first num_cpu_devices of them
   sys.exit(main())

@@ -61,6 +61,8 @@ def get_config() -> ml_collections.ConfigDict:
 
   # Devices: a ('data', 'fsdp', 'tensor') mesh, -1 = the remaining devices.
   config.mesh = ml_collections.ConfigDict(dict(data=-1, fsdp=1, tensor=1))
+  config.num_cpu_devices = 0                  # host CPU devices the programs create (jax_num_cpu_devices); 0 = JAX's
+                                              # default (one, or XLA_FLAGS' count). The mesh's data axis spans them.
   config.distributed = False                  # initialise jax.distributed (multi-host: TPU pods, SLURM)
 
   config.log_every_steps = 100                # training metrics to the log, metrics.jsonl and TensorBoard
@@ -175,6 +177,7 @@ RULES = {
     "mesh.data": _mesh_axis,
     "mesh.fsdp": _mesh_axis,
     "mesh.tensor": _mesh_axis,
+    "num_cpu_devices": _integer(0),
     "distributed": _one_of(False, True),
     "log_every_steps": _integer(1),
     "evals.loss.every_steps": _integer(0),
