@@ -425,8 +425,8 @@ class PartitionedFunction:
   """`fn` under `jax.jit` with in/out shardings, traced and run inside `mesh_context(mesh, rules)`.
 
   Call it like `fn`; `.lower(*args)` gives the `jax.stages.Lowered` of exactly the program a call runs
-  (benchmarks time it, tests compare it). Positional arguments only. An argument whose tree structure differs
-  from its `in_shardings` entry but holds the same arrays (a `TrainState` built or restored elsewhere has
+  (benchmarks time it, tests compare it). Positional arguments only. An argument whose tree structure is not
+  that of its `in_shardings` entry but holds the same arrays (a `TrainState` built or restored elsewhere has
   other static fields) gets the shardings re-attached (`shardings_like`), and so does every `out_shardings`
   entry that is that same object; one jitted program is kept per argument structure.
   """

@@ -152,8 +152,8 @@ def main(argv=None) -> int:
     step_s = float(np.median(run["times"]))
     tokens_per_s = run["real"] / step_s
     reference = reference or tokens_per_s
-    print(f"{name:36s} {run['params'] / 1e6:6.2f}M {run['devices']:7d} {step_s:13.3f}s {run['real']:19.0f} {tokens_per_s:15.0f} "
-          f"{tokens_per_s / reference:5.2f}x {1 / step_s:8.2f}")
+    print(f"{name:36s} {run['params'] / 1e6:6.2f}M {run['devices']:7d} {step_s:13.3f}s {run['real']:19.0f} "
+          f"{tokens_per_s:15.0f} {tokens_per_s / reference:5.2f}x {1 / step_s:8.2f}")
   return 0
 
 

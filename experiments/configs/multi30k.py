@@ -35,7 +35,7 @@ def get_config() -> ml_collections.ConfigDict:
   config.data.max_len = 64
   config.data.tokens_per_batch = 2048
   # Two host devices, each running half of every batch (the mesh's data axis): XLA:CPU runs one op at a time for
-  # most of a step, so one device leaves a core idle; two ran the step at 1.10-1.12x the real tokens/s, side by
+  # most of a step, so one device leaves a core idle; two ran the step at 1.06-1.12x the real tokens/s, side by
   # side (`recipe_speed --variant='one device:num_cpu_devices=0'`, docs/results.md). Same gradients.
   config.num_cpu_devices = 2
 
