@@ -32,7 +32,6 @@ import flax.linen as nn
 import jax
 import numpy as np
 
-from experiments import launch
 from experiments.benchmarks import common
 from transformer_jax import inference, sharding
 from transformer_jax.config import PAD_ID
@@ -198,5 +197,4 @@ def _report(args, compiled, run_once, steps_per_run: int, title: str, flops: flo
 
 
 if __name__ == "__main__":
-  launch.maybe_reexecute_with_huge_pages()
   main()

@@ -158,6 +158,5 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-  launch.maybe_reexecute_with_huge_pages()
   launch.set_cpu_devices(os.cpu_count() or 1)  # each variant takes the first num_cpu_devices of them
   sys.exit(main())

@@ -31,7 +31,6 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from experiments import launch  # noqa: E402
 from experiments.benchmarks import ablations, common, flax_peer  # noqa: E402
 from transformer_jax import config as presets  # noqa: E402
 from transformer_jax import sharding  # noqa: E402
@@ -587,5 +586,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-  launch.maybe_reexecute_with_huge_pages()
   main()

@@ -29,7 +29,6 @@ import warnings  # noqa: E402
 
 import jax  # noqa: E402
 
-from experiments import launch  # noqa: E402
 from experiments.benchmarks import common  # noqa: E402
 from transformer_jax import config as presets  # noqa: E402
 from transformer_jax import sharding  # noqa: E402
@@ -115,5 +114,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-  launch.maybe_reexecute_with_huge_pages()
   main()
