@@ -34,7 +34,7 @@ def available() -> bool:
     return False
 
 
-def environment_with_huge_pages(env=None) -> dict:
+def environment(env=None) -> dict:
   """A copy of `env` (default: os.environ) with the tunable added to GLIBC_TUNABLES (a user's own value kept)."""
   env = dict(os.environ if env is None else env)
   tunables = env.get("GLIBC_TUNABLES", "")
@@ -57,7 +57,7 @@ def maybe_reexecute() -> None:
   if (not argv or os.environ.get("TRANSFORMER_JAX_HUGE_PAGES", "1") == "0"
       or "glibc.malloc.hugetlb" in os.environ.get("GLIBC_TUNABLES", "") or not available()):
     return
-  env = environment_with_huge_pages()
+  env = environment()
   print(f"[experiments] restarting with GLIBC_TUNABLES={env['GLIBC_TUNABLES']} (huge pages for XLA's host "
         "buffers; TRANSFORMER_JAX_HUGE_PAGES=0 to opt out)", file=sys.stderr, flush=True)
   sys.stdout.flush()

@@ -12,17 +12,18 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NOTICE = "restarting with GLIBC_TUNABLES="
 
 
-def test_environment_with_huge_pages_keeps_other_tunables():
-  assert huge_pages.environment_with_huge_pages({})["GLIBC_TUNABLES"] == "glibc.malloc.hugetlb=1"
-  env = huge_pages.environment_with_huge_pages({"GLIBC_TUNABLES": "glibc.malloc.arena_max=2", "X": "1"})
+def test_environment_adds_the_tunable_and_keeps_other_tunables():
+  assert huge_pages.environment({})["GLIBC_TUNABLES"] == "glibc.malloc.hugetlb=1"
+  env = huge_pages.environment({"GLIBC_TUNABLES": "glibc.malloc.arena_max=2", "X": "1"})
   assert env == {"GLIBC_TUNABLES": "glibc.malloc.arena_max=2:glibc.malloc.hugetlb=1", "X": "1"}
   same = {"GLIBC_TUNABLES": "glibc.malloc.hugetlb=0"}  # the user's own choice is kept
-  assert huge_pages.environment_with_huge_pages(same) == same
+  assert huge_pages.environment(same) == same
 
 
 def _run(*python_options, **env):
   base = {k: v for k, v in os.environ.items() if k not in ("GLIBC_TUNABLES", "TRANSFORMER_JAX_HUGE_PAGES")}
-  # `experiments.average_checkpoints --helpshort` (absl's help, exit status 1) imports the package the way every program does.
+  # `experiments.average_checkpoints --helpshort` (absl's help, exit status 1) imports the package the way every
+  # program does.
   return subprocess.run([sys.executable, *python_options, "-m", "experiments.average_checkpoints", "--helpshort"],
                         cwd=REPO, env={**base, **env}, capture_output=True, text=True, timeout=300)
 

@@ -1,10 +1,10 @@
 """transformer_jax: the Transformer of "Attention Is All You Need" as pure-functional Flax modules.
 
-    import transformer_jax as tj
-    config = tj.base(vocab_size=37000)
-    model = tj.Transformer(config)
-    variables = model.init(jax.random.key(0), inputs, targets)   # inputs [batch, src_len], targets [batch, tgt_len]
-    logits = model.apply(variables, inputs, targets)             # [batch, tgt_len, vocab]
+    >>> import transformer_jax as tj
+    >>> config = tj.base(vocab_size=37000)
+    >>> model = tj.Transformer(config)
+    >>> variables = model.init(jax.random.key(0), inputs, targets)   # inputs [batch, src_len], targets [batch, tgt_len]
+    >>> logits = model.apply(variables, inputs, targets)             # [batch, tgt_len, vocab]
 """
 
 from transformer_jax.attention import MultiHeadAttention, dot_product_attention
