@@ -6,6 +6,8 @@ import json
 import jax
 import numpy as np
 import pytest
+from tensorboard.backend.event_processing import event_accumulator
+from tensorboard.util import tensor_util
 
 from experiments.configs import number_words
 from transformer_jax import checkpoint as checkpoint_lib
@@ -76,6 +78,12 @@ def test_train_and_evaluate_returns_a_typed_result_and_leaves_the_config_alone(t
   assert [r["step"] for r in rows if "validation/loss" in r] == [3, 6]
   assert [r["step"] for r in rows if "validation/bleu" in r] == [6]
   assert [r["step"] for r in rows if "train/loss" in r] == [2, 4, 6]
+  # TensorBoard reads the same scalars from the event files as metrics.jsonl holds.
+  events = event_accumulator.EventAccumulator(str(Workdir(tmp_path / "run").tensorboard))
+  events.Reload()
+  for tag in ("train/loss", "validation/bleu"):
+    logged = [(e.step, float(tensor_util.make_ndarray(e.tensor_proto))) for e in events.Tensors(tag)]
+    assert logged == [(r["step"], pytest.approx(r[tag], rel=1e-6)) for r in rows if tag in r]
   with checkpoint_lib.Checkpointer(str(Workdir(tmp_path / "run").checkpoints), read_only=True) as ckpt:
     assert ckpt.all_steps() == [4, 6]
     restored = ckpt.restore(6)
