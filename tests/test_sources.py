@@ -1,6 +1,8 @@
 """Text sources (tfds number words, local parallel text, WMT via mocked tfds) and the shared vocabulary."""
 
 import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -8,7 +10,7 @@ import tensorflow_datasets as tfds
 
 from experiments.configs import default
 from transformer_jax import config as C
-from transformer_jax.data import datasets, parallel_text, sources, tokenizer as tok_lib
+from transformer_jax.data import datasets, parallel_text, records, sources, tokenizer as tok_lib
 
 
 def _write(path, lines, raw=None):
@@ -98,11 +100,11 @@ def test_training_ids_are_cached_and_reused_only_for_the_same_data_and_vocabular
   assert cache.exists()
 
   # A restart loads the ids without reading the training text (reading it would fail here) ...
-  real_read = sources.read_tfds_pairs
+  real_read = records.read_pairs
   def read_eval_only(builder, split, *args, **kwargs):
     assert split != "train", "the training text was read despite the cache"
     return real_read(builder, split, *args, **kwargs)
-  monkeypatch.setattr(sources, "read_tfds_pairs", read_eval_only)
+  monkeypatch.setattr(records, "read_pairs", read_eval_only)
   second = datasets.build_datasets(cfg, work, seed=0)
   assert second.stats == first.stats  # blank and over-long pairs counted the same way
   for a, b in zip(first.train.sources + first.train.targets, second.train.sources + second.train.targets):
@@ -111,7 +113,7 @@ def test_training_ids_are_cached_and_reused_only_for_the_same_data_and_vocabular
   for k in batch_a:
     np.testing.assert_array_equal(batch_a[k], batch_b[k])  # so an exact resume replays the same batches
   assert second.eval_sets["val"].pairs == first.eval_sets["val"].pairs
-  monkeypatch.setattr(sources, "read_tfds_pairs", real_read)
+  monkeypatch.setattr(records, "read_pairs", real_read)
 
   # ... and ignores it for another vocabulary (or dataset, split, languages).
   key = token_cache.cache_key("parallel_text/x/1.0.0", "train", "en", "de", str(tmp_path / "work" / "vocab" /
@@ -148,6 +150,35 @@ def test_parallel_text_dataset_is_built_once_and_reused(small_corpus, tmp_path):
   assert b2.data_dir == b1.data_dir
   assert os.path.getmtime(os.path.join(b2.data_dir, "dataset_info.json")) == stamp
   assert sorted(b2.info.splits.keys()) == ["train", "val"]
+
+
+def test_our_builders_write_array_record_and_are_read_without_tensorflow(small_corpus, tmp_path):
+  """A training program's data path (prepare, read every split) never imports TensorFlow (5-9 s of a start)."""
+  code = (f"import sys; from transformer_jax.data import number_words, parallel_text, records\n"
+          f"b = parallel_text.parallel_text_builder({str(small_corpus)!r}, 'en', 'de', {str(tmp_path / 'tfds')!r})\n"
+          f"assert b.info.file_format == records.tfds.core.FileFormat.ARRAY_RECORD, b.info.file_format\n"
+          f"assert records.read_pairs(b, 'val', 'en', 'de')[0] == ('the red house', 'das rote haus')\n"
+          f"assert len(number_words.load_pairs('test', 'tiny', {str(tmp_path / 'nw')!r})) == 200\n"
+          f"print('tensorflow imported:', 'tensorflow' in sys.modules)")
+  env = dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+  result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+  assert result.returncode == 0, result.stderr[-2000:]
+  assert result.stdout.splitlines()[-1] == "tensorflow imported: False"
+
+
+def test_data_prepared_as_tfrecord_before_reads_the_same_pairs(small_corpus, tmp_path):
+  """A workdir prepared by an earlier version (tfds' default TFRecord) keeps its files and reads through tf.data."""
+  config = parallel_text.ParallelTextConfig(name="x", version="1.0.0", directory=str(small_corpus),
+                                            source_lang="en", target_lang="de", splits=("train", "val"))
+  old = parallel_text.ParallelText(config=config, data_dir=str(tmp_path / "old"))
+  old.download_and_prepare()  # what the builders did before: TFRecord
+  reopened = records.prepare(parallel_text.ParallelText, config=config, data_dir=str(tmp_path / "old"))
+  new = records.prepare(parallel_text.ParallelText, config=config, data_dir=str(tmp_path / "new"))
+  assert reopened.info.file_format == tfds.core.FileFormat.TFRECORD
+  assert new.info.file_format == tfds.core.FileFormat.ARRAY_RECORD
+  for split in ("train", "val", "train[5:12]"):
+    assert records.read_pairs(reopened, split, "en", "de") == records.read_pairs(new, split, "en", "de")
+  assert len(records.read_pairs(new, "train", "en", "de", batch_size=7)) == 40
 
 
 def test_line_count_mismatch_names_both_files_and_counts(small_corpus, tmp_path):

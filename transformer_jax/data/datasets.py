@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from transformer_jax.data import batching, normalize, sources, token_cache, tokenizer as tokenizer_lib
+from transformer_jax.data import batching, normalize, records, sources, token_cache, tokenizer as tokenizer_lib
 from transformer_jax.data.marian_vocab import TOKENIZER_NAME as MARIAN_TOKENIZER
 from transformer_jax.data.marian_vocab import MarianVocabulary
 from transformer_jax.workdir import Workdir
@@ -115,7 +115,7 @@ def build_datasets(data_config: Any, workdir: str, *, seed: int, process_index: 
     srcs, tgts, blank = cached
   else:
     start = time.perf_counter()
-    train_pairs, blank = skip_blank(sources.read_tfds_pairs(builder, split, source_key, target_key),
+    train_pairs, blank = skip_blank(records.read_pairs(builder, split, source_key, target_key),
                                     tok.is_blank if tok else normalize.is_blank)
     if not train_pairs:
       raise ValueError(f"training split {split!r} of {data_config.dataset} has no non-blank pairs")
@@ -131,6 +131,6 @@ def build_datasets(data_config: Any, workdir: str, *, seed: int, process_index: 
                                  process_index=process_index, process_count=process_count)
   eval_sets = {}
   for name in eval_names:
-    eval_sets[name] = build_eval_set(tok, sources.read_tfds_pairs(builder, name, source_key, target_key))
+    eval_sets[name] = build_eval_set(tok, records.read_pairs(builder, name, source_key, target_key))
   stats = {"train_pairs": len(srcs), "dropped_long": too_long, "skipped_blank": blank}
   return Datasets(tok, train, eval_sets, stats)

@@ -20,7 +20,8 @@ permutation (`split_numbers`) and served as a tensorflow-datasets builder::
     builder.download_and_prepare()
     ds = builder.as_dataset(split='train')   # {'en': str, 'de': str}
 
-or, as plain Python lists of (en, de) pairs, with `load_pairs`.
+or, as plain Python lists of (en, de) pairs, with `load_pairs` (prepared as
+ArrayRecord and read without TensorFlow: `transformer_jax.data.records`).
 """
 
 from __future__ import annotations
@@ -30,6 +31,8 @@ from collections.abc import Mapping
 
 import numpy as np
 import tensorflow_datasets as tfds
+
+from transformer_jax.data import records
 
 MAX_NUMBER = 999_999
 DEFAULT_SIZES = {'train': 200_000, 'validation': 2_000, 'test': 5_000}
@@ -210,11 +213,5 @@ def load_pairs(split: str, config: str = 'default',
   `split` is any tfds split string ('train', 'test[:100]', ...); `data_dir`
   defaults to tfds's (~/tensorflow_datasets).
   """
-  builder = NumberWords(config=config, data_dir=data_dir)
-  builder.download_and_prepare()
-  ds = builder.as_dataset(split=split, shuffle_files=False,
-                          as_supervised=True).batch(4096)
-  pairs = []
-  for en, de in tfds.as_numpy(ds):
-    pairs += [(e.decode(), d.decode()) for e, d in zip(en, de)]
-  return pairs
+  builder = records.prepare(NumberWords, config=config, data_dir=data_dir)
+  return records.read_pairs(builder, split, 'en', 'de')

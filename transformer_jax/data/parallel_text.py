@@ -20,7 +20,7 @@ from typing import Iterable
 
 import tensorflow_datasets as tfds
 
-from transformer_jax.data import normalize
+from transformer_jax.data import normalize, records
 
 _SPLIT_FILE = re.compile(r"^(\w+)\.([A-Za-z_-]+)$")
 _UTF16_BOMS = (b"\xff\xfe", b"\xfe\xff")  # little- and big-endian (UTF-32 LE starts like UTF-16 LE)
@@ -148,6 +148,4 @@ def parallel_text_builder(directory: str, source_lang: str, target_lang: str, da
   config = ParallelTextConfig(name=name, version="1.0.0", directory=os.path.abspath(directory),
                               source_lang=source_lang, target_lang=target_lang, splits=tuple(splits),
                               description=f"{directory} ({source_lang}->{target_lang})")
-  builder = ParallelText(config=config, data_dir=data_dir)
-  builder.download_and_prepare()
-  return builder
+  return records.prepare(ParallelText, config=config, data_dir=data_dir)

@@ -8,7 +8,8 @@ use. `data_config.dataset` selects the source:
     `wmt17_translate/de-en`, `wmt_t2t_translate/de-en`, read from a prepared `data.tfds_data_dir`.
     `data.source_lang`/`data.target_lang` choose the direction (EN->DE by default, as in the paper; tfds's
     own supervised keys are DE->EN). Nothing is downloaded unless `data.download=True`.
-Built datasets live in `data.tfds_data_dir` (default `<workdir>/tfds`).
+Built datasets live in `data.tfds_data_dir` (default `<workdir>/tfds`); how they are written and read back:
+`transformer_jax.data.records`.
 """
 
 from __future__ import annotations
@@ -18,22 +19,12 @@ from typing import Any
 
 import tensorflow_datasets as tfds
 
+from transformer_jax.data import records
 from transformer_jax.data.number_words import NumberWords
 from transformer_jax.data.parallel_text import parallel_text_builder
 from transformer_jax.workdir import Workdir
 
-Pairs = list[tuple[str, str]]
-
-
-def read_tfds_pairs(builder: tfds.core.DatasetBuilder, split: str, source_key: str, target_key: str,
-                    batch_size: int = 8192) -> Pairs:
-  """All (source, target) strings of `split` in stored order, decoded in batches (fast on 2 cores)."""
-  ds = builder.as_dataset(split=split, shuffle_files=False).batch(batch_size)
-  pairs: Pairs = []
-  for batch in tfds.as_numpy(ds):
-    pairs.extend(zip((s.decode("utf-8") for s in batch[source_key]),
-                     (t.decode("utf-8") for t in batch[target_key])))
-  return pairs
+Pairs = records.Pairs
 
 
 def tfds_data_dir(data_config: Any, workdir: str | None) -> str:
@@ -66,8 +57,7 @@ def get_builder(data_config: Any, workdir: str | None = None) -> tuple[tfds.core
   data_dir = tfds_data_dir(data_config, workdir)
   name = data_config.dataset
   if name == "number_words":
-    builder = NumberWords(config=data_config.builder_config or "default", data_dir=data_dir)
-    builder.download_and_prepare()
+    builder = records.prepare(NumberWords, config=data_config.builder_config or "default", data_dir=data_dir)
     return builder, "en", "de"
   if name == "parallel_text":
     if not data_config.dir:
@@ -98,7 +88,7 @@ def load_splits(data_config: Any, splits: list[str], workdir: str | None = None)
   Split names follow tfds (slicing allowed: 'train[:1000]').
   """
   builder, source_key, target_key = open_splits(data_config, splits, workdir)
-  return {split: read_tfds_pairs(builder, split, source_key, target_key) for split in splits}
+  return {split: records.read_pairs(builder, split, source_key, target_key) for split in splits}
 
 
 def load_pairs(data_config: Any, split: str, workdir: str | None = None) -> Pairs:
