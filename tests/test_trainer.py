@@ -7,6 +7,7 @@ import jax
 import numpy as np
 import pytest
 from tensorboard.backend.event_processing import event_accumulator
+from tensorboard.util import tensor_util
 
 from experiments.configs import number_words
 from transformer_jax import checkpoint as checkpoint_lib
@@ -81,7 +82,7 @@ def test_train_and_evaluate_returns_a_typed_result_and_leaves_the_config_alone(t
   events = event_accumulator.EventAccumulator(str(Workdir(tmp_path / "run").tensorboard))
   events.Reload()
   for tag in ("train/loss", "validation/bleu"):
-    logged = [(e.step, e.value) for e in events.Scalars(tag)]
+    logged = [(e.step, float(tensor_util.make_ndarray(e.tensor_proto))) for e in events.Tensors(tag)]
     assert logged == [(r["step"], pytest.approx(r[tag], rel=1e-6)) for r in rows if tag in r]
   with checkpoint_lib.Checkpointer(str(Workdir(tmp_path / "run").checkpoints), read_only=True) as ckpt:
     assert ckpt.all_steps() == [4, 6]
