@@ -23,7 +23,6 @@ TINY_OVERRIDES = ["--config.data.builder_config=tiny", "--config.data.vocab_size
 
 def _env():
   env = dict(os.environ)
-  env.pop("XLA_FLAGS", None)
   env["PYTHONPATH"] = REPO
   return env
 
@@ -273,7 +272,7 @@ def test_bad_program_flags_are_one_line_errors(workdir, program, flags, needle):
     (["--config.cooldown_steps=-1"], "--config.cooldown_steps=-1: must be an integer >= 0"),
     (["--config.num_train_steps=10", "--config.cooldown_steps=11"], "must be <= num_train_steps (10)"),
     (["--config.num_cpu_devices=-1"], "--config.num_cpu_devices=-1: must be an integer >= 0"),
-    # Two host devices (the config makes them: this process has no XLA_FLAGS) cannot split 3 rows.
+    # Two host devices (the config makes them: a program starts with one) cannot split 3 rows.
     (["--config.num_cpu_devices=2", "--config.data.max_len=64", "--config.data.tokens_per_batch=192"],
      "--config.data.tokens_per_batch=192 packs 3 rows of data.max_len=64 slots, which do not split over the 2 "
      "devices of the mesh {'data': 2, 'fsdp': 1, 'tensor': 1}: use a multiple of 128 tokens"),

@@ -49,7 +49,6 @@ FINETUNE_FLAGS = [
 
 def _env():
   env = dict(os.environ)
-  env.pop("XLA_FLAGS", None)  # one CPU device, as a user's run
   env["PYTHONPATH"] = REPO
   return env
 

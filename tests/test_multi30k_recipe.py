@@ -44,7 +44,7 @@ def test_shortened_recipe_end_to_end(multi30k_dir, tmp_path):
   workdir, results, curve = tmp_path / "run", tmp_path / "results.md", tmp_path / "curve.png"
   results.write_text("# Results\n\nHand-written lever table.\n")
   env = dict(os.environ, PYTHONPATH=REPO)
-  env.pop("XLA_FLAGS", None)  # the host devices a user's run has: the recipe's num_cpu_devices
+  env.pop("XLA_FLAGS", None)  # compiled as a user's run (-O2): this test's time is training (conftest.py)
   proc = subprocess.run([sys.executable, "-m", "experiments.multi30k", f"--workdir={workdir}",
                          f"--data_dir={multi30k_dir}", f"--results={results}", f"--curve={curve}", *SHORTENED],
                         cwd=REPO, env=env, capture_output=True, text=True, timeout=600)

@@ -50,7 +50,7 @@ def test_quickstart_runs_top_to_bottom_on_cpu(tmp_path, monkeypatch):
   # A 'python3' kernel spec for this interpreter, found first (JUPYTER_PATH precedes user/system dirs).
   write_kernel_spec(str(tmp_path / "jupyter" / "kernels" / "python3"))
   monkeypatch.setenv("JUPYTER_PATH", str(tmp_path / "jupyter"))
-  monkeypatch.delenv("XLA_FLAGS", raising=False)  # one CPU device, like a user's runtime
+  monkeypatch.delenv("XLA_FLAGS", raising=False)  # compiled as in a user's runtime (conftest.py)
   monkeypatch.setenv("PYTHONPATH", REPO)
 
   start = time.time()

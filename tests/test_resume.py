@@ -39,7 +39,6 @@ def _command(workdir, shared, num_steps=NUM_STEPS, extra=()):
 
 def _env():
   env = dict(os.environ)
-  env.pop("XLA_FLAGS", None)  # one CPU device, like a user's run
   env["PYTHONPATH"] = REPO
   return env
 

@@ -293,7 +293,8 @@ def test_two_processes_assemble_the_global_batch_and_match_one_device(reference,
     s.bind(("localhost", 0))
     port = s.getsockname()[1]
   root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu",
+  env = dict(os.environ, XLA_FLAGS=os.environ["XLA_FLAGS"] + " --xla_force_host_platform_device_count=4",
+             JAX_PLATFORMS="cpu",
              PYTHONPATH=os.pathsep.join([root, os.path.join(root, "tests")]))
   procs = [subprocess.Popen([sys.executable, str(worker), str(i), str(port)], env=env, cwd=root,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in range(2)]
