@@ -1,6 +1,7 @@
 """Text sources (tfds number words, local parallel text, WMT via mocked tfds) and the shared vocabulary."""
 
 import os
+import shutil
 import subprocess
 import sys
 
@@ -150,6 +151,20 @@ def test_parallel_text_dataset_is_built_once_and_reused(small_corpus, tmp_path):
   assert b2.data_dir == b1.data_dir
   assert os.path.getmtime(os.path.join(b2.data_dir, "dataset_info.json")) == stamp
   assert sorted(b2.info.splits.keys()) == ["train", "val"]
+
+
+def test_parallel_text_dataset_name_follows_the_files_contents_not_their_place_or_time(small_corpus, tmp_path):
+  """A copied, moved or remounted corpus (new path, new mtimes) reuses the prepared data; one edited byte rebuilds."""
+  first = parallel_text.parallel_text_builder(str(small_corpus), "en", "de", str(tmp_path / "tfds"))
+  copy = tmp_path / "elsewhere" / "corpus"
+  shutil.copytree(small_corpus, copy)
+  for path in copy.iterdir():
+    os.utime(path, (1e9, 1e9))
+  assert parallel_text.parallel_text_builder(str(copy), "en", "de", str(tmp_path / "tfds")).data_dir == first.data_dir
+  (copy / "val.de").write_text("das rote haus\n\ndas grosse haus\n", encoding="utf-8")
+  edited = parallel_text.parallel_text_builder(str(copy), "en", "de", str(tmp_path / "tfds"))
+  assert edited.data_dir != first.data_dir
+  assert records.read_pairs(edited, "val", "en", "de")[2] == ("the big house", "das grosse haus")
 
 
 def test_our_builders_write_array_record_and_are_read_without_tensorflow(small_corpus, tmp_path):
