@@ -131,7 +131,8 @@ def report_final_eval(config, workdir: str, result: trainer.TrainResult) -> dict
   start = time.time()
   hyps = inference.translate_texts(result.state.params, result.model_config, result.datasets.tokenizer,
                                    [s for s, _ in pairs], beam_size=config.decode.beam_size,
-                                   alpha=config.decode.alpha, extra_len=config.decode.extra_len)
+                                   alpha=config.decode.alpha, extra_len=config.decode.extra_len,
+                                   mbr_utility=config.decode.get("mbr_utility", ""))
   seconds = time.time() - start
   exact = metrics.exact_match(hyps, [t for _, t in pairs])  # both sides normalised, as BLEU's
   scores = metrics.sacrebleu_scores(hyps, [t for _, t in pairs])

@@ -1,7 +1,8 @@
 r"""Translate a source file and score it against a reference with sacreBLEU.
 
     python -m experiments.evaluate --workdir=DIR --source=test.en --reference=test.de [--beam_size=4]
-        [--alpha=0.6] [--tokenized_bleu] [--lc_tok_reference=test.lc.norm.tok.de] [--checkpoint=STEP|DIR]
+        [--alpha=0.6] [--mbr_utility=chrf] [--tokenized_bleu] [--lc_tok_reference=test.lc.norm.tok.de]
+        [--checkpoint=STEP|DIR]
 
 Prints cased detokenised BLEU with its signature and chrF; `--tokenized_bleu` adds the paper-style score
 (Moses-tokenised, compound-split); `--lc_tok_reference` adds the Multi30k-style lowercased tokenised score.
@@ -27,6 +28,8 @@ flags.DEFINE_string("reference", None, "Reference translations, aligned with --s
 flags.DEFINE_integer("beam_size", 4, "Beam size (the paper: 4).")
 flags.DEFINE_float("alpha", 0.6, "Length penalty exponent (the paper: 0.6).")
 flags.DEFINE_integer("extra_len", 50, "Maximum output length = input length + extra_len (the paper: 50).")
+flags.DEFINE_string("mbr_utility", "", "'' = beam search's best; 'chrf' or 'bleu' = the minimum-Bayes-risk "
+                    "choice from its beam_size-best list under that utility.")
 flags.DEFINE_string("checkpoint", None, "A step, or a checkpoint directory (default: the latest).")
 flags.DEFINE_bool("tokenized_bleu", False, "Also report tokenised, compound-split BLEU (paper style).")
 flags.DEFINE_string("target_lang", None, "Target language for Moses tokenisation (default: from config).")
@@ -34,7 +37,9 @@ flags.DEFINE_string("lc_tok_reference", None,
                     "Lowercased, normalised, tokenised reference (Multi30k style) for an extra score.")
 flags.DEFINE_string("output_prefix", None, "Where to write .hyp and .json (default: <workdir>/eval/<source>).")
 flags.mark_flags_as_required(["workdir", "source", "reference"])
-launch.check_flags(beam_size="decode.beam_size", alpha="decode.alpha", extra_len="decode.extra_len")
+launch.check_flags(beam_size="decode.beam_size", alpha="decode.alpha", extra_len="decode.extra_len",
+                   mbr_utility="decode.mbr_utility")
+launch.check_mbr_beam()
 launch.check_files_exist("source", "reference", "lc_tok_reference")
 
 
@@ -66,10 +71,12 @@ def _evaluate() -> None:
   start = time.time()
   with tqdm(total=len(sources), unit="sent", file=sys.stderr) as bar:
     hypotheses = inference.translate_texts(params, model_config, tokenizer, sources, beam_size=FLAGS.beam_size,
-                                           alpha=FLAGS.alpha, extra_len=FLAGS.extra_len, progress=bar.update)
+                                           alpha=FLAGS.alpha, extra_len=FLAGS.extra_len,
+                                           mbr_utility=FLAGS.mbr_utility, progress=bar.update)
   seconds = time.time() - start
   scores = _scores(hypotheses, references, lc_refs, target_lang)
   scores.update(sentences=len(sources), seconds=seconds, beam_size=FLAGS.beam_size, alpha=FLAGS.alpha,
+                mbr_utility=FLAGS.mbr_utility,
                 checkpoint=FLAGS.checkpoint or "latest")
   prefix = FLAGS.output_prefix or os.path.join(Workdir(FLAGS.workdir).eval, os.path.basename(FLAGS.source))
   os.makedirs(os.path.dirname(os.path.abspath(prefix)), exist_ok=True)

@@ -5,7 +5,8 @@ r"""The Multi30k recipe end to end: train, average the last checkpoints, score t
 
 Scores: the published-style BLEU (hypotheses lowercased, punctuation-normalised, Moses-tokenised, against
 test_2016_flickr.lc.norm.tok.de with tokenize='none') and cased detokenised sacreBLEU with its signature,
-for the last checkpoint and for the average of the last `decode.average_last` checkpoints, on the first
+for the last checkpoint and for the average of the last `decode.average_last` checkpoints (decoded with
+`decode`: beam size, α and, when `decode.mbr_utility` is set, the MBR choice from the n-best list), on the first
 `final_eval.max_examples` test2016 sentences (0 = all 1,000). Writes `<workdir>/results.json` (scores, wall
 minutes, steps/s, the machine's load), the learning curve PNG (train/val loss and val BLEU against minutes) and
 the generated block of `--results` (between `<!-- multi30k:last-run:start/end -->`; the lever table and notes
@@ -70,7 +71,8 @@ def _last_logged(logged: list[dict], prefix: str) -> dict:
 def score(params, model_config, tokenizer, sources, references, lc_references, decode_cfg):
   start = time.time()
   hyps = inference.translate_texts(params, model_config, tokenizer, sources, beam_size=decode_cfg.beam_size,
-                                   alpha=decode_cfg.alpha, extra_len=decode_cfg.extra_len)
+                                   alpha=decode_cfg.alpha, extra_len=decode_cfg.extra_len,
+                                   mbr_utility=decode_cfg.get("mbr_utility", ""))
   out = metrics.sacrebleu_scores(hyps, references)
   out["lc_tok_bleu"] = metrics.lowercased_tokenized_bleu(hyps, lc_references, lang="de")
   out["decode_seconds"] = time.time() - start
@@ -178,6 +180,11 @@ def _budget_words(decision: dict | None) -> str:
           f"cap {decision['cap']}")
 
 
+def _mbr_words(decode_cfg) -> str:
+  utility = decode_cfg.get("mbr_utility", "")
+  return f", the MBR choice from the {decode_cfg.beam_size}-best list ({utility} utility)" if utility else ""
+
+
 def run_markdown(path, curve, config, model_config, rows, summary) -> str:
   """The generated part of docs/results.md: this run's recipe, test2016 scores, wall time and curve."""
   lines = [
@@ -191,7 +198,7 @@ def run_markdown(path, curve, config, model_config, rows, summary) -> str:
       f"(warm-up {config.warmup_steps}, "
       f"cool-down {config.cooldown_steps}, seed {config.seed}{_budget_words(summary['train_budget'])}); "
       f"beam {config.decode.beam_size}, "
-      f"α {config.decode.alpha}; {summary['test_sentences']} test2016 sentences.",
+      f"α {config.decode.alpha}{_mbr_words(config.decode)}; {summary['test_sentences']} test2016 sentences.",
       "",
       "| checkpoint | test2016 BLEU (lc, norm, tok; published-style) | sacreBLEU (cased, detok) | chrF |",
       "|---|---|---|---|",

@@ -2,6 +2,7 @@ r"""Translate text with a trained workdir: one output line per input line.
 
     echo "twenty-one" | python -m experiments.translate --workdir=DIR
     python -m experiments.translate --workdir=DIR --input=FILE --output=FILE [--beam_size=4] [--alpha=0.6]
+        [--mbr_utility=chrf]
 
 Empty input lines give empty output lines. `--checkpoint` takes a step number or a checkpoint directory
 (e.g. one written by `experiments.average_checkpoints`).
@@ -22,9 +23,13 @@ flags.DEFINE_string("output", None, "Output file (default: stdout).")
 flags.DEFINE_integer("beam_size", 1, "Beam size; 1 = greedy (the paper uses 4).")
 flags.DEFINE_float("alpha", 0.6, "Length penalty exponent ((5+|Y|)/6)^alpha (the paper uses 0.6).")
 flags.DEFINE_integer("extra_len", 50, "Maximum output length = input length + extra_len.")
+flags.DEFINE_string("mbr_utility", "", "'' = beam search's best; 'chrf' or 'bleu' = the minimum-Bayes-risk "
+                    "choice from its beam_size-best list under that utility.")
 flags.DEFINE_string("checkpoint", None, "A step, or a checkpoint directory (default: the latest).")
 flags.mark_flags_as_required(["workdir"])
-launch.check_flags(beam_size="decode.beam_size", alpha="decode.alpha", extra_len="decode.extra_len")
+launch.check_flags(beam_size="decode.beam_size", alpha="decode.alpha", extra_len="decode.extra_len",
+                   mbr_utility="decode.mbr_utility")
+launch.check_mbr_beam()
 launch.check_files_exist("input")
 
 
@@ -34,7 +39,8 @@ def main():
   model_config, params, tokenizer = common.load_for_inference(FLAGS.workdir, FLAGS.checkpoint)
   with tqdm(total=len(lines), unit="sent", file=sys.stderr, disable=not FLAGS.input) as bar:
     outputs = inference.translate_texts(params, model_config, tokenizer, lines, beam_size=FLAGS.beam_size,
-                                        alpha=FLAGS.alpha, extra_len=FLAGS.extra_len, progress=bar.update)
+                                        alpha=FLAGS.alpha, extra_len=FLAGS.extra_len, mbr_utility=FLAGS.mbr_utility,
+                                        progress=bar.update)
   with (open(FLAGS.output, "w", encoding="utf-8") if FLAGS.output
         else open(sys.stdout.fileno(), "w", encoding="utf-8", closefd=False)) as stream:
     stream.writelines(line + "\n" for line in outputs)

@@ -1,14 +1,16 @@
-r"""Choose the decoding settings on a development split: checkpoints averaged x beam size x length penalty α.
+r"""Choose the decoding settings on a development split: checkpoints averaged x beam size x α x MBR utility.
 
     python -m experiments.tune_decoding --workdir=DIR --source=val.en --reference=val.de \
-        [--average_last=1,5,10] [--beam_sizes=4,5] [--alphas=0.4,0.6,0.8,1.0] [--extra_len=50] [--report=FILE]
+        [--average_last=1,5,10] [--beam_sizes=4,5] [--alphas=0.4,0.6,0.8,1.0] [--mbr_utilities=none,chrf]
+        [--extra_len=50] [--report=FILE]
 
 For every number of checkpoints N in `--average_last` (the newest N of the run, averaged as
 `experiments.average_checkpoints` does, into a temporary directory; 1 = the newest checkpoint alone) and every
-beam size and α, translates `--source` and scores cased sacreBLEU against `--reference`; prints one table row per
-setting and the best one, and writes every row as JSON to `--report` (default `<workdir>/eval/tune_decoding.json`).
-Greedy (beam 1) ignores α. Score a test set once, afterwards, with the chosen settings (`experiments.evaluate`);
-tuning on it would fit the test set.
+beam size, α and MBR utility (`none` = beam search's best; `chrf`/`bleu` = the minimum-Bayes-risk choice from
+the beam's n-best list, `transformer_jax.mbr`), translates `--source` and scores cased sacreBLEU against
+`--reference`; prints one table row per setting and the best one, and writes every row as JSON to `--report`
+(default `<workdir>/eval/tune_decoding.json`). Greedy (beam 1) ignores α and MBR. Score a test set once,
+afterwards, with the chosen settings (`experiments.evaluate`); tuning on it would fit the test set.
 """
 
 import os
@@ -30,6 +32,7 @@ flags.DEFINE_string("reference", None, "Development references, aligned with --s
 flags.DEFINE_list("average_last", ["1"], "Numbers of newest checkpoints to average (1 = the newest alone).")
 flags.DEFINE_list("beam_sizes", ["4"], "Beam sizes (1 = greedy).")
 flags.DEFINE_list("alphas", ["0.6"], "GNMT length penalty exponents.")
+flags.DEFINE_list("mbr_utilities", ["none"], "MBR utilities: none (the beam's best), chrf, bleu.")
 flags.DEFINE_integer("extra_len", 50, "Maximum output length = input length + extra_len.")
 flags.DEFINE_string("report", None, "JSON file for every row (default: <workdir>/eval/tune_decoding.json).")
 flags.mark_flags_as_required(["workdir", "source", "reference"])
@@ -37,8 +40,9 @@ launch.check_flags(extra_len="decode.extra_len")
 launch.check_files_exist("source", "reference")
 
 
-def _grid() -> tuple[list[int], list[int], list[float]]:
-  """The three flag lists as numbers, each checked against its config key's rule (one-line errors)."""
+def _grid() -> tuple[list[int], list[int], list[float], list[str]]:
+  """The four flag lists as numbers and utilities ('' for none), each checked against its config key's rule
+  (one-line errors)."""
   def parse(values, kind, key, flag):
     out = []
     for value in values:
@@ -52,7 +56,15 @@ def _grid() -> tuple[list[int], list[int], list[float]]:
 
   return (parse(FLAGS.average_last, int, "decode.average_last", "average_last"),
           parse(FLAGS.beam_sizes, int, "decode.beam_size", "beam_sizes"),
-          parse(FLAGS.alphas, float, "decode.alpha", "alphas"))
+          parse(FLAGS.alphas, float, "decode.alpha", "alphas"),
+          _utilities())
+
+
+def _utilities() -> list[str]:
+  utilities = ["" if u == "none" else u for u in FLAGS.mbr_utilities]
+  for utility in utilities:
+    default.check_value("decode.mbr_utility", utility, "--mbr_utilities")
+  return utilities
 
 
 def _params_of_newest(workdir: str, n: int, scratch: str):
@@ -69,24 +81,28 @@ def main():
   sources, references = common.read_lines(FLAGS.source), common.read_lines(FLAGS.reference)
   if len(sources) != len(references):
     raise ValueError(f"{FLAGS.source} has {len(sources)} lines but {FLAGS.reference} has {len(references)}")
-  averages, beams, alphas = _grid()
+  averages, beams, alphas, utilities = _grid()
   rows = []
   with tempfile.TemporaryDirectory() as scratch:
     for n in averages:
       model_config, params, tokenizer = _params_of_newest(FLAGS.workdir, n, scratch)
-      for beam, alpha in [(b, a) for b in beams for a in (alphas if b > 1 else alphas[:1])]:  # greedy: one row
+      settings = [(b, a, u) for b in beams for a in (alphas if b > 1 else alphas[:1])  # greedy: one row
+                  for u in (utilities if b > 1 else [""])]
+      for beam, alpha, utility in settings:
         start = time.perf_counter()
         hypotheses = inference.translate_texts(params, model_config, tokenizer, sources, beam_size=beam,
-                                               alpha=alpha, extra_len=FLAGS.extra_len)
+                                               alpha=alpha, extra_len=FLAGS.extra_len, mbr_utility=utility)
         scores = metrics.sacrebleu_scores(hypotheses, references)
         rows.append({"average_last": n, "beam_size": beam, "alpha": alpha if beam > 1 else None,
-                     "bleu": scores["bleu"], "chrf": scores["chrf"], "seconds": time.perf_counter() - start,
-                     "bleu_signature": scores["bleu_signature"]})
+                     "mbr_utility": utility, "bleu": scores["bleu"], "chrf": scores["chrf"],
+                     "seconds": time.perf_counter() - start, "bleu_signature": scores["bleu_signature"]})
         print(f"average_last {n:>3} | beam {beam:>2} | alpha {alpha if beam > 1 else '-':>4} | "
-              f"BLEU {scores['bleu']:6.2f} | chrF {scores['chrf']:6.2f} | {rows[-1]['seconds']:6.1f}s", flush=True)
+              f"mbr {utility or '-':>4} | BLEU {scores['bleu']:6.2f} | chrF {scores['chrf']:6.2f} | "
+              f"{rows[-1]['seconds']:6.1f}s", flush=True)
   best = max(rows, key=lambda r: r["bleu"])
   print(f"best on {os.path.basename(FLAGS.source)}: average_last {best['average_last']}, beam {best['beam_size']}, "
-        f"alpha {best['alpha']} -> BLEU {best['bleu']:.2f} ({best['bleu_signature']})")
+        f"alpha {best['alpha']}, mbr {best['mbr_utility'] or 'none'} -> BLEU {best['bleu']:.2f} "
+        f"({best['bleu_signature']})")
   report = FLAGS.report or os.fspath(Workdir(FLAGS.workdir).eval / "tune_decoding.json")
   write_json_atomically(report, {"source": FLAGS.source, "reference": FLAGS.reference, "rows": rows, "best": best})
 

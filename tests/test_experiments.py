@@ -90,16 +90,21 @@ def test_tune_decoding_scores_every_setting_and_agrees_with_evaluate(workdir, tm
   ref.write_text("einundzwanzig\nfünf\ndreihundert\n", encoding="utf-8")
   report = tmp_path / "tune.json"
   result = _run(["experiments.tune_decoding", f"--workdir={workdir}", f"--source={src}", f"--reference={ref}",
-                 "--average_last=1,3", "--beam_sizes=1,2", "--alphas=0.6,1.0", f"--report={report}"])
+                 "--average_last=1,3", "--beam_sizes=1,2", "--alphas=0.6,1.0", "--mbr_utilities=none,chrf",
+                 f"--report={report}"])
   rows = json.loads(report.read_text())["rows"]
-  # Greedy once per average (alpha does not apply), beam 2 with each alpha: 2 x (1 + 2) rows.
-  assert [(r["average_last"], r["beam_size"], r["alpha"]) for r in rows] == [
-      (1, 1, None), (1, 2, 0.6), (1, 2, 1.0), (3, 1, None), (3, 2, 0.6), (3, 2, 1.0)]
+  # Greedy once per average (neither alpha nor MBR applies), beam 2 with each alpha and utility: 2 x (1 + 4).
+  beam2 = [(2, 0.6, ""), (2, 0.6, "chrf"), (2, 1.0, ""), (2, 1.0, "chrf")]
+  assert [(r["average_last"], r["beam_size"], r["alpha"], r["mbr_utility"]) for r in rows] == [
+      (n, *setting) for n in (1, 3) for setting in [(1, None, "")] + beam2]
   assert "best on src.txt: average_last" in result.stdout
-  # The newest checkpoint with beam 2, alpha 0.6 is what experiments.evaluate scores by default.
-  _run(["experiments.evaluate", f"--workdir={workdir}", f"--source={src}", f"--reference={ref}", "--beam_size=2",
-        f"--output_prefix={tmp_path}/eval"])
-  assert rows[1]["bleu"] == pytest.approx(json.loads((tmp_path / "eval.json").read_text())["bleu"])
+  # The newest checkpoint with beam 2, alpha 0.6 is what experiments.evaluate scores by default, with or
+  # without MBR.
+  for row, utility in ((rows[1], ""), (rows[2], "chrf")):
+    _run(["experiments.evaluate", f"--workdir={workdir}", f"--source={src}", f"--reference={ref}",
+          "--beam_size=2", f"--mbr_utility={utility}", f"--output_prefix={tmp_path}/eval"])
+    scored = json.loads((tmp_path / "eval.json").read_text())
+    assert scored["mbr_utility"] == utility and row["bleu"] == pytest.approx(scored["bleu"])
 
 
 def test_average_checkpoints_output_is_accepted_by_translate(workdir, tmp_path):
@@ -249,6 +254,12 @@ def test_resume_with_another_architecture_is_refused(deeper_workdir):
      "--alphas=0.6,abc: 'abc' is not a number"),
     ("experiments.tune_decoding", ["--source=README.md", "--reference=README.md", "--beam_sizes=0"],
      "--beam_sizes=0: must be an integer >= 1"),
+    ("experiments.tune_decoding", ["--source=README.md", "--reference=README.md", "--mbr_utilities=none,meteor"],
+     "--mbr_utilities='meteor': must be one of '', 'chrf', 'bleu'"),
+    ("experiments.translate", ["--mbr_utility=meteor", "--beam_size=4"],
+     "--mbr_utility='meteor': must be one of '', 'chrf', 'bleu'"),
+    ("experiments.translate", ["--mbr_utility=chrf"], "--mbr_utility chooses from beam search's n-best list: it "
+     "needs --beam_size >= 2"),
 ])
 def test_bad_program_flags_are_one_line_errors(workdir, program, flags, needle):
   before = _tree_snapshot(workdir)
@@ -272,6 +283,8 @@ def test_bad_program_flags_are_one_line_errors(workdir, program, flags, needle):
     (["--config.cooldown_steps=-1"], "--config.cooldown_steps=-1: must be an integer >= 0"),
     (["--config.num_train_steps=10", "--config.cooldown_steps=11"], "must be <= num_train_steps (10)"),
     (["--config.num_cpu_devices=-1"], "--config.num_cpu_devices=-1: must be an integer >= 0"),
+    (["--config.decode.mbr_utility=comet"], "--config.decode.mbr_utility='comet': must be one of"),
+    (["--config.decode.mbr_utility=chrf", "--config.decode.beam_size=1"], "needs decode.beam_size >= 2"),
     # Two host devices (the config makes them: a program starts with one) cannot split 3 rows.
     (["--config.num_cpu_devices=2", "--config.data.max_len=64", "--config.data.tokens_per_batch=192"],
      "--config.data.tokens_per_batch=192 packs 3 rows of data.max_len=64 slots, which do not split over the 2 "

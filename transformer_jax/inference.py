@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from transformer_jax import decode
+from transformer_jax import decode, mbr
 from transformer_jax.config import ModelConfig
 
 # Number of traces of each search function, keyed like `_search_fn` plus the traced shapes.
@@ -62,16 +62,18 @@ def _rows_bucket(n: int, rows: int) -> int:
 
 
 @functools.lru_cache(maxsize=None)
-def _search_fn(config: ModelConfig, beam_size: int, alpha: float, max_decode_len: int) -> Callable:
-  """Jitted `(params, inputs, max_lengths) -> best tokens [rows, max_decode_len]`, one per static setting."""
+def _search_fn(config: ModelConfig, beam_size: int, alpha: float, max_decode_len: int,
+               n_best: bool = False) -> Callable:
+  """Jitted `(params, inputs, max_lengths) ->` the best tokens `[rows, max_decode_len]`, or with `n_best` the
+  whole beam `(tokens [rows, beam_size, max_decode_len], log_probs [rows, beam_size])`; one per static setting."""
   def search(params, inputs, max_lengths):
-    _TRACES[(beam_size, alpha, max_decode_len) + tuple(inputs.shape)] += 1  # runs only while tracing
+    _TRACES[(beam_size, alpha, max_decode_len, n_best) + tuple(inputs.shape)] += 1  # runs only while tracing
     if beam_size == 1:
       tokens, _ = decode.greedy_search(params, config, inputs, max_decode_len, max_lengths=max_lengths)
       return tokens
-    tokens, _ = decode.beam_search(params, config, inputs, beam_size, alpha, max_decode_len,
-                                   max_lengths=max_lengths)
-    return tokens[:, 0]
+    out = decode.beam_search(params, config, inputs, beam_size, alpha, max_decode_len,
+                             max_lengths=max_lengths, full_output=True)
+    return (out.tokens, out.log_probs) if n_best else out.tokens[:, 0]
   return jax.jit(search)
 
 
@@ -106,10 +108,51 @@ def translate_ids(params, config: ModelConfig, sources: Sequence[Sequence[int]],
 
   Sources longer than `config.max_len` (EOS included) are truncated, with a warning.
   """
+  rows = _search_all(params, config, sources, beam_size=beam_size, alpha=alpha, extra_len=extra_len,
+                     max_tokens_per_batch=max_tokens_per_batch, batch_size=batch_size, append_eos=append_eos,
+                     progress=progress, n_best=False)
+  return [[] if row is None else _strip(row, config.eos_id, config.pad_id) for row in rows]
+
+
+def n_best_ids(params, config: ModelConfig, sources: Sequence[Sequence[int]], *, beam_size: int = 4,
+               alpha: float = 0.6, extra_len: int = 50, max_tokens_per_batch: int = 4096,
+               batch_size: Optional[int] = None, append_eos: bool = True,
+               progress: Optional[Callable[[int], None]] = None) -> list[list[tuple[list[int], float]]]:
+  """Beam search's whole n-best list of each source: `[(ids without EOS, log_prob), ...]`, best first.
+
+  The order is beam search's (length-penalised score, `alpha`); `log_prob` is the model's raw log-probability
+  of the hypothesis (float, natural log, EOS included; `decode.BeamSearchOutput.log_probs`), what MBR
+  weighs (`transformer_jax.mbr`). Each list holds the finished hypotheses (those that emitted EOS, at most
+  `beam_size`): the unfinished ones the search ranks after them (stopped early, or at the length limit) have
+  the log-probability of a prefix, so they are dropped, unless no hypothesis finished: then the list is the
+  best one alone. An empty source gives `[]`. Arguments and batching as `translate_ids`; raises ValueError unless
+  `beam_size >= 2` (greedy search has no list).
+  """
+  if beam_size < 2:
+    raise ValueError(f"beam_size={beam_size}: an n-best list needs beam search (beam_size >= 2)")
+  rows = _search_all(params, config, sources, beam_size=beam_size, alpha=alpha, extra_len=extra_len,
+                     max_tokens_per_batch=max_tokens_per_batch, batch_size=batch_size, append_eos=append_eos,
+                     progress=progress, n_best=True)
+  out = []
+  for row in rows:
+    if row is None:
+      out.append([])
+      continue
+    tokens, log_probs = row  # [beam, max_decode_len], [beam]
+    filled = [k for k in range(len(log_probs)) if np.isfinite(log_probs[k])]
+    finished = [k for k in filled if np.any(tokens[k] == config.eos_id)] or filled[:1]
+    out.append([(_strip(tokens[k], config.eos_id, config.pad_id), float(log_probs[k])) for k in finished])
+  return out
+
+
+def _search_all(params, config: ModelConfig, sources, *, beam_size, alpha, extra_len, max_tokens_per_batch,
+                batch_size, append_eos, progress, n_best: bool) -> list:
+  """Runs the search over every non-empty source in length buckets; each source's row of the search's
+  output (numpy; a `(tokens, log_probs)` pair with `n_best`) in input order, None for an empty source."""
   if beam_size < 1:
     raise ValueError(f"beam_size={beam_size} must be >= 1")
   params = jax.device_put(nn.unbox(params))
-  results: list[Optional[list[int]]] = [[] if not len(src) else None for src in sources]
+  results: list = [None] * len(sources)
   prepared = _prepare_sources(sources, config, extra_len, append_eos)
   rows_for = lambda bucket: batch_size or max(1, max_tokens_per_batch // bucket)  # noqa: E731
   # Dispatch the next batch before reading the previous one back, so host work overlaps the device.
@@ -118,16 +161,16 @@ def translate_ids(params, config: ModelConfig, sources: Sequence[Sequence[int]],
     future = None
     if batch is not None:
       bucket = _bucket_of(batch[0][1], config)
-      future = _run_batch(params, config, batch, bucket, rows_for(bucket), beam_size, alpha, extra_len)
+      future = _run_batch(params, config, batch, bucket, rows_for(bucket), beam_size, alpha, extra_len, n_best)
     if pending is not None:
-      done_batch, tokens = pending
-      tokens = np.asarray(tokens)
+      done_batch, output = pending
+      output = jax.tree_util.tree_map(np.asarray, output)
       for r, (i, _, _) in enumerate(done_batch):
-        results[i] = _strip(tokens[r], config.eos_id, config.pad_id)
+        results[i] = jax.tree_util.tree_map(lambda x: x[r], output)  # noqa: B023
       if progress is not None:
         progress(len(done_batch))
     pending = (batch, future) if batch is not None else None
-  return results  # type: ignore[return-value]
+  return results
 
 
 _Prepared = tuple[int, list[int], int]  # (input index, ids fed to the encoder, output length limit)
@@ -171,8 +214,8 @@ def _group_by_bucket(prepared: list[_Prepared], config: ModelConfig, rows_for) -
 
 
 def _run_batch(params, config: ModelConfig, batch: list[_Prepared], bucket: int, rows: int, beam_size: int,
-               alpha: float, extra_len: int) -> jax.Array:
-  """Dispatches one padded batch `[rows bucket, bucket]` to the compiled search; returns its tokens (async)."""
+               alpha: float, extra_len: int, n_best: bool = False):
+  """Dispatches one padded batch `[rows bucket, bucket]` to the compiled search; returns its output (async)."""
   eos, pad = config.eos_id, config.pad_id
   max_decode_len = max(1, min(bucket + extra_len, config.max_len))
   n_rows = _rows_bucket(len(batch), rows)
@@ -183,20 +226,40 @@ def _run_batch(params, config: ModelConfig, batch: list[_Prepared], bucket: int,
     inputs[r, :] = pad
     inputs[r, : len(ids)] = ids
     limits[r] = min(limit, max_decode_len)
-  fn = _search_fn(config, beam_size, float(alpha), max_decode_len)
+  fn = _search_fn(config, beam_size, float(alpha), max_decode_len, n_best)
   return fn(params, jnp.asarray(inputs), jnp.asarray(limits))
 
 
 def translate_texts(params, config: ModelConfig, tokenizer, texts: Sequence[str], *, beam_size: int = 1,
-                    alpha: float = 0.6, extra_len: int = 50, progress: Callable[[int], None] | None = None,
-                    **kwargs) -> list[str]:
+                    alpha: float = 0.6, extra_len: int = 50, mbr_utility: str = "",
+                    progress: Callable[[int], None] | None = None, **kwargs) -> list[str]:
   """Detokenised translations of `texts` in input order; blank lines give empty lines.
 
   `tokenizer` is a `transformer_jax.data.tokenizer.Tokenizer`: encode normalises each text as its vocabulary
   was trained (`transformer_jax.data.normalize`: BOM and zero-width characters dropped, spaces collapsed,
   NFC) and appends EOS; decode stops at EOS. A line with nothing visible after that is blank.
+
+  `mbr_utility` '' returns beam search's best hypothesis; 'chrf' or 'bleu' returns the minimum-Bayes-risk
+  choice from its `beam_size`-best list under that sentence-level utility (`transformer_jax.mbr`), which
+  needs `beam_size >= 2`. Raises ValueError for another utility or a smaller beam.
   """
   ids = [[] if tokenizer.is_blank(t) else tokenizer.encode(t) for t in texts]
-  outputs = translate_ids(params, config, ids, beam_size=beam_size, alpha=alpha, extra_len=extra_len,
-                          progress=progress, **kwargs)
-  return [tokenizer.decode(o) if src else "" for o, src in zip(outputs, ids)]
+  if not mbr_utility:
+    outputs = translate_ids(params, config, ids, beam_size=beam_size, alpha=alpha, extra_len=extra_len,
+                            progress=progress, **kwargs)
+    return [tokenizer.decode(o) if src else "" for o, src in zip(outputs, ids)]
+  utility = mbr.utility_fn(mbr_utility)  # raises on an unknown utility before anything is decoded
+  if beam_size < 2:
+    raise ValueError(f"mbr_utility={mbr_utility!r} chooses from an n-best list: it needs beam_size >= 2, "
+                     f"got {beam_size}")
+  lists = n_best_ids(params, config, ids, beam_size=beam_size, alpha=alpha, extra_len=extra_len,
+                     progress=progress, **kwargs)
+  outputs = []
+  for candidates in lists:
+    texts_k = [tokenizer.decode(c) for c, _ in candidates]
+    if len(texts_k) < 2:
+      outputs.append(texts_k[0] if texts_k else "")
+      continue
+    scores = mbr.expected_utilities(texts_k, [lp for _, lp in candidates], utility)
+    outputs.append(texts_k[int(np.argmax(scores))])
+  return outputs

@@ -17,6 +17,7 @@ import math
 
 import ml_collections
 
+from transformer_jax import mbr
 from transformer_jax.config import ModelConfig
 
 
@@ -92,6 +93,7 @@ def get_config() -> ml_collections.ConfigDict:
   config.decode.alpha = 0.6                   # GNMT length penalty exponent
   config.decode.extra_len = 50                # output length limit: source length + extra_len
   config.decode.average_last = 5              # checkpoints averaged for the reported model (base 5, big 20)
+  config.decode.mbr_utility = ""              # "" = beam search's best; "chrf"/"bleu" = MBR over its n-best
 
   # After `experiments.train`: translate a test split with `decode`, print exact match and BLEU.
   config.final_eval = ml_collections.ConfigDict()
@@ -196,6 +198,7 @@ RULES = {
     "decode.alpha": _number(0.0),
     "decode.extra_len": _integer(0),
     "decode.average_last": _integer(1),
+    "decode.mbr_utility": _one_of("", *mbr.UTILITIES),
     "final_eval.split": _text(nonempty=False),
     "final_eval.max_examples": _integer(0),
 }
@@ -212,7 +215,8 @@ def validate(config: ml_collections.ConfigDict) -> None:
   """Checks every key of a (recipe) config before anything is written; raises ConfigError (one line).
 
   `config.model` is checked by building `ModelConfig` from it (its own range checks), and the batch by
-  `data.tokens_per_batch >= data.max_len` (at least one packed row per batch).
+  `data.tokens_per_batch >= data.max_len` (at least one packed row per batch), and MBR decoding by
+  `decode.beam_size >= 2` (its n-best list).
   """
   for key in RULES:
     value = config
@@ -225,6 +229,9 @@ def validate(config: ml_collections.ConfigDict) -> None:
   if config.cooldown_steps > config.num_train_steps:
     raise ConfigError(f"--config.cooldown_steps={config.cooldown_steps}: must be <= num_train_steps "
                       f"({config.num_train_steps})")
+  if config.decode.mbr_utility and config.decode.beam_size < 2:
+    raise ConfigError(f"--config.decode.mbr_utility={config.decode.mbr_utility!r}: needs decode.beam_size >= 2 "
+                      f"(MBR chooses from beam search's n-best list), got {config.decode.beam_size}")
   try:
     ModelConfig(**config.model.to_dict())
   except (TypeError, ValueError) as error:
