@@ -9,8 +9,9 @@ For every number of checkpoints N in `--average_last` (the newest N of the run, 
 beam size, α and MBR utility (`none` = beam search's best; `chrf`/`bleu` = the minimum-Bayes-risk choice from
 the beam's n-best list, `transformer_jax.mbr`), translates `--source` and scores cased sacreBLEU against
 `--reference`; prints one table row per setting and the best one, and writes every row as JSON to `--report`
-(default `<workdir>/eval/tune_decoding.json`). Greedy (beam 1) ignores α and MBR. Score a test set once,
-afterwards, with the chosen settings (`experiments.evaluate`); tuning on it would fit the test set.
+(default `<workdir>/eval/tune_decoding.json`; the utilities of one beam size and α choose from one n-best list,
+decoded once, and share its seconds). Greedy (beam 1) ignores α and MBR. Score a test set once, afterwards, with
+the chosen settings (`experiments.evaluate`); tuning on it would fit the test set.
 """
 
 import os
@@ -86,19 +87,24 @@ def main():
   with tempfile.TemporaryDirectory() as scratch:
     for n in averages:
       model_config, params, tokenizer = _params_of_newest(FLAGS.workdir, n, scratch)
-      settings = [(b, a, u) for b in beams for a in (alphas if b > 1 else alphas[:1])  # greedy: one row
-                  for u in (utilities if b > 1 else [""])]
-      for beam, alpha, utility in settings:
+      for beam, alpha in [(b, a) for b in beams for a in (alphas if b > 1 else alphas[:1])]:  # greedy: one row
         start = time.perf_counter()
-        hypotheses = inference.translate_texts(params, model_config, tokenizer, sources, beam_size=beam,
-                                               alpha=alpha, extra_len=FLAGS.extra_len, mbr_utility=utility)
-        scores = metrics.sacrebleu_scores(hypotheses, references)
-        rows.append({"average_last": n, "beam_size": beam, "alpha": alpha if beam > 1 else None,
-                     "mbr_utility": utility, "bleu": scores["bleu"], "chrf": scores["chrf"],
-                     "seconds": time.perf_counter() - start, "bleu_signature": scores["bleu_signature"]})
-        print(f"average_last {n:>3} | beam {beam:>2} | alpha {alpha if beam > 1 else '-':>4} | "
-              f"mbr {utility or '-':>4} | BLEU {scores['bleu']:6.2f} | chrF {scores['chrf']:6.2f} | "
-              f"{rows[-1]['seconds']:6.1f}s", flush=True)
+        if beam == 1 or utilities == [""]:
+          outputs = {"": inference.translate_texts(params, model_config, tokenizer, sources, beam_size=beam,
+                                                   alpha=alpha, extra_len=FLAGS.extra_len)}
+        else:  # one n-best list per setting; each utility chooses from the same lists
+          n_best = inference.n_best_texts(params, model_config, tokenizer, sources, beam_size=beam, alpha=alpha,
+                                          extra_len=FLAGS.extra_len)
+          outputs = {utility: inference.choose(n_best, utility) for utility in utilities}
+        seconds = time.perf_counter() - start
+        for utility, hypotheses in outputs.items():
+          scores = metrics.sacrebleu_scores(hypotheses, references)
+          rows.append({"average_last": n, "beam_size": beam, "alpha": alpha if beam > 1 else None,
+                       "mbr_utility": utility, "bleu": scores["bleu"], "chrf": scores["chrf"],
+                       "seconds": seconds, "bleu_signature": scores["bleu_signature"]})
+          print(f"average_last {n:>3} | beam {beam:>2} | alpha {alpha if beam > 1 else '-':>4} | "
+                f"mbr {utility or '-':>4} | BLEU {scores['bleu']:6.2f} | chrF {scores['chrf']:6.2f} | "
+                f"{seconds:6.1f}s", flush=True)
   best = max(rows, key=lambda r: r["bleu"])
   print(f"best on {os.path.basename(FLAGS.source)}: average_last {best['average_last']}, beam {best['beam_size']}, "
         f"alpha {best['alpha']}, mbr {best['mbr_utility'] or 'none'} -> BLEU {best['bleu']:.2f} "

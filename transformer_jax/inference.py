@@ -240,26 +240,39 @@ def translate_texts(params, config: ModelConfig, tokenizer, texts: Sequence[str]
   NFC) and appends EOS; decode stops at EOS. A line with nothing visible after that is blank.
 
   `mbr_utility` '' returns beam search's best hypothesis; 'chrf' or 'bleu' returns the minimum-Bayes-risk
-  choice from its `beam_size`-best list under that sentence-level utility (`transformer_jax.mbr`), which
-  needs `beam_size >= 2`. Raises ValueError for another utility or a smaller beam.
+  choice from its `beam_size`-best list under that sentence-level utility (`n_best_texts`, then `choose`),
+  which needs `beam_size >= 2`. Raises ValueError for another utility or a smaller beam.
   """
+  if mbr_utility:
+    mbr.utility_fn(mbr_utility)  # raises on an unknown utility before anything is decoded
+    return choose(n_best_texts(params, config, tokenizer, texts, beam_size=beam_size, alpha=alpha,
+                               extra_len=extra_len, progress=progress, **kwargs), mbr_utility)
   ids = [[] if tokenizer.is_blank(t) else tokenizer.encode(t) for t in texts]
-  if not mbr_utility:
-    outputs = translate_ids(params, config, ids, beam_size=beam_size, alpha=alpha, extra_len=extra_len,
-                            progress=progress, **kwargs)
-    return [tokenizer.decode(o) if src else "" for o, src in zip(outputs, ids)]
-  utility = mbr.utility_fn(mbr_utility)  # raises on an unknown utility before anything is decoded
-  if beam_size < 2:
-    raise ValueError(f"mbr_utility={mbr_utility!r} chooses from an n-best list: it needs beam_size >= 2, "
-                     f"got {beam_size}")
+  outputs = translate_ids(params, config, ids, beam_size=beam_size, alpha=alpha, extra_len=extra_len,
+                          progress=progress, **kwargs)
+  return [tokenizer.decode(o) if src else "" for o, src in zip(outputs, ids)]
+
+
+def n_best_texts(params, config: ModelConfig, tokenizer, texts: Sequence[str], *, beam_size: int = 4,
+                 alpha: float = 0.6, extra_len: int = 50, progress: Callable[[int], None] | None = None,
+                 **kwargs) -> list[list[tuple[str, float]]]:
+  """`n_best_ids` of `texts`, detokenised: per text `[(translation, log_prob), ...]`, best first; `[]` for a
+  blank line. Encoding as `translate_texts`; raises ValueError unless `beam_size >= 2`."""
+  ids = [[] if tokenizer.is_blank(t) else tokenizer.encode(t) for t in texts]
   lists = n_best_ids(params, config, ids, beam_size=beam_size, alpha=alpha, extra_len=extra_len,
                      progress=progress, **kwargs)
+  return [[(tokenizer.decode(c), log_prob) for c, log_prob in candidates] for candidates in lists]
+
+
+def choose(n_best: Sequence[Sequence[tuple[str, float]]], mbr_utility: str = "") -> list[str]:
+  """One translation per `n_best_texts` list: the first (beam search's best) with `mbr_utility` '', else the
+  minimum-Bayes-risk choice under 'chrf' or 'bleu' (`transformer_jax.mbr.select`); '' for an empty list.
+  Raises ValueError for another utility."""
+  if not mbr_utility:
+    return [candidates[0][0] if candidates else "" for candidates in n_best]
+  utility = mbr.utility_fn(mbr_utility)
   outputs = []
-  for candidates in lists:
-    texts_k = [tokenizer.decode(c) for c, _ in candidates]
-    if len(texts_k) < 2:
-      outputs.append(texts_k[0] if texts_k else "")
-      continue
-    scores = mbr.expected_utilities(texts_k, [lp for _, lp in candidates], utility)
-    outputs.append(texts_k[int(np.argmax(scores))])
+  for candidates in n_best:
+    texts = [text for text, _ in candidates]
+    outputs.append(texts[mbr.select(texts, [lp for _, lp in candidates], utility)] if texts else "")
   return outputs

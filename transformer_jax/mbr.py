@@ -60,11 +60,14 @@ def expected_utilities(candidates: Sequence[str], log_probs: Sequence[float],
   return gains @ weights
 
 
-def select(candidates: Sequence[str], log_probs: Sequence[float], utility: str = "chrf") -> int:
+def select(candidates: Sequence[str], log_probs: Sequence[float],
+           utility: str | Callable[[str, str], float] = "chrf") -> int:
   """Index of the MBR choice among `candidates` (the first of equals: beam order breaks ties).
 
-  `utility` is 'chrf' or 'bleu'; see `expected_utilities` for the arguments and the errors raised.
+  `utility` is 'chrf', 'bleu' or a `utility_fn` already made (reused across sentences); see
+  `expected_utilities` for the arguments and the errors raised.
   """
   if len(candidates) == 1:
     return 0
-  return int(np.argmax(expected_utilities(candidates, log_probs, utility_fn(utility))))
+  utility = utility_fn(utility) if isinstance(utility, str) else utility
+  return int(np.argmax(expected_utilities(candidates, log_probs, utility)))
