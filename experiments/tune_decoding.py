@@ -23,7 +23,7 @@ from absl import flags
 from experiments import common, launch
 from experiments.configs import default
 from transformer_jax import checkpoint as checkpoint_lib
-from transformer_jax import inference, metrics
+from transformer_jax import inference, mbr, metrics
 from transformer_jax.workdir import Workdir, write_json_atomically
 
 FLAGS = flags.FLAGS
@@ -42,9 +42,10 @@ launch.check_files_exist("source", "reference")
 
 
 def _grid() -> tuple[list[int], list[int], list[float], list[str]]:
-  """The four flag lists as numbers and utilities ('' for none), each checked against its config key's rule
-  (one-line errors)."""
+  """The four flag lists as numbers and utilities ('' for none), each non-empty and checked against its config
+  key's rule (one-line errors)."""
   def parse(values, kind, key, flag):
+    _check_nonempty(values, flag)
     out = []
     for value in values:
       try:
@@ -61,11 +62,19 @@ def _grid() -> tuple[list[int], list[int], list[float], list[str]]:
           _utilities())
 
 
+def _check_nonempty(values: list, flag: str) -> None:
+  if not values:
+    raise ValueError(f"--{flag} is empty: give at least one value")
+
+
 def _utilities() -> list[str]:
-  utilities = ["" if u == "none" else u for u in FLAGS.mbr_utilities]
-  for utility in utilities:
-    default.check_value("decode.mbr_utility", utility, "--mbr_utilities")
-  return utilities
+  """`--mbr_utilities` as `decode.mbr_utility` values: 'none' -> ''."""
+  _check_nonempty(FLAGS.mbr_utilities, "mbr_utilities")
+  for value in FLAGS.mbr_utilities:
+    if value != "none" and value not in mbr.UTILITIES:
+      raise ValueError(f"--mbr_utilities={','.join(FLAGS.mbr_utilities)}: {value!r} is not one of none, "
+                       f"{', '.join(mbr.UTILITIES)}")
+  return ["" if value == "none" else value for value in FLAGS.mbr_utilities]
 
 
 def _params_of_newest(workdir: str, n: int, scratch: str):

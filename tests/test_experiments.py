@@ -255,7 +255,11 @@ def test_resume_with_another_architecture_is_refused(deeper_workdir):
     ("experiments.tune_decoding", ["--source=README.md", "--reference=README.md", "--beam_sizes=0"],
      "--beam_sizes=0: must be an integer >= 1"),
     ("experiments.tune_decoding", ["--source=README.md", "--reference=README.md", "--mbr_utilities=none,meteor"],
-     "--mbr_utilities='meteor': must be one of '', 'chrf', 'bleu'"),
+     "--mbr_utilities=none,meteor: 'meteor' is not one of none, chrf, bleu"),
+    ("experiments.tune_decoding", ["--source=README.md", "--reference=README.md", "--mbr_utilities="],
+     "--mbr_utilities is empty: give at least one value"),
+    ("experiments.tune_decoding", ["--source=README.md", "--reference=README.md", "--alphas="],
+     "--alphas is empty: give at least one value"),
     ("experiments.translate", ["--mbr_utility=meteor", "--beam_size=4"],
      "--mbr_utility='meteor': must be one of '', 'chrf', 'bleu'"),
     ("experiments.translate", ["--mbr_utility=chrf"], "--mbr_utility chooses from beam search's n-best list: it "
