@@ -35,6 +35,13 @@ def _one_per_row(sequences, pad_id):
     rows[i, :len(seq)] = seq
   return jnp.asarray(rows)
 
+def test_within_length_keeps_the_pairs_that_fit_both_sides():
+  sources, targets = _random_corpus(200)
+  keep = batching.within_length(sources, targets, max_len=10)
+  expected = [i for i, (s, t) in enumerate(zip(sources, targets)) if len(s) <= 10 and len(t) <= 10]
+  assert keep == expected and 0 < len(keep) < 200
+
+
 def test_filter_by_length_counts_drops():
   sources, targets = _random_corpus(200)
   kept_s, kept_t, dropped = batching.filter_by_length(sources, targets, max_len=10)

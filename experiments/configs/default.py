@@ -44,6 +44,9 @@ def get_config() -> ml_collections.ConfigDict:
   config.data.vocab_character_coverage = 1.0  # SentencePiece character_coverage
   config.data.train_split = "train"           # split trained on
   config.data.eval_splits = ("validation",)   # splits the evaluators score during training
+  config.data.subword_alpha = 0.0             # > 0: a sampled segmentation of the training pairs every epoch; for
+                                              # bpe the probability of skipping a merge (BPE-dropout, Provilkov et
+                                              # al., 2020: 0.1), for unigram the smoothing (Kudo, 2018); 0 = off
   config.data.max_len = 256                   # longest training pair kept (tokens per side), and the packed row length
   config.data.tokens_per_batch = 26_624       # packed slots per side per micro-batch, all devices (~25k tokens, sec. 5.1)
 
@@ -164,6 +167,7 @@ RULES = {
     "data.vocab_character_coverage": _number(0.0, 1.0, low_open=True, high_open=False),
     "data.train_split": _text(),
     "data.eval_splits": _splits,
+    "data.subword_alpha": _number(0.0, 1.0),
     "data.max_len": _integer(2),
     "data.tokens_per_batch": _integer(2),
     "num_train_steps": _integer(1),
@@ -215,8 +219,8 @@ def validate(config: ml_collections.ConfigDict) -> None:
   """Checks every key of a (recipe) config before anything is written; raises ConfigError (one line).
 
   `config.model` is checked by building `ModelConfig` from it (its own range checks), and the batch by
-  `data.tokens_per_batch >= data.max_len` (at least one packed row per batch), and MBR decoding by
-  `decode.beam_size >= 2` (its n-best list).
+  `data.tokens_per_batch >= data.max_len` (at least one packed row per batch), subword sampling by
+  `data.tokenizer == 'sentencepiece'`, and MBR decoding by `decode.beam_size >= 2` (its n-best list).
   """
   for key in RULES:
     value = config
@@ -226,6 +230,9 @@ def validate(config: ml_collections.ConfigDict) -> None:
   if config.data.tokens_per_batch < config.data.max_len:
     raise ConfigError(f"--config.data.tokens_per_batch={config.data.tokens_per_batch}: must be >= "
                       f"data.max_len ({config.data.max_len}), one packed row per batch at least")
+  if config.data.subword_alpha and config.data.tokenizer != "sentencepiece":
+    raise ConfigError(f"--config.data.subword_alpha={config.data.subword_alpha}: needs data.tokenizer="
+                      f"'sentencepiece' (a {config.data.tokenizer!r} vocabulary cannot sample segmentations)")
   if config.cooldown_steps > config.num_train_steps:
     raise ConfigError(f"--config.cooldown_steps={config.cooldown_steps}: must be <= num_train_steps "
                       f"({config.num_train_steps})")

@@ -10,14 +10,15 @@ Token arrays are padded with the `pad_id` the caller passes: the tokenizer's (`T
 for an imported Marian model). The model masks `ids != pad_id` and the loss weighs only `targets != pad_id`,
 so padding never counts as a token. Positions and segmentation ids are 0 in padding (segment 0 = no example).
 
-The order of an epoch is a pure function of `(seed, epoch)`, so the iterator's position is just
+The order of an epoch is a pure function of `(seed, epoch)`, and so are its ids when every epoch has its own
+segmentation (subword regularisation, `subword_sampling`), so the iterator's position is just
 `{"epoch", "index"}`: restoring it replays exactly the batches an uninterrupted run would have seen.
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
 import numpy as np
 
@@ -25,11 +26,15 @@ BATCH_KEYS = ("inputs", "targets", "inputs_position", "targets_position", "input
               "targets_segmentation")
 
 
+def within_length(sources: Sequence[np.ndarray], targets: Sequence[np.ndarray], max_len: int) -> list[int]:
+  """The indices of the pairs whose source and target (EOS included) both have at most `max_len` tokens."""
+  return [i for i, (s, t) in enumerate(zip(sources, targets)) if len(s) <= max_len and len(t) <= max_len]
+
+
 def filter_by_length(sources: Sequence[np.ndarray], targets: Sequence[np.ndarray], max_len: int):
   """Drops pairs whose source or target (EOS included) is longer than `max_len`; returns kept + count."""
-  keep = [i for i, (s, t) in enumerate(zip(sources, targets)) if len(s) <= max_len and len(t) <= max_len]
-  dropped = len(sources) - len(keep)
-  return [sources[i] for i in keep], [targets[i] for i in keep], dropped
+  keep = within_length(sources, targets, max_len)
+  return [sources[i] for i in keep], [targets[i] for i in keep], len(sources) - len(keep)
 
 
 def pack_epoch(source_lengths: np.ndarray, target_lengths: np.ndarray, order: np.ndarray,
@@ -95,26 +100,38 @@ class PackedBatches:
     pad_id: the token id of padding slots (the tokenizer's `pad_id`).
     seed: the shuffling seed; epoch e uses `default_rng([seed, e])`.
     process_index, process_count: each host yields its own contiguous slice of every batch's rows.
+    segmentations: None (every epoch uses `sources`/`targets`), or `epoch -> (sources, targets)`: the same
+      pairs' ids for that epoch, a pure function of the epoch (`subword_sampling.SampledSegmentations`).
+
+  Raises:
+    ValueError: no examples, an example longer than `row_length`, or rows not divisible among the processes.
   """
 
   def __init__(self, sources: Sequence[np.ndarray], targets: Sequence[np.ndarray], *, tokens_per_batch: int,
-               row_length: int, pad_id: int, seed: int = 0, process_index: int = 0, process_count: int = 1):
+               row_length: int, pad_id: int, seed: int = 0, process_index: int = 0, process_count: int = 1,
+               segmentations: Callable[[int], tuple[Sequence[np.ndarray], Sequence[np.ndarray]]] | None = None):
     if not sources:
       raise ValueError("no training examples left to batch")
     rows = tokens_per_batch // row_length
     if rows < process_count or rows % process_count:
       raise ValueError(f"tokens_per_batch={tokens_per_batch} gives {rows} rows of {row_length} slots, which "
                        f"is not a positive multiple of the {process_count} processes")
-    self.sources, self.targets = list(sources), list(targets)
-    self.source_lengths = np.array([len(s) for s in sources])
-    self.target_lengths = np.array([len(t) for t in targets])
-    if max(self.source_lengths.max(), self.target_lengths.max()) > row_length:
-      raise ValueError(f"examples longer than row_length={row_length}; filter them first")
     self.row_length, self.rows_per_batch, self.seed, self.pad_id = row_length, rows, seed, int(pad_id)
     self.process_index, self.process_count = process_index, process_count
+    self.segmentations = segmentations
+    self._set_ids(sources, targets)
     self.epoch, self.index = 0, 0
     self._plan_epoch: int | None = None
     self._plan: list[list[list[int]]] = []
+
+  def _set_ids(self, sources: Sequence[np.ndarray], targets: Sequence[np.ndarray]) -> None:
+    if len(sources) != len(targets) or (hasattr(self, "sources") and len(sources) != len(self.sources)):
+      raise ValueError(f"{len(sources)} sources and {len(targets)} targets: every epoch needs the same pairs")
+    self.sources, self.targets = list(sources), list(targets)
+    self.source_lengths = np.array([len(s) for s in sources])
+    self.target_lengths = np.array([len(t) for t in targets])
+    if max(self.source_lengths.max(), self.target_lengths.max()) > self.row_length:
+      raise ValueError(f"examples longer than row_length={self.row_length}; filter them first")
 
   # -- position ------------------------------------------------------------------------------------------
   def get_state(self) -> dict:
@@ -129,6 +146,8 @@ class PackedBatches:
   # -- iteration -----------------------------------------------------------------------------------------
   def plan(self, epoch: int) -> list[list[list[int]]]:
     if self._plan_epoch != epoch:
+      if self.segmentations is not None:
+        self._set_ids(*self.segmentations(epoch))
       order = np.random.default_rng([self.seed, epoch]).permutation(len(self.sources))
       self._plan = pack_epoch(self.source_lengths, self.target_lengths, order, self.row_length,
                               self.rows_per_batch)

@@ -2,7 +2,8 @@
 
 text (tfds) -> normalise (`normalize`, inside the tokenizer) -> SentencePiece ids (+EOS) -> drop blank /
 over-long pairs (counted, logged) -> packed batches. The training split's ids are cached in `<workdir>/data/`
-(`token_cache`, keyed by the vocabulary and its normalisation), so a restart skips the text.
+(`token_cache`, keyed by the vocabulary and its normalisation), so a restart skips the text, unless
+`data.subword_alpha > 0` samples a new segmentation of the texts every epoch (`subword_sampling`).
 
 `data.tokenizer` chooses the vocabulary: "sentencepiece" (ours: `<workdir>/vocab/spm.model`, trained on the
 training split the first time) or "marian" (an imported model's `source.spm`/`target.spm`/`vocab.json` in
@@ -19,7 +20,8 @@ from typing import Any
 
 import numpy as np
 
-from transformer_jax.data import batching, normalize, records, sources, token_cache, tokenizer as tokenizer_lib
+from transformer_jax.data import batching, normalize, records, sources, subword_sampling, token_cache
+from transformer_jax.data import tokenizer as tokenizer_lib
 from transformer_jax.data.marian_vocab import TOKENIZER_NAME as MARIAN_TOKENIZER
 from transformer_jax.data.marian_vocab import MarianVocabulary
 from transformer_jax.workdir import Workdir
@@ -111,24 +113,40 @@ def build_datasets(data_config: Any, workdir: str, *, seed: int, process_index: 
     if cached:
       logging.info("Loaded the token ids of %d %s pairs from %s in %.1fs", len(cached[0]), split, cache_file,
                    time.perf_counter() - start)
+  alpha = float(data_config.get("subword_alpha", 0.0))
+  train_pairs = None
   if cached:
     srcs, tgts, blank = cached
-  else:
+  if not cached or alpha:  # the texts: to encode them, or to sample their segmentations every epoch
     start = time.perf_counter()
     train_pairs, blank = skip_blank(records.read_pairs(builder, split, source_key, target_key),
                                     tok.is_blank if tok else normalize.is_blank)
     if not train_pairs:
       raise ValueError(f"training split {split!r} of {data_config.dataset} has no non-blank pairs")
+  if not cached:
     tok = tok or load_tokenizer(data_config, workdir, train_pairs)
     srcs, tgts = tokenizer_lib.encode_pairs(tok, train_pairs)
     logging.info("Read and encoded %d %s pairs in %.1fs", len(srcs), split, time.perf_counter() - start)
     if process_index == 0:  # one writer for a shared workdir
       token_cache.save(cache_file, key(), srcs, tgts, blank)
-  srcs, tgts, too_long = batching.filter_by_length(srcs, tgts, data_config.max_len)
+  keep = batching.within_length(srcs, tgts, data_config.max_len)
+  too_long = len(srcs) - len(keep)
+  segmentations = None
+  if alpha:
+    if not hasattr(tok, "sample_batch"):
+      raise ValueError(f"data.subword_alpha={alpha} needs data.tokenizer='sentencepiece' (a "
+                       f"{type(tok).__name__} cannot sample segmentations)")
+    if len(train_pairs) != len(srcs):
+      raise ValueError(f"{cache_file} holds {len(srcs)} pairs but {split!r} has {len(train_pairs)}: remove it")
+    segmentations = subword_sampling.SampledSegmentations(
+        tok, [train_pairs[i] for i in keep], [srcs[i] for i in keep], [tgts[i] for i in keep], alpha=alpha,
+        seed=seed, max_len=data_config.max_len)
+  srcs, tgts = [srcs[i] for i in keep], [tgts[i] for i in keep]
   batching.log_drop_counts("train", too_long, blank, len(srcs), data_config.max_len)
   train = batching.PackedBatches(srcs, tgts, tokens_per_batch=data_config.tokens_per_batch,
                                  row_length=data_config.max_len, pad_id=tok.pad_id, seed=seed,
-                                 process_index=process_index, process_count=process_count)
+                                 process_index=process_index, process_count=process_count,
+                                 segmentations=segmentations)
   eval_sets = {}
   for name in eval_names:
     eval_sets[name] = build_eval_set(tok, records.read_pairs(builder, name, source_key, target_key))

@@ -28,6 +28,7 @@ import os
 import random
 import shutil
 import tempfile
+import threading
 from typing import Iterable, Protocol, Sequence
 
 import numpy as np
@@ -38,6 +39,7 @@ from transformer_jax.data import normalize as normalize_lib
 
 VOCAB_FILENAME = "spm.model"
 STAMP_SUFFIX = ".normalization.json"
+_SAMPLING_LOCK = threading.Lock()  # SentencePiece's sampling seed is process-wide: one seeded draw at a time
 
 
 class VocabularyError(ValueError):
@@ -182,6 +184,35 @@ class Tokenizer:
     del target  # one shared model
     batch = self._sp.encode([self.normalize(t) for t in texts])
     return [ids + [self.eos_id] for ids in batch] if add_eos else batch
+
+  def sample_batch(self, texts: Sequence[str], alpha: float, seed: int, add_eos: bool = True) -> list[list[int]]:
+    """Sampled segmentations of `texts` (normalised first), one per text: subword regularisation.
+
+    For a BPE vocabulary every merge is skipped with probability `alpha` (BPE-dropout, Provilkov et al.,
+    2020); for a unigram one a segmentation is drawn from the lattice with smoothing `alpha` (Kudo, 2018).
+    The draw is a pure function of `(texts, alpha, seed)`: SentencePiece samples from a thread-local
+    generator seeded from the process-wide seed when the thread first samples, so the texts are encoded in a
+    fresh thread after `set_random_generator_seed(seed)`. `seed` is a uint32 other than 2**32 - 1 (which
+    SentencePiece reads as "unseeded").
+    """
+    if not 0.0 < alpha < 1.0:
+      raise ValueError(f"alpha={alpha}: must be in (0, 1)")
+    if not 0 <= seed < 2**32 - 1:
+      raise ValueError(f"seed={seed}: must be in [0, 2**32 - 1)")
+    normalized = [self.normalize(t) for t in texts]
+    out: list[list[int]] = []
+
+    def encode():
+      out.extend(self._sp.encode(t, enable_sampling=True, alpha=alpha, nbest_size=-1) for t in normalized)
+
+    with _SAMPLING_LOCK:
+      spm.set_random_generator_seed(seed)
+      thread = threading.Thread(target=encode, name="subword-sampling")
+      thread.start()
+      thread.join()
+    if len(out) != len(texts):
+      raise RuntimeError("SentencePiece sampling stopped early (see the thread's traceback above)")
+    return [ids + [self.eos_id] for ids in out] if add_eos else out
 
   def decode(self, ids: Iterable[int]) -> str:
     """Ids -> text, stopping at the first EOS and skipping pad/bos."""
