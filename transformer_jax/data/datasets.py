@@ -113,7 +113,7 @@ def build_datasets(data_config: Any, workdir: str, *, seed: int, process_index: 
     if cached:
       logging.info("Loaded the token ids of %d %s pairs from %s in %.1fs", len(cached[0]), split, cache_file,
                    time.perf_counter() - start)
-  alpha = float(data_config.get("subword_alpha", 0.0))
+  alpha = float(data_config.subword_alpha)
   train_pairs = None
   if cached:
     srcs, tgts, blank = cached
