@@ -10,9 +10,9 @@ Token arrays are padded with the `pad_id` the caller passes: the tokenizer's (`T
 for an imported Marian model). The model masks `ids != pad_id` and the loss weighs only `targets != pad_id`,
 so padding never counts as a token. Positions and segmentation ids are 0 in padding (segment 0 = no example).
 
-The order of an epoch is a pure function of `(seed, epoch)`, and so are its ids when every epoch has its own
-segmentation (subword regularisation, `subword_sampling`), so the iterator's position is just
-`{"epoch", "index"}`: restoring it replays exactly the batches an uninterrupted run would have seen.
+The order of an epoch is a pure function of `(seed, epoch)`, so the iterator's position is just
+`{"epoch", "index"}`: restoring it replays exactly the batches an uninterrupted run would have seen (with
+subword regularisation, `subword_sampling`, the same pairs in the same order, segmented by a new draw).
 """
 
 from __future__ import annotations
@@ -101,7 +101,7 @@ class PackedBatches:
     seed: the shuffling seed; epoch e uses `default_rng([seed, e])`.
     process_index, process_count: each host yields its own contiguous slice of every batch's rows.
     segmentations: None (every epoch uses `sources`/`targets`), or `epoch -> (sources, targets)`: the same
-      pairs' ids for that epoch, a pure function of the epoch (`subword_sampling.SampledSegmentations`).
+      pairs' ids for that epoch, in the same order (`subword_sampling.SampledSegmentations`).
 
   Raises:
     ValueError: no examples, an example longer than `row_length`, or rows not divisible among the processes.

@@ -6,8 +6,11 @@ probability `alpha` (BPE-dropout: Provilkov et al., 2020, "BPE-Dropout: Simple a
 Regularization", 0.1 on both sides there), for a unigram vocabulary a segmentation is drawn from the lattice
 (Kudo, 2018). Evaluation, decoding and the token cache keep the deterministic segmentation.
 
-Epoch e's ids are a pure function of `(seed, e)` and the texts, so the data iterator's position
-`{epoch, index}` still restores exactly (`batching.PackedBatches`). A sampled segmentation is longer (1.2x the
+Epoch e's draw is seeded with `(seed, e)`: within one process the same seed gives the same ids, and the batch
+order stays a pure function of `(seed, epoch)`. Across processes it is not reproducible: SentencePiece 0.2's
+sampled ids for the same seed differed from process to process (measured on 2026-12-03, with hash randomisation
+and ASLR off too), so a resumed run restores its position `{epoch, index}` exactly but draws other
+segmentations (of the same distribution) for the epochs it replays or starts. A sampled segmentation is longer (1.2x the
 tokens at alpha 0.05, 1.4x at 0.1 on Multi30k with 6k pieces), so one that no longer fits a row of
 `max_len` is replaced by the pair's deterministic ids; `SampledSegmentations.last_fallbacks` counts them.
 """

@@ -190,9 +190,10 @@ class Tokenizer:
 
     For a BPE vocabulary every merge is skipped with probability `alpha` (BPE-dropout, Provilkov et al.,
     2020); for a unigram one a segmentation is drawn from the lattice with smoothing `alpha` (Kudo, 2018).
-    The draw is a pure function of `(texts, alpha, seed)`: SentencePiece samples from a thread-local
-    generator seeded from the process-wide seed when the thread first samples, so the texts are encoded in a
-    fresh thread after `set_random_generator_seed(seed)`. `seed` is a uint32 other than 2**32 - 1 (which
+    Within one process the draw is a function of `(texts, alpha, seed)`: SentencePiece samples from a
+    thread-local generator seeded from the process-wide seed when the thread first samples, so the texts are
+    encoded in a fresh thread after `set_random_generator_seed(seed)`. Another process with the same seed
+    draws differently (SentencePiece 0.2; measured). `seed` is a uint32 other than 2**32 - 1 (which
     SentencePiece reads as "unseeded").
     """
     if not 0.0 < alpha < 1.0:
