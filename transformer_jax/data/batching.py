@@ -125,8 +125,6 @@ class PackedBatches:
     self._plan: list[list[list[int]]] = []
 
   def _set_ids(self, sources: Sequence[np.ndarray], targets: Sequence[np.ndarray]) -> None:
-    if len(sources) != len(targets) or (hasattr(self, "sources") and len(sources) != len(self.sources)):
-      raise ValueError(f"{len(sources)} sources and {len(targets)} targets: every epoch needs the same pairs")
     self.sources, self.targets = list(sources), list(targets)
     self.source_lengths = np.array([len(s) for s in sources])
     self.target_lengths = np.array([len(t) for t in targets])
@@ -147,7 +145,11 @@ class PackedBatches:
   def plan(self, epoch: int) -> list[list[list[int]]]:
     if self._plan_epoch != epoch:
       if self.segmentations is not None:
-        self._set_ids(*self.segmentations(epoch))
+        sources, targets = self.segmentations(epoch)
+        if not len(sources) == len(targets) == len(self.sources):
+          raise ValueError(f"epoch {epoch}: {len(sources)} sources and {len(targets)} targets for "
+                           f"{len(self.sources)} pairs; every epoch must segment the same pairs")
+        self._set_ids(sources, targets)
       order = np.random.default_rng([self.seed, epoch]).permutation(len(self.sources))
       self._plan = pack_epoch(self.source_lengths, self.target_lengths, order, self.row_length,
                               self.rows_per_batch)

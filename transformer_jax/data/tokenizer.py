@@ -191,9 +191,10 @@ class Tokenizer:
     For a BPE vocabulary every merge is skipped with probability `alpha` (BPE-dropout, Provilkov et al.,
     2020); for a unigram one a segmentation is drawn from the lattice with smoothing `alpha` (Kudo, 2018).
     Within one process the draw is a function of `(texts, alpha, seed)`: SentencePiece samples from a
-    thread-local generator seeded from the process-wide seed when the thread first samples, so the texts are
-    encoded in a fresh thread after `set_random_generator_seed(seed)`. Another process with the same seed
-    draws differently (SentencePiece 0.2; measured). `seed` is a uint32 other than 2**32 - 1 (which
+    thread-local generator seeded from the process-wide seed when the thread first samples, and its batch
+    encode runs in fresh worker threads, so the texts are encoded as one batch on one worker
+    (`num_threads=1`: one generator, texts in order) after `set_random_generator_seed(seed)`. Another process
+    with the same seed draws differently (SentencePiece 0.2; measured). `seed` is a uint32 other than 2**32 - 1 (which
     SentencePiece reads as "unseeded").
     """
     if not 0.0 < alpha < 1.0:
@@ -201,19 +202,10 @@ class Tokenizer:
     if not 0 <= seed < 2**32 - 1:
       raise ValueError(f"seed={seed}: must be in [0, 2**32 - 1)")
     normalized = [self.normalize(t) for t in texts]
-    out: list[list[int]] = []
-
-    def encode():
-      out.extend(self._sp.encode(t, enable_sampling=True, alpha=alpha, nbest_size=-1) for t in normalized)
-
     with _SAMPLING_LOCK:
       spm.set_random_generator_seed(seed)
-      thread = threading.Thread(target=encode, name="subword-sampling")
-      thread.start()
-      thread.join()
-    if len(out) != len(texts):
-      raise RuntimeError("SentencePiece sampling stopped early (see the thread's traceback above)")
-    return [ids + [self.eos_id] for ids in out] if add_eos else out
+      batch = self._sp.encode(normalized, enable_sampling=True, alpha=alpha, nbest_size=-1, num_threads=1)
+    return [ids + [self.eos_id] for ids in batch] if add_eos else batch
 
   def decode(self, ids: Iterable[int]) -> str:
     """Ids -> text, stopping at the first EOS and skipping pad/bos."""
