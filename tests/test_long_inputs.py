@@ -15,6 +15,7 @@ from test_model import _batch, _ids, cached_decode_logits, logits_fn, params_for
 from transformer_jax.attention import (AttentionMask, RelativePositions, blocked_attention,
                                        dot_product_attention, full_attention_weights)
 from transformer_jax import decode, diagnostics
+from transformer_jax import dropout as dropout_lib
 from transformer_jax.config import ModelConfig
 from transformer_jax.model import Transformer
 
@@ -107,6 +108,52 @@ def test_blocked_attention_matches_numpy(name):
     one_block, weights = full_attention_weights(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), mask, tables)
     np.testing.assert_allclose(np.asarray(one_block)[seen], expected[seen], **TOL)
     np.testing.assert_allclose(np.asarray(weights).sum(-1), 1.0, atol=1e-6)
+
+
+def test_relative_attention_dropout_drops_the_weights():
+  """Dropout on the weights with relative positions: Σ_j keep_ij α_ij / (1 - rate) (v_j + a^V_ij) for the same
+  Bernoulli draw, the returned weights undropped; the same key gives the same output, another key another."""
+  q, k, v, valid, rel_key, rel_value = _inputs(seed=4)
+  mask, ref = _mask(valid, q.shape[1])
+  tables = RelativePositions(jnp.asarray(rel_key), jnp.asarray(rel_value), max_distance=3)
+  args = (jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), mask, tables)
+  out, weights = full_attention_weights(*args, dropout_rate=0.5, dropout_rng=jax.random.key(0))
+  again, _ = full_attention_weights(*args, dropout_rate=0.5, dropout_rng=jax.random.key(0))
+  other, _ = full_attention_weights(*args, dropout_rate=0.5, dropout_rng=jax.random.key(1))
+  undropped, _ = full_attention_weights(*args)
+  np.testing.assert_array_equal(np.asarray(out), np.asarray(again))
+  assert not np.allclose(np.asarray(out), np.asarray(other))
+  # The weights are the softmax of Shaw et al.'s logits whatever the dropout: the output without it matches NumPy.
+  np.testing.assert_allclose(np.asarray(undropped), _np_attention(q, k, v, **ref, rel_key=rel_key,
+                                                                  rel_value=rel_value, max_distance=3), **TOL)
+  w = np.asarray(weights, np.float64)  # [b, h, q, k]
+  keep = np.asarray(dropout_lib.bernoulli(jax.random.key(0), 0.5, w.shape))
+  probs = np.where(keep, w / 0.5, 0.0)
+  lq, lk = w.shape[2:]
+  a_v = rel_value[np.clip(np.arange(lk)[None] - np.arange(lq)[:, None], -3, 3) + 3]  # [q, k, d]
+  expected = (np.einsum("bhqk,bkhd->bqhd", probs, v.astype(np.float64))
+              + np.einsum("bhqk,qkd->bqhd", probs, a_v.astype(np.float64)))
+  np.testing.assert_allclose(np.asarray(out), expected, **TOL)
+  assert (keep == 0).any() and np.abs(np.asarray(out) - np.asarray(undropped)).max() > 1e-2
+
+
+def test_model_attention_dropout_with_relative_positions():
+  """`attention_dropout_rate` with `max_relative_position`: seeded in training, off when deterministic."""
+  cfg = small(max_relative_position=3, attention_dropout_rate=0.3, dropout_rate=0.0, **ONE_LAYER)
+  params = params_for(cfg)
+  src, tgt = _batch(seed=6)
+  model = Transformer(cfg)
+  train = lambda seed: np.asarray(model.apply({"params": params}, src, tgt, deterministic=False,
+                                              rngs={"dropout": jax.random.key(seed)}))
+  np.testing.assert_array_equal(train(0), train(0))
+  assert not np.allclose(train(0), train(1))
+  evaluated = np.asarray(model.apply({"params": params}, src, tgt))
+  without = np.asarray(logits_fn(cfg.replace(attention_dropout_rate=0.0))(params, src, tgt))
+  np.testing.assert_array_equal(evaluated, without)
+  # Dropout is the only randomness here (dropout_rate 0): with the rate at 0 training equals evaluation.
+  no_dropout = Transformer(cfg.replace(attention_dropout_rate=0.0))
+  np.testing.assert_allclose(np.asarray(no_dropout.apply({"params": params}, src, tgt, deterministic=False,
+                                                         rngs={"dropout": jax.random.key(0)})), without, **TOL)
 
 
 def test_relative_key_embeddings_change_the_output():
@@ -257,6 +304,8 @@ def test_sown_weights_with_options_are_normalised_and_windowed():
     (dict(max_relative_position=True), "max_relative_position=True must be an integer"),
     (dict(position_embedding="none"), "position_embedding='none' needs max_relative_position > 0"),
     (dict(query_chunk_size=8, attention_dropout_rate=0.1), "attention_dropout_rate=0.1 is not supported with"),
+    (dict(attention_window=4, max_relative_position=2, attention_dropout_rate=0.1),
+     "attention_dropout_rate=0.1 is not supported with attention_window; set it to 0"),
 ])
 def test_config_rejects_bad_long_input_options(changes, message):
   with pytest.raises(ValueError, match=message):

@@ -243,13 +243,21 @@ def _block_values(probs: Array, value: Array, mask: AttentionMask, q_start, k_st
 
 
 def full_attention_weights(query: Array, key: Array, value: Array, mask: AttentionMask,
-                           relative: Optional[RelativePositions] = None):
+                           relative: Optional[RelativePositions] = None, *, dropout_rate: float = 0.0,
+                           dropout_rng: Optional[Array] = None):
   """Exact attention in one block: (`[batch, q_len, heads, head_dim]`, weights `[batch, heads, q, kv]` f32).
 
-  Materialises the scores; for short inputs and for diagnostics (`sow_attention_weights`).
+  Materialises the scores; for short inputs, for diagnostics (`sow_attention_weights`) and for dropout on the
+  attention weights with relative positions (`dropout_rate` with a `dropout_rng`: each weight zeroed with
+  probability `dropout_rate`, the kept ones scaled by 1/(1 - rate), as in `dot_product_attention`; tensor2tensor's
+  `dot_product_attention_relative` drops the weights the same way). The returned weights are the undropped ones.
   """
   weights = jax.nn.softmax(_block_logits(query, key, mask, 0, 0, relative), axis=-1)
-  return _block_values(weights, value, mask, 0, 0, relative).astype(query.dtype), weights
+  probs = weights
+  if dropout_rate > 0.0 and dropout_rng is not None:
+    keep = dropout_lib.bernoulli(dropout_rng, 1.0 - dropout_rate, probs.shape)
+    probs = jnp.where(keep, probs / (1.0 - dropout_rate), 0.0)
+  return _block_values(probs, value, mask, 0, 0, relative).astype(query.dtype), weights
 
 
 def _key_blocks(chunk: int, block: int, num_blocks: int, band: int) -> int:
@@ -390,16 +398,17 @@ class MultiHeadAttention(nn.Module):
 
   def _attend(self, query: Array, key: Array, value: Array, mask, relative, *, deterministic: bool,
               use_cache: bool, sow_attention_weights: bool) -> Array:
-    """Dispatches to the fused path, or to `blocked_attention` when an option needs it; `[b, q, h, d]`."""
+    """Dispatches to the fused path, to one exact block (`full_attention_weights`: sown weights, or attention
+    dropout with relative positions) or to `blocked_attention` when an option needs it; `[b, q, h, d]`."""
     cfg = self.config
     batch, q_len, kv_len = query.shape[0], query.shape[1], key.shape[1]
     window = 0 if self.is_cross or use_cache else cfg.attention_window  # the cache applies its own window
     chunk = 0 if use_cache else cfg.query_chunk_size or window
+    dropout_rng = None
+    if cfg.attention_dropout_rate > 0.0 and not deterministic:
+      dropout_rng = self.make_rng("dropout")
     if relative is None and not chunk:
       dense = mask.to_dense() if isinstance(mask, AttentionMask) else mask
-      dropout_rng = None
-      if cfg.attention_dropout_rate > 0.0 and not deterministic:
-        dropout_rng = self.make_rng("dropout")
       result = dot_product_attention(
           query, key, value, dense, implementation=cfg.attention_impl,
           dropout_rate=cfg.attention_dropout_rate, dropout_rng=dropout_rng,
@@ -411,9 +420,13 @@ class MultiHeadAttention(nn.Module):
 
     if not isinstance(mask, AttentionMask):
       mask = AttentionMask.from_dense(mask, batch, q_len, kv_len)
-    if sow_attention_weights:  # diagnostics: the full weights are needed, so one exact block
-      result, weights = full_attention_weights(query, key, value, mask, relative)
-      self.sow("intermediates", "attention_weights", weights)
+    if sow_attention_weights or dropout_rng is not None:
+      # One exact block: diagnostics need the full weights, and dropout drops them (the config refuses it with
+      # the blocked options, attention_window and query_chunk_size, so here chunk is 0 when dropout is on).
+      result, weights = full_attention_weights(query, key, value, mask, relative,
+                                               dropout_rate=cfg.attention_dropout_rate, dropout_rng=dropout_rng)
+      if sow_attention_weights:
+        self.sow("intermediates", "attention_weights", weights)
       return result
     return blocked_attention(query, key, value, mask, chunk_size=chunk or max(q_len, kv_len),
                              band=max(window - 1, 0), relative=relative)

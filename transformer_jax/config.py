@@ -46,7 +46,8 @@ class ModelConfig:
   num_heads: int = 8
   # P_drop: on every sublayer output before the residual add and on embedding+position sums (section 5.4).
   dropout_rate: float = 0.1
-  # Not in the paper (tensor2tensor added them later); 0 in the paper presets.
+  # Not in the paper (tensor2tensor added them later); 0 in the paper presets. Attention dropout works with
+  # max_relative_position; ValueError with attention_window or query_chunk_size (the blocked path has none).
   attention_dropout_rate: float = 0.0
   relu_dropout_rate: float = 0.0
   # Longest position the positional table covers (sinusoids are computed, learned ones are a parameter).
@@ -118,7 +119,9 @@ class ModelConfig:
         raise ValueError(f"{name}={value!r} must be an integer >= 0 (0 = off)")
     if self.position_embedding == "none" and not self.max_relative_position:
       raise ValueError("position_embedding='none' needs max_relative_position > 0 (no position signal at all)")
-    options = [n for n in ("max_relative_position", "attention_window", "query_chunk_size") if getattr(self, n)]
+    # Dropout on the attention weights needs them whole: relative positions have it (one exact block), the
+    # blocked options (a window, query chunks) do not.
+    options = [n for n in ("attention_window", "query_chunk_size") if getattr(self, n)]
     if options and self.attention_dropout_rate > 0.0:
       raise ValueError(f"attention_dropout_rate={self.attention_dropout_rate} is not supported with "
                        f"{', '.join(options)}; set it to 0")
