@@ -79,6 +79,15 @@ class OutputProjection(nn.Module):
     return y + bias.astype(self.dtype)
 
 
+def _drop_weights(weights: Array, rate: float, rng: Optional[Array]) -> Array:
+  """Dropout on attention weights `[batch, heads, q, kv]`: each zeroed with probability `rate`, the kept ones
+  scaled by 1/(1 - rate); unchanged for rate 0 or no rng (tensor2tensor's attention dropout)."""
+  if rate <= 0.0 or rng is None:
+    return weights
+  keep = dropout_lib.bernoulli(rng, 1.0 - rate, weights.shape)
+  return jnp.where(keep, weights / (1.0 - rate), 0.0)
+
+
 def dot_product_attention(query: Array, key: Array, value: Array, mask: Optional[Array] = None, *,
                           implementation: str = "xla", dropout_rate: float = 0.0,
                           dropout_rng: Optional[Array] = None, return_weights: bool = False):
@@ -108,10 +117,7 @@ def dot_product_attention(query: Array, key: Array, value: Array, mask: Optional
   if mask is not None:
     logits = jnp.where(mask, logits, jnp.finfo(jnp.float32).min)
   weights = jax.nn.softmax(logits, axis=-1)
-  probs = weights
-  if dropout_rate > 0.0 and dropout_rng is not None:
-    keep = dropout_lib.bernoulli(dropout_rng, 1.0 - dropout_rate, probs.shape)
-    probs = jnp.where(keep, probs / (1.0 - dropout_rate), 0.0)
+  probs = _drop_weights(weights, dropout_rate, dropout_rng)
   out = jnp.einsum("bhqk,bkhd->bqhd", probs.astype(value.dtype), value)
   return (out, weights) if return_weights else out
 
@@ -253,10 +259,7 @@ def full_attention_weights(query: Array, key: Array, value: Array, mask: Attenti
   `dot_product_attention_relative` drops the weights the same way). The returned weights are the undropped ones.
   """
   weights = jax.nn.softmax(_block_logits(query, key, mask, 0, 0, relative), axis=-1)
-  probs = weights
-  if dropout_rate > 0.0 and dropout_rng is not None:
-    keep = dropout_lib.bernoulli(dropout_rng, 1.0 - dropout_rate, probs.shape)
-    probs = jnp.where(keep, probs / (1.0 - dropout_rate), 0.0)
+  probs = _drop_weights(weights, dropout_rate, dropout_rng)
   return _block_values(probs, value, mask, 0, 0, relative).astype(query.dtype), weights
 
 
