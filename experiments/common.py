@@ -134,8 +134,9 @@ def report_final_eval(config, workdir: str, result: trainer.TrainResult) -> dict
                                    alpha=config.decode.alpha, extra_len=config.decode.extra_len,
                                    mbr_utility=config.decode.get("mbr_utility", ""))
   seconds = time.time() - start
-  exact = metrics.exact_match(hyps, [t for _, t in pairs])  # both sides normalised, as BLEU's
-  scores = metrics.sacrebleu_scores(hyps, [t for _, t in pairs])
+  lowercase = result.datasets.tokenizer.lowercase  # a case-folded vocabulary writes lowercase
+  exact = metrics.exact_match(hyps, [t for _, t in pairs], lowercase=lowercase)  # both sides normalised, as BLEU's
+  scores = metrics.sacrebleu_scores(hyps, [t for _, t in pairs], lowercase=lowercase)
   for (src, ref), hyp in list(zip(pairs, hyps))[:5]:
     print(f"  {src}\n    -> {hyp}   [{'ok' if hyp == ref else 'reference: ' + ref}]")
   report = {"split": final.split, "examples": len(pairs), "exact_match": exact, "bleu": scores["bleu"],

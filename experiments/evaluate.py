@@ -53,8 +53,8 @@ def _read_inputs():
   return sources, references, lc_refs
 
 
-def _scores(hypotheses, references, lc_refs, target_lang: str) -> dict:
-  scores = metrics.sacrebleu_scores(hypotheses, references)
+def _scores(hypotheses, references, lc_refs, target_lang: str, lowercase: bool) -> dict:
+  scores = metrics.sacrebleu_scores(hypotheses, references, lowercase=lowercase)
   if FLAGS.tokenized_bleu:
     # Compound splitting is tensor2tensor's German-specific step (get_ende_bleu.sh).
     scores["tokenized_bleu"] = metrics.tokenized_bleu(hypotheses, references, lang=target_lang,
@@ -74,7 +74,7 @@ def _evaluate() -> None:
                                            alpha=FLAGS.alpha, extra_len=FLAGS.extra_len,
                                            mbr_utility=FLAGS.mbr_utility, progress=bar.update)
   seconds = time.time() - start
-  scores = _scores(hypotheses, references, lc_refs, target_lang)
+  scores = _scores(hypotheses, references, lc_refs, target_lang, tokenizer.lowercase)
   scores.update(sentences=len(sources), seconds=seconds, beam_size=FLAGS.beam_size, alpha=FLAGS.alpha,
                 mbr_utility=FLAGS.mbr_utility,
                 checkpoint=FLAGS.checkpoint or "latest")

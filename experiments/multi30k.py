@@ -4,7 +4,8 @@ r"""The Multi30k recipe end to end: train, average the last checkpoints, score t
         [--config.num_train_steps=...]
 
 Scores: the published-style BLEU (hypotheses lowercased, punctuation-normalised, Moses-tokenised, against
-test_2016_flickr.lc.norm.tok.de with tokenize='none') and cased detokenised sacreBLEU with its signature,
+test_2016_flickr.lc.norm.tok.de with tokenize='none') and detokenised sacreBLEU with its signature (cased, or
+lowercased for a case-folded vocabulary, `data.lowercase`),
 for the last checkpoint and for the average of the last `decode.average_last` checkpoints (decoded with
 `decode`: beam size, α and, when `decode.mbr_utility` is set, the MBR choice from the n-best list), on the first
 `final_eval.max_examples` test2016 sentences (0 = all 1,000). Writes `<workdir>/results.json` (scores, wall
@@ -26,6 +27,7 @@ from experiments import common, docblock, launch
 from experiments.benchmarks import common as bench_common
 from transformer_jax import checkpoint as checkpoint_lib
 from transformer_jax import inference, metrics, trainer, visualize
+from transformer_jax.data import datasets as datasets_lib
 from transformer_jax.data.parallel_text import read_lines
 from transformer_jax.training import budget as budget_lib
 from transformer_jax.workdir import Workdir
@@ -73,7 +75,7 @@ def score(params, model_config, tokenizer, sources, references, lc_references, d
   hyps = inference.translate_texts(params, model_config, tokenizer, sources, beam_size=decode_cfg.beam_size,
                                    alpha=decode_cfg.alpha, extra_len=decode_cfg.extra_len,
                                    mbr_utility=decode_cfg.get("mbr_utility", ""))
-  out = metrics.sacrebleu_scores(hyps, references)
+  out = metrics.sacrebleu_scores(hyps, references, lowercase=tokenizer.lowercase)
   out["lc_tok_bleu"] = metrics.lowercased_tokenized_bleu(hyps, lc_references, lang="de")
   out["decode_seconds"] = time.time() - start
   return out, hyps
@@ -187,20 +189,23 @@ def _mbr_words(decode_cfg) -> str:
 
 def run_markdown(path, curve, config, model_config, rows, summary) -> str:
   """The generated part of docs/results.md: this run's recipe, test2016 scores, wall time and curve."""
+  lowercase = datasets_lib.lowercase(config.data)  # a case-folded vocabulary: sacreBLEU and chrF lowercased
+  case = "lowercased" if lowercase else "cased"
   lines = [
       f"Produced by `python -m experiments.multi30k` on {time.strftime('%Y-%m-%d')} "
       f"({summary['cpu_count']} cores of {_cpu_words(summary['machine'])}, load average "
       f"{summary['load_average_1_5_15min'][2]:.2f} over the last 15 min). Model: "
       f"{model_config.num_encoder_layers}+{model_config.num_decoder_layers} layers, d_model {model_config.d_model}, "
       f"d_ff {model_config.d_ff}, {model_config.num_heads} heads, "
-      f"dropout {model_config.dropout_rate}, shared BPE vocabulary {model_config.vocab_size}; "
+      f"dropout {model_config.dropout_rate}, shared BPE vocabulary {model_config.vocab_size}"
+      f"{' (lowercased text)' if lowercase else ''}; "
       f"{config.num_train_steps} steps of {config.data.tokens_per_batch} tokens{_devices_words(summary)} "
       f"(warm-up {config.warmup_steps}, "
       f"cool-down {config.cooldown_steps}, seed {config.seed}{_budget_words(summary['train_budget'])}); "
       f"beam {config.decode.beam_size}, "
       f"α {config.decode.alpha}{_mbr_words(config.decode)}; {summary['test_sentences']} test2016 sentences.",
       "",
-      "| checkpoint | test2016 BLEU (lc, norm, tok; published-style) | sacreBLEU (cased, detok) | chrF |",
+      f"| checkpoint | test2016 BLEU (lc, norm, tok; published-style) | sacreBLEU ({case}, detok) | chrF |",
       "|---|---|---|---|",
   ]
   for name, r in rows.items():

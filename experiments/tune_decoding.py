@@ -107,7 +107,7 @@ def main():
           outputs = {utility: inference.choose(n_best, utility) for utility in utilities}
         seconds = time.perf_counter() - start
         for utility, hypotheses in outputs.items():
-          scores = metrics.sacrebleu_scores(hypotheses, references)
+          scores = metrics.sacrebleu_scores(hypotheses, references, lowercase=tokenizer.lowercase)
           rows.append({"average_last": n, "beam_size": beam, "alpha": alpha if beam > 1 else None,
                        "mbr_utility": utility, "bleu": scores["bleu"], "chrf": scores["chrf"],
                        "seconds": seconds, "bleu_signature": scores["bleu_signature"]})

@@ -355,6 +355,16 @@ def test_export_refuses_what_marian_cannot_hold_and_writes_nothing(tmp_path, our
   assert not out.exists() and os.listdir(tmp_path) == []
 
 
+def test_export_refuses_a_lowercased_vocabulary_and_writes_nothing(tmp_path):
+  lowercased = str(tmp_path / "vocab" / "spm.model")
+  tokenizer_lib.train_tokenizer(ENGLISH + GERMAN, lowercased, vocab_size=60, model_type="bpe", lowercase=True)
+  config, params = _our_model(60)
+  out = tmp_path / "marian"
+  with pytest.raises(marian.UnsupportedModelError, match="is a lowercased vocabulary") as error:
+    marian.save_marian(params, config, str(out), tokenizer_path=lowercased)
+  assert "\n" not in str(error.value) and not out.exists() and os.listdir(tmp_path) == ["vocab"]
+
+
 # ----------------------------------------------------------------------------------------------------------
 # The `ctranslate2` bench section (make bench): its code runs, and it compares like with like
 # ----------------------------------------------------------------------------------------------------------

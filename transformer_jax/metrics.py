@@ -1,4 +1,5 @@
-"""Translation quality with sacreBLEU: cased detokenised BLEU and chrF with signatures, plus the paper-style
+"""Translation quality with sacreBLEU: cased (or, for a case-folded vocabulary, lowercased) detokenised BLEU
+and chrF with signatures, plus the paper-style
 tokenised, compound-split BLEU (tensor2tensor's get_ende_bleu.sh) and the lowercased Moses-tokenised BLEU
 that Multi30k papers report.
 
@@ -22,11 +23,13 @@ from transformer_jax.data.normalize import normalize
 _COMPOUND = re.compile(r"(\S)-(\S)")
 
 
-def sacrebleu_scores(hypotheses: Sequence[str], references: Sequence[str]) -> dict:
-  """Cased, detokenised corpus BLEU and chrF (sacreBLEU defaults) with their signatures, on normalised text."""
+def sacrebleu_scores(hypotheses: Sequence[str], references: Sequence[str], *, lowercase: bool = False) -> dict:
+  """Detokenised corpus BLEU and chrF (sacreBLEU defaults) with their signatures, on normalised text; cased
+  unless `lowercase` (sacreBLEU's own `lowercase`, `case:lc` in the signature), which the outputs of a
+  case-folded vocabulary need (`tokenizer.lowercase`, `data.lowercase`)."""
   hypotheses, references = _normalized(hypotheses, references)
-  bleu = sacrebleu.metrics.BLEU()
-  chrf = sacrebleu.metrics.CHRF()
+  bleu = sacrebleu.metrics.BLEU(lowercase=lowercase)
+  chrf = sacrebleu.metrics.CHRF(lowercase=lowercase)
   bleu_score = bleu.corpus_score(list(hypotheses), [list(references)])
   chrf_score = chrf.corpus_score(list(hypotheses), [list(references)])
   return {"bleu": bleu_score.score, "bleu_signature": str(bleu.get_signature()),
@@ -79,9 +82,12 @@ def lowercased_tokenized_bleu(hypotheses: Sequence[str], tokenized_references: S
   return sacrebleu.corpus_bleu(hyps, [list(tokenized_references)], tokenize="none").score
 
 
-def exact_match(hypotheses: Sequence[str], references: Sequence[str]) -> float:
-  """Fraction (0..1) of hypotheses equal to their reference after normalisation; 0.0 for no examples."""
+def exact_match(hypotheses: Sequence[str], references: Sequence[str], *, lowercase: bool = False) -> float:
+  """Fraction (0..1) of hypotheses equal to their reference after normalisation (and lowercasing both when
+  `lowercase`); 0.0 for no examples."""
   hypotheses, references = _normalized(hypotheses, references)
+  if lowercase:
+    hypotheses, references = [h.lower() for h in hypotheses], [r.lower() for r in references]
   return sum(h == r for h, r in zip(hypotheses, references)) / max(len(references), 1)
 
 

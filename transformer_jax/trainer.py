@@ -55,8 +55,8 @@ from transformer_jax.workdir import IMPORTED_DATASET, Workdir, config_diff, to_j
 # Keys of the saved config that must match to reuse a workdir: the data and vocabulary first (checked
 # before the datasets are built), then the model (checked once the vocabulary fixes its size). A config
 # saved before `data.tokenizer` existed used SentencePiece.
-DATA_KEYS = ("data.vocab_size", "data.dataset", "data.tokenizer")
-DATA_DEFAULTS = {"data": {"tokenizer": "sentencepiece"}}
+DATA_KEYS = ("data.vocab_size", "data.dataset", "data.tokenizer", "data.lowercase")
+DATA_DEFAULTS = {"data": {"tokenizer": "sentencepiece", "lowercase": False}}
 MODEL_KEYS = ("model",)
 # In a workdir that holds an imported model no run has trained yet, the first fine-tune may choose its
 # dataset and the model's run-time fields (`config.RUNTIME_FIELDS`, e.g. dropout); these must match.
@@ -290,7 +290,7 @@ class BleuEvaluator:
     pairs = eval_set.pairs[: self.max_examples or None]
     hyps = inference.translate_texts(params, run.model_config, run.data.tokenizer, [s for s, _ in pairs],
                                      beam_size=self.beam_size, alpha=self.alpha)
-    scores = metrics_lib.sacrebleu_scores(hyps, [t for _, t in pairs])
+    scores = metrics_lib.sacrebleu_scores(hyps, [t for _, t in pairs], lowercase=run.data.tokenizer.lowercase)
     logging.info("BLEU %s: %.2f (chrF %.2f) %s", split, scores["bleu"], scores["chrf"], scores["bleu_signature"])
     return {"bleu": scores["bleu"], "chrf": scores["chrf"]}
 

@@ -44,6 +44,9 @@ def get_config() -> ml_collections.ConfigDict:
   config.data.vocab_character_coverage = 1.0  # SentencePiece character_coverage
   config.data.train_split = "train"           # split trained on
   config.data.eval_splits = ("validation",)   # splits the evaluators score during training
+  config.data.lowercase = False               # a case-folded vocabulary: text lowercased before SentencePiece, in
+                                              # training and at every encode; outputs are lowercase and scored
+                                              # against lowercased references (the Multi30k *.lc.norm.tok protocol)
   config.data.subword_alpha = 0.0             # > 0: a sampled segmentation of the training pairs every epoch; for
                                               # bpe the probability of skipping a merge (BPE-dropout, Provilkov et
                                               # al., 2020: 0.1), for unigram the smoothing (Kudo, 2018); 0 = off
@@ -167,6 +170,7 @@ RULES = {
     "data.vocab_character_coverage": _number(0.0, 1.0, low_open=True, high_open=False),
     "data.train_split": _text(),
     "data.eval_splits": _splits,
+    "data.lowercase": _one_of(False, True),
     "data.subword_alpha": _number(0.0, 1.0),
     "data.max_len": _integer(2),
     "data.tokens_per_batch": _integer(2),
@@ -219,8 +223,8 @@ def validate(config: ml_collections.ConfigDict) -> None:
   """Checks every key of a (recipe) config before anything is written; raises ConfigError (one line).
 
   `config.model` is checked by building `ModelConfig` from it (its own range checks), and the batch by
-  `data.tokens_per_batch >= data.max_len` (at least one packed row per batch), subword sampling by
-  `data.tokenizer == 'sentencepiece'`, and MBR decoding by `decode.beam_size >= 2` (its n-best list).
+  `data.tokens_per_batch >= data.max_len` (at least one packed row per batch), subword sampling and
+  lowercasing by `data.tokenizer == 'sentencepiece'`, and MBR decoding by `decode.beam_size >= 2` (its n-best list).
   """
   for key in RULES:
     value = config
@@ -233,6 +237,9 @@ def validate(config: ml_collections.ConfigDict) -> None:
   if config.data.subword_alpha and config.data.tokenizer != "sentencepiece":
     raise ConfigError(f"--config.data.subword_alpha={config.data.subword_alpha}: needs data.tokenizer="
                       f"'sentencepiece' (a {config.data.tokenizer!r} vocabulary cannot sample segmentations)")
+  if config.data.lowercase and config.data.tokenizer != "sentencepiece":
+    raise ConfigError(f"--config.data.lowercase=True: needs data.tokenizer='sentencepiece' (a "
+                      f"{config.data.tokenizer!r} vocabulary writes the case it was trained with)")
   if config.cooldown_steps > config.num_train_steps:
     raise ConfigError(f"--config.cooldown_steps={config.cooldown_steps}: must be <= num_train_steps "
                       f"({config.num_train_steps})")

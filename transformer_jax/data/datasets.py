@@ -53,13 +53,25 @@ def vocab_path(data_config: Any, workdir: str) -> str:
   return os.fspath(run_dir.vocab_dir if data_config.tokenizer == MARIAN_TOKENIZER else run_dir.vocab)
 
 
+def lowercase(data_config: Any) -> bool:
+  """`data.lowercase`: the run's vocabulary is case-folded (False for configs written before the key existed)."""
+  return bool(getattr(data_config, "lowercase", False))
+
+
 def open_tokenizer(data_config: Any, workdir: str) -> tokenizer_lib.TextTokenizer:
   """The run's existing vocabulary (`vocab_path`): a `Tokenizer`, or a `MarianVocabulary` for
-  `data.tokenizer="marian"`. Raises `VocabularyError` (one line) when it is missing or unreadable."""
+  `data.tokenizer="marian"`. Raises `VocabularyError` (one line) when it is missing or unreadable, or when it
+  is case-folded and `data.lowercase` is not set, or the other way round."""
   path = vocab_path(data_config, workdir)
   if data_config.tokenizer == MARIAN_TOKENIZER:
     return MarianVocabulary(path)
-  return tokenizer_lib.Tokenizer(path)
+  tokenizer = tokenizer_lib.Tokenizer(path)
+  if tokenizer.lowercase != lowercase(data_config):
+    kind = "a lowercased" if tokenizer.lowercase else "a cased"
+    raise tokenizer_lib.VocabularyError(
+        f"{path} is {kind} vocabulary but --config.data.lowercase={lowercase(data_config)}; set "
+        f"data.lowercase={tokenizer.lowercase} or use another vocabulary")
+  return tokenizer
 
 
 def skip_blank(pairs, is_blank=normalize.is_blank):
@@ -86,7 +98,8 @@ def load_tokenizer(data_config: Any, workdir: str, train_pairs=None) -> tokenize
 
   return tokenizer_lib.load_or_train_tokenizer(
       path, texts, data_config.vocab_size, model_type=data_config.vocab_model_type,
-      max_sentences=data_config.vocab_max_sentences, character_coverage=data_config.vocab_character_coverage)
+      max_sentences=data_config.vocab_max_sentences, character_coverage=data_config.vocab_character_coverage,
+      lowercase=lowercase(data_config))
 
 
 def build_eval_set(tokenizer: tokenizer_lib.TextTokenizer, pairs) -> EvalSet:
@@ -104,7 +117,8 @@ def build_datasets(data_config: Any, workdir: str, *, seed: int, process_index: 
   builder, source_key, target_key = sources.open_splits(data_config, [split, *eval_names], workdir)
   cache_file = os.fspath(Workdir(workdir).token_ids(split))
   key = lambda: token_cache.cache_key(builder.info.full_name, split, source_key, target_key,  # noqa: E731
-                                      vocab_path(data_config, workdir), normalize.signature(tok.normalization))
+                                      vocab_path(data_config, workdir),
+                                      normalize.signature(tok.normalization, tok.lowercase))
   cached, tok = None, None
   if data_config.tokenizer == MARIAN_TOKENIZER or os.path.exists(vocab_path(data_config, workdir)):
     tok = open_tokenizer(data_config, workdir)

@@ -81,6 +81,7 @@ class MarianVocabulary:
         raise VocabularyError(f"{os.path.join(directory, VOCAB_JSON)}: no {piece!r} entry")
     self.pad_id, self.unk_id, self.eos_id = (self.encoder[p] for p in (PAD_PIECE, UNK_PIECE, EOS_PIECE))
     self.normalization = normalize_lib.LEGACY_VERSION  # none of ours; source.spm has its own rules
+    self.lowercase = False  # Marian models write cased text
 
   @property
   def vocab_size(self) -> int:

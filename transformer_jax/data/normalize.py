@@ -92,23 +92,27 @@ def _identity(text: str) -> str:
   return text
 
 
-def normalizer(version: int) -> Callable[[str], str]:
-  """The normalising function of `version` (0: none, as before version 1; 1: `normalize`).
+def normalizer(version: int, lowercase: bool = False) -> Callable[[str], str]:
+  """The normalising function of `version` (0: none, as before version 1; 1: `normalize`), followed by
+  `str.lower` when `lowercase` (a case-folded vocabulary, `data.lowercase`: Unicode lowercase mapping as Moses'
+  lowercase.perl, so German "ß" stays; not `str.casefold`, which would write "ss").
 
   Raises:
     ValueError: for a version this library does not know (e.g. a vocabulary from a newer release).
   """
   if version == VERSION:
-    return normalize
-  if version == LEGACY_VERSION:
-    return _identity
-  raise ValueError(f"text normalisation version {version!r} is unknown to this transformer_jax "
-                   f"(known: {', '.join(map(str, KNOWN_VERSIONS))}); upgrade transformer_jax")
+    base = normalize
+  elif version == LEGACY_VERSION:
+    base = _identity
+  else:
+    raise ValueError(f"text normalisation version {version!r} is unknown to this transformer_jax "
+                     f"(known: {', '.join(map(str, KNOWN_VERSIONS))}); upgrade transformer_jax")
+  return (lambda text: base(text).lower()) if lowercase else base
 
 
-def signature(version: int = VERSION) -> str:
-  """A string naming what `normalizer(version)` does here, e.g. 'nfc-v1/unicode-14.0.0' or 'none'."""
+def signature(version: int = VERSION, lowercase: bool = False) -> str:
+  """A string naming what `normalizer(version, lowercase)` does here, e.g. 'nfc-v1/unicode-14.0.0',
+  'nfc-v1/unicode-14.0.0/lowercase' or 'none'."""
   normalizer(version)  # validates
-  if version == LEGACY_VERSION:
-    return "none"
-  return f"nfc-v{version}/unicode-{unicodedata.unidata_version}"
+  name = "none" if version == LEGACY_VERSION else f"nfc-v{version}/unicode-{unicodedata.unidata_version}"
+  return f"{name}/lowercase" if lowercase else name

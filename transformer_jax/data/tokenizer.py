@@ -10,9 +10,15 @@ sees it, both when the vocabulary is trained and at every `encode`: BOM and zero
 Unicode spaces collapsed, NFC. SentencePiece itself runs the `identity` rule, so detokenisation reproduces
 any normalised text the vocabulary covers exactly.
 
+A case-folded vocabulary (`train_tokenizer(lowercase=True)`, `data.lowercase`) lowercases every text after
+normalising it, in training and at every `encode`, so it only ever writes lowercase; its translations are scored
+against lowercased references (`metrics.sacrebleu_scores(lowercase=...)`, `tokenizer.lowercase`). That is the
+published Multi30k protocol (systems trained and scored on the lowercased `*.lc.norm.tok` files).
+
 Which normalisation a vocabulary was trained with is stamped next to it: `vocab/spm.model` has
-`vocab/spm.normalization.json` = {"normalization": 1, "signature": ..., "model_sha256": ...}, written
-before the model is moved into place. `Tokenizer` reads it and encodes with that version:
+`vocab/spm.normalization.json` = {"normalization": 1, "lowercase": false, "signature": ..., "model_sha256": ...},
+written before the model is moved into place (a stamp without "lowercase" is a cased vocabulary). `Tokenizer`
+reads it and encodes with that version:
   * no stamp: a vocabulary trained before normalisation existed (version 0). Its text is encoded exactly as
     it was trained, unnormalised, so an old workdir translates and resumes as before; a warning says so.
   * a stamp whose `model_sha256` is not the model's, an unreadable stamp, or an unknown (newer) version:
@@ -54,6 +60,7 @@ class TextTokenizer(Protocol):
   pad_id: int           # fills batches after the last token; never a real token
   eos_id: int           # appended by `encode`; ends a sequence
   normalization: int    # the text normalisation `encode` applies (`normalize` version; 0 = none)
+  lowercase: bool       # `encode` lowercases (a case-folded vocabulary): score against lowercased references
 
   @property
   def vocab_size(self) -> int: ...
@@ -102,10 +109,11 @@ def _sha256(data: bytes) -> str:
   return hashlib.sha256(data).hexdigest()
 
 
-def write_normalization_stamp(model_path: str, model_bytes: bytes) -> None:
-  """Records that the model `model_bytes` (to live at `model_path`) was trained on `normalize.VERSION` text."""
-  stamp = {"normalization": normalize_lib.VERSION, "signature": normalize_lib.signature(),
-           "model_sha256": _sha256(model_bytes)}
+def write_normalization_stamp(model_path: str, model_bytes: bytes, lowercase: bool = False) -> None:
+  """Records that the model `model_bytes` (to live at `model_path`) was trained on `normalize.VERSION` text,
+  lowercased when `lowercase`."""
+  stamp = {"normalization": normalize_lib.VERSION, "lowercase": bool(lowercase),
+           "signature": normalize_lib.signature(lowercase=lowercase), "model_sha256": _sha256(model_bytes)}
   target = stamp_path(model_path)
   tmp = f"{target}.tmp"
   with open(tmp, "w", encoding="utf-8") as f:
@@ -113,33 +121,39 @@ def write_normalization_stamp(model_path: str, model_bytes: bytes) -> None:
   os.replace(tmp, target)
 
 
-def read_normalization(model_path: str, model_bytes: bytes) -> int:
-  """The normalisation version the vocabulary `model_path` was trained with (0 when it has no stamp).
+def read_normalization(model_path: str, model_bytes: bytes) -> tuple[int, bool]:
+  """The normalisation version the vocabulary `model_path` was trained with (0 when it has no stamp), and
+  whether it is case-folded (False when the stamp does not say: stamps before `lowercase` existed).
 
   Raises:
-    VocabularyError: the stamp is unreadable, names an unknown version, or belongs to another model file.
+    VocabularyError: the stamp is unreadable, names an unknown version or a non-boolean "lowercase", or
+      belongs to another model file.
   """
   path = stamp_path(model_path)
   if not os.path.exists(path):
-    return normalize_lib.LEGACY_VERSION
+    return normalize_lib.LEGACY_VERSION, False
   try:
     with open(path, encoding="utf-8") as f:
       stamp = json.load(f)
     version = stamp["normalization"]
     normalize_lib.normalizer(version)
-  except (OSError, ValueError, KeyError, TypeError) as e:
+    lowercase = stamp.get("lowercase", False)
+    if not isinstance(lowercase, bool):
+      raise ValueError(f'"lowercase" must be true or false, got {lowercase!r}')
+  except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
     raise VocabularyError(f"{path}: not a usable normalisation stamp for {model_path} ({e})") from None
   if stamp.get("model_sha256") != _sha256(model_bytes):
     raise VocabularyError(f"{path} was written for another model than {model_path} (SHA-256 differs): "
                           f"the vocabulary was replaced; restore the pair or train a new workdir")
-  return version
+  return version, lowercase
 
 
 class Tokenizer:
   """A loaded SentencePiece model: text <-> ids (EOS appended on encode, stripped on decode).
 
   Every text is normalised with the version the vocabulary was trained with (`normalization`: 1, or 0 for
-  a vocabulary from before normalisation; see the module docstring) before it is encoded.
+  a vocabulary from before normalisation; see the module docstring) and lowercased when the vocabulary is
+  case-folded (`lowercase`) before it is encoded.
   """
 
   pad_id, unk_id, bos_id, eos_id = PAD_ID, UNK_ID, BOS_ID, EOS_ID  # every vocabulary trained here has these
@@ -157,8 +171,8 @@ class Tokenizer:
     if special != (PAD_ID, UNK_ID, BOS_ID, EOS_ID):
       raise VocabularyError(f"{model_path}: special ids (pad, unk, bos, eos) = {special}, expected "
                             f"{(PAD_ID, UNK_ID, BOS_ID, EOS_ID)}")
-    self.normalization = read_normalization(model_path, model_bytes)
-    self.normalize = normalize_lib.normalizer(self.normalization)
+    self.normalization, self.lowercase = read_normalization(model_path, model_bytes)
+    self.normalize = normalize_lib.normalizer(self.normalization, self.lowercase)
     if self.normalization == normalize_lib.LEGACY_VERSION:
       logging.warning("%s has no %s: it was trained before text normalisation, so text is encoded "
                       "unnormalised, as it was trained (a byte-order mark or zero-width characters change "
@@ -225,19 +239,21 @@ class Tokenizer:
 
 def train_tokenizer(texts: Iterable[str], output_path: str, vocab_size: int, *, model_type: str = "bpe",
                     max_sentences: int = 2_000_000, character_coverage: float = 1.0,
-                    byte_fallback: bool = False, seed: int = 0) -> Tokenizer:
+                    byte_fallback: bool = False, lowercase: bool = False, seed: int = 0) -> Tokenizer:
   """Trains one SentencePiece model on (a bounded random sample of) `texts` and writes it to `output_path`.
 
-  `texts` should hold both sides of the training split; each is normalised (`normalize.normalize`) and
-  blank ones are skipped. The model file is written to a temporary directory and moved into place only when
+  `texts` should hold both sides of the training split; each is normalised (`normalize.normalize`), then
+  lowercased when `lowercase` (a case-folded vocabulary, stamped so that `encode` lowercases too), and blank
+  ones are skipped. The model file is written to a temporary directory and moved into place only when
   training succeeded, so an existing vocabulary is never left half-written; its normalisation stamp
   (`stamp_path`) is written just before.
   """
   rng = random.Random(seed)
+  normalize_text = normalize_lib.normalizer(normalize_lib.VERSION, lowercase)
   sample: list[str] = []
   seen = 0
   for text in texts:  # reservoir sampling: a uniform sample of at most max_sentences lines
-    text = normalize_lib.normalize(text)
+    text = normalize_text(text)
     if not text:
       continue
     seen += 1
@@ -264,11 +280,11 @@ def train_tokenizer(texts: Iterable[str], output_path: str, vocab_size: int, *, 
         byte_fallback=byte_fallback, hard_vocab_limit=False, input_sentence_size=0,
         shuffle_input_sentence=False, num_threads=os.cpu_count() or 1, minloglevel=2)
     with open(prefix + ".model", "rb") as f:
-      write_normalization_stamp(output_path, f.read())
+      write_normalization_stamp(output_path, f.read(), lowercase)
     shutil.move(prefix + ".model", output_path)
   tokenizer = Tokenizer(output_path)
-  logging.info("Trained a %s vocabulary of %d pieces on %d sentences -> %s", model_type,
-               tokenizer.vocab_size, len(sample), output_path)
+  logging.info("Trained a %s%s vocabulary of %d pieces on %d sentences -> %s", "lowercased " if lowercase else "",
+               model_type, tokenizer.vocab_size, len(sample), output_path)
   return tokenizer
 
 

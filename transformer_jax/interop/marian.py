@@ -43,7 +43,7 @@ from safetensors.numpy import load_file, save_file
 
 from transformer_jax import checkpoint as checkpoint_lib
 from transformer_jax.config import ModelConfig
-from transformer_jax.data.tokenizer import VocabularyError
+from transformer_jax.data.tokenizer import Tokenizer, VocabularyError
 from transformer_jax.data.marian_vocab import (EOS_PIECE, MARIAN_TOKENIZER_FILES, PAD_PIECE, SOURCE_SPM,
                                               TARGET_SPM, TOKENIZER_NAME, VOCAB_JSON, MarianVocabulary)
 from transformer_jax.model import sinusoid_table
@@ -398,11 +398,16 @@ def save_marian(params: Mapping, config: ModelConfig, output_dir: str, *, tokeni
   The directory is assembled in a temporary sibling and renamed into place, so a failure writes nothing.
 
   Raises:
-    UnsupportedModelError: what Marian cannot represent (learned positions, pre-LN, separate embeddings).
+    UnsupportedModelError: what Marian cannot represent (learned positions, pre-LN, separate embeddings, a
+      lowercased vocabulary: Marian's tokenizer would not lowercase its input).
     FileExistsError: `output_dir` exists and is not empty.
   """
   if os.path.isdir(output_dir) and os.listdir(output_dir):
     raise FileExistsError(f"{output_dir} exists and is not empty; choose a new --output")
+  if not os.path.isdir(tokenizer_path) and Tokenizer(tokenizer_path).lowercase:
+    raise UnsupportedModelError(f"{tokenizer_path} is a lowercased vocabulary (data.lowercase): Marian's and "
+                                "CTranslate2's tokenizers do not lowercase their input, so capitals would become "
+                                "unknown pieces; export a model trained with data.lowercase=False")
   hf_config = marian_config_from_model(config)
   if config.layer_norm_epsilon != MARIAN_LAYER_NORM_EPSILON:
     logging.info("layer_norm_epsilon=%g; MarianMTModel's LayerNorm uses %g (logits differ by ~1e-5; the "
