@@ -138,7 +138,8 @@ def report_final_eval(config, workdir: str, result: trainer.TrainResult) -> dict
   exact = metrics.exact_match(hyps, [t for _, t in pairs], lowercase=lowercase)  # both sides normalised, as BLEU's
   scores = metrics.sacrebleu_scores(hyps, [t for _, t in pairs], lowercase=lowercase)
   for (src, ref), hyp in list(zip(pairs, hyps))[:5]:
-    print(f"  {src}\n    -> {hyp}   [{'ok' if hyp == ref else 'reference: ' + ref}]")
+    correct = metrics.exact_match([hyp], [ref], lowercase=lowercase) == 1.0  # as the score counts it
+    print(f"  {src}\n    -> {hyp}   [{'ok' if correct else 'reference: ' + ref}]")
   report = {"split": final.split, "examples": len(pairs), "exact_match": exact, "bleu": scores["bleu"],
             "bleu_signature": scores["bleu_signature"], "translate_seconds": seconds,
             "train_minutes": result.train_minutes}

@@ -27,7 +27,6 @@ from experiments import common, docblock, launch
 from experiments.benchmarks import common as bench_common
 from transformer_jax import checkpoint as checkpoint_lib
 from transformer_jax import inference, metrics, trainer, visualize
-from transformer_jax.data import datasets as datasets_lib
 from transformer_jax.data.parallel_text import read_lines
 from transformer_jax.training import budget as budget_lib
 from transformer_jax.workdir import Workdir
@@ -133,7 +132,8 @@ def main():
              "load_average_1_5_15min": os.getloadavg(), "cpu_count": os.cpu_count(),
              "devices": jax.device_count(),
              "machine": bench_common.machine_info(),
-             "test_sentences": len(test_src), "model": model_config.__dict__}
+             "test_sentences": len(test_src), "model": model_config.__dict__,
+             "lowercase": tokenizer.lowercase}  # a case-folded vocabulary: sacreBLEU and chrF lowercased
   with open(os.path.join(FLAGS.workdir, "results.json"), "w", encoding="utf-8") as f:
     json.dump(summary, f, indent=2, default=str)
   docblock.replace_block(FLAGS.results, RESULTS_BLOCK,
@@ -189,7 +189,7 @@ def _mbr_words(decode_cfg) -> str:
 
 def run_markdown(path, curve, config, model_config, rows, summary) -> str:
   """The generated part of docs/results.md: this run's recipe, test2016 scores, wall time and curve."""
-  lowercase = datasets_lib.lowercase(config.data)  # a case-folded vocabulary: sacreBLEU and chrF lowercased
+  lowercase = summary.get("lowercase", False)
   case = "lowercased" if lowercase else "cased"
   lines = [
       f"Produced by `python -m experiments.multi30k` on {time.strftime('%Y-%m-%d')} "
