@@ -346,7 +346,8 @@ def test_core_import_does_not_load_interop_dependencies():
 
 @pytest.mark.parametrize("overrides, message", [(dict(position_embedding="learned"), "learned position"),
                                                 (dict(pre_ln=True), "pre-LN"),
-                                                (dict(share_embeddings=False), "separate embeddings")])
+                                                (dict(share_embeddings=False), "separate embeddings"),
+                                                (dict(ffn_glu=True), "gated feed-forward")])
 def test_export_refuses_what_marian_cannot_hold_and_writes_nothing(tmp_path, our_spm, overrides, message):
   config, params = _our_model(60, **overrides)
   out = tmp_path / "marian"

@@ -361,12 +361,42 @@ def test_parameter_count_big():
   assert count == _expected_count(37000, 6, 1024, 4096) == 214_245_376
 
 
+def test_parameter_count_gated_ffn():
+  """ffn_glu adds one [d_model, d_ff] projection and its bias per layer (Shazeer, 2020)."""
+  n, d, d_ff = 2, 32, 64
+  plain = _count(_abstract_params(small()))
+  gated = _count(_abstract_params(small(ffn_glu=True)))
+  assert plain == _expected_count(VOCAB, n, d, d_ff)
+  assert gated - plain == 2 * n * (d * d_ff + d_ff)
+
+
+@pytest.mark.parametrize("activation,act", [("relu", jax.nn.relu), ("swish", jax.nn.silu)])
+def test_gated_ffn_computes_the_glu_variant(activation, act):
+  """(act(x W + b) * (x V + c)) W2 + b2: ReGLU / SwiGLU of Shazeer (2020), checked against the formula."""
+  from transformer_jax.model import FeedForward
+  cfg = small(ffn_glu=True, activation=activation)
+  x = jax.random.normal(jax.random.key(1), (2, 5, cfg.d_model))  # [batch, length, d_model]
+  module = FeedForward(cfg)
+  params = nn.unbox(module.init(jax.random.key(0), x)["params"])
+  assert set(params) == {"wi", "wi_linear", "wo"}
+  params = jax.tree_util.tree_map(  # non-zero biases, so each one's place in the formula is tested
+      lambda p: p + 0.1 * jax.random.normal(jax.random.key(2), p.shape), params)
+  dense = lambda p, v: v @ p["kernel"] + p["bias"]
+  expected = dense(params["wo"], act(dense(params["wi"], x)) * dense(params["wi_linear"], x))
+  np.testing.assert_allclose(module.apply({"params": params}, x), expected, **TOL)
+
+
+def test_gated_ffn_flag_must_be_boolean():
+  with pytest.raises(ValueError, match="ffn_glu='yes' must be True or False"):
+    small(ffn_glu="yes")
+
+
 ALLOWED_NAMES = {"vocab", "embed", "mlp", "heads", "kv", None}
 
 
 @pytest.mark.parametrize(
-    "cfg", [CFG, small(position_embedding="learned", pre_ln=True, share_embeddings=False)],
-    ids=["default", "learned_preln_unshared"])
+    "cfg", [CFG, small(position_embedding="learned", pre_ln=True, share_embeddings=False), small(ffn_glu=True)],
+    ids=["default", "learned_preln_unshared", "gated_ffn"])
 def test_every_parameter_has_logical_axis_names(cfg):
   params = _abstract_params(cfg)
   leaves = jax.tree_util.tree_leaves_with_path(
@@ -384,6 +414,8 @@ def test_every_parameter_has_logical_axis_names(cfg):
     assert names["['decoder']['logits']['kernel']"] == ("embed", "vocab")
     assert names["['decoder']['positions']['position_embedding']"] == (None, "embed")
   assert names["['encoder']['layer_0']['ffn']['wi']['kernel']"] == ("embed", "mlp")
+  if cfg.ffn_glu:
+    assert names["['decoder']['layer_1']['ffn']['wi_linear']['kernel']"] == ("embed", "mlp")
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -80,6 +80,11 @@ class ModelConfig:
   eos_id: int = EOS_ID
   # FFN nonlinearity: the paper's ReLU (section 3.3); Marian/OPUS-MT uses swish (= SiLU, x * sigmoid(x)).
   activation: Activation = "relu"
+  # Gated FFN (Shazeer, 2020, "GLU Variants Improve Transformer"): FFN(x) = (act(x W) * x V) W2, a second input
+  # projection V `[d_model, d_ff]` multiplying the activation elementwise; with activation="swish" it is SwiGLU,
+  # with "relu" ReGLU. 3 x d_model x d_ff weights instead of 2, so d_ff x 2/3 keeps the count (Shazeer; t5x's
+  # `mlp_activations=("swish", "linear")`). Not in the paper; MarianMTModel has no gated FFN, so no export.
+  ffn_glu: bool = False
   # Sinusoid layout: the paper interleaves sin/cos (dims 2i, 2i+1); tensor2tensor, fairseq and Marian put
   # all sines in the first half and all cosines in the second ("halves"). Same frequencies either way.
   position_layout: PositionLayout = "interleaved"
@@ -91,6 +96,8 @@ class ModelConfig:
       object.__setattr__(self, "activation", "swish")
     if self.activation not in ("relu", "swish"):
       raise ValueError(f"activation={self.activation!r}; expected 'relu' or 'swish' (alias 'silu')")
+    if not isinstance(self.ffn_glu, bool):
+      raise ValueError(f"ffn_glu={self.ffn_glu!r} must be True or False")
     if self.position_layout not in ("interleaved", "halves"):
       raise ValueError(f"position_layout={self.position_layout!r}; expected 'interleaved' or 'halves'")
     if self.d_model % self.num_heads:

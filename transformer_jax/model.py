@@ -193,17 +193,27 @@ class AddPositions(nn.Module):
 # ----------------------------------------------------------------------------------------------------------
 
 class FeedForward(nn.Module):
-  """FFN(x) = max(0, x W1 + b1) W2 + b2 (section 3.3), inner size d_ff; swish instead of max(0, .) if set."""
+  """FFN(x) = max(0, x W1 + b1) W2 + b2 (section 3.3), inner size d_ff; swish instead of max(0, .) if set.
+
+  With `ffn_glu`, the gated form of Shazeer (2020): (act(x W + b) * (x V + c)) W2 + b2, `V` named `wi_linear`.
+  `x` `[batch, length, d_model]` -> `[batch, length, d_model]`; the inner activations `[batch, length, d_ff]`.
+  """
 
   config: ModelConfig
 
   @nn.compact
   def __call__(self, x: Array, *, deterministic: bool = True) -> Array:
     cfg = self.config
-    h = nn.Dense(cfg.d_ff, dtype=cfg.compute_dtype, name="wi",
-                 kernel_init=nn.with_logical_partitioning(_xavier, ("embed", "mlp")),
-                 bias_init=nn.with_logical_partitioning(nn.initializers.zeros, ("mlp",)))(x)
+
+    def inner(name):  # x [batch, length, d_model] -> [batch, length, d_ff]
+      return nn.Dense(cfg.d_ff, dtype=cfg.compute_dtype, name=name,
+                      kernel_init=nn.with_logical_partitioning(_xavier, ("embed", "mlp")),
+                      bias_init=nn.with_logical_partitioning(nn.initializers.zeros, ("mlp",)))(x)
+
+    h = inner("wi")
     h = nn.silu(h) if cfg.activation == "swish" else nn.relu(h)
+    if cfg.ffn_glu:
+      h = h * inner("wi_linear")
     h = nn.with_logical_constraint(h, ("batch", "length", "mlp"))
     if cfg.relu_dropout_rate > 0.0:
       h = Dropout(rate=cfg.relu_dropout_rate)(h, deterministic=deterministic)

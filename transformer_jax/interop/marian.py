@@ -136,7 +136,8 @@ def marian_config_from_model(config: ModelConfig) -> dict:
   """The `config.json` of a `MarianMTModel` computing what `Transformer(config)` computes.
 
   Raises:
-    UnsupportedModelError: learned positions, pre-LN or separate embeddings (MarianMTModel has none of them).
+    UnsupportedModelError: learned positions, pre-LN, separate embeddings or a gated FFN (MarianMTModel has none
+      of them).
   """
   if config.position_embedding != "sinusoidal":
     raise UnsupportedModelError("cannot export learned position embeddings: MarianMTModel has sinusoids only")
@@ -144,6 +145,8 @@ def marian_config_from_model(config: ModelConfig) -> dict:
     raise UnsupportedModelError("cannot export a pre-LN model: MarianMTModel is post-LN")
   if not config.share_embeddings:
     raise UnsupportedModelError("cannot export separate embeddings: export supports the shared embedding only")
+  if config.ffn_glu:
+    raise UnsupportedModelError("cannot export a gated feed-forward (ffn_glu): MarianMTModel's FFN has no gate")
   return {
       "architectures": ["MarianMTModel"], "model_type": "marian", "is_encoder_decoder": True,
       "vocab_size": config.vocab_size, "decoder_vocab_size": config.vocab_size, "d_model": config.d_model,
@@ -399,7 +402,7 @@ def save_marian(params: Mapping, config: ModelConfig, output_dir: str, *, tokeni
 
   Raises:
     UnsupportedModelError: what Marian cannot represent (learned positions, pre-LN, separate embeddings, a
-      lowercased vocabulary: Marian's tokenizer would not lowercase its input).
+      gated FFN, a lowercased vocabulary: Marian's tokenizer would not lowercase its input).
     FileExistsError: `output_dir` exists and is not empty.
   """
   if os.path.isdir(output_dir) and os.listdir(output_dir):
