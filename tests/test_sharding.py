@@ -12,12 +12,6 @@ That would test Adam's conditioning, not the sharding; with eps 1e-3 the update 
 """
 
 import functools
-import json
-import os
-import socket
-import subprocess
-import sys
-import textwrap
 
 import jax
 import numpy as np
@@ -25,6 +19,7 @@ import pytest
 from jax.experimental import multihost_utils
 from jax.sharding import PartitionSpec as P
 
+import distributed_workers
 from transformer_jax import sharding
 from transformer_jax.config import tiny
 from transformer_jax.training.schedule import adam_with_schedule, rsqrt_schedule
@@ -260,14 +255,8 @@ def test_batch_is_split_along_the_data_axes():
 # Two processes x 4 CPU devices: jax.distributed, per-process rows, the same step as one device
 # ----------------------------------------------------------------------------------------------------------
 
-_WORKER = textwrap.dedent("""
-    import json, os, sys, warnings
-    process_id, port = int(sys.argv[1]), sys.argv[2]
-    import jax
-    jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    from transformer_jax import sharding
-    sharding.maybe_initialize_distributed(True, coordinator_address=f"localhost:{port}", num_processes=2,
-                                          process_id=process_id)
+_WORKER = """
+    import warnings
     warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
     import test_sharding as T
     mesh = sharding.make_mesh(data=4, tensor=2)
@@ -283,33 +272,11 @@ _WORKER = textwrap.dedent("""
     print("RESULT " + json.dumps({"processes": jax.process_count(), "devices": jax.device_count(),
                                   "batch_shape": list(batch["inputs"].shape), "loss": float(metrics["loss"]),
                                   "local_shards": len(wi.addressable_shards)}), flush=True)
-""")
+"""
 
 
 def test_two_processes_assemble_the_global_batch_and_match_one_device(reference, tmp_path):
-  worker = tmp_path / "worker.py"
-  worker.write_text(_WORKER)
-  with socket.socket() as s:
-    s.bind(("localhost", 0))
-    port = s.getsockname()[1]
-  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-  env = dict(os.environ, XLA_FLAGS=os.environ["XLA_FLAGS"] + " --xla_force_host_platform_device_count=4",
-             JAX_PLATFORMS="cpu",
-             PYTHONPATH=os.pathsep.join([root, os.path.join(root, "tests")]))
-  procs = [subprocess.Popen([sys.executable, str(worker), str(i), str(port)], env=env, cwd=root,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in range(2)]
-  outputs = []
-  try:
-    for proc in procs:
-      outputs.append(proc.communicate(timeout=180)[0])
-  finally:
-    for proc in procs:
-      if proc.poll() is None:
-        proc.kill()
-  results = []
-  for proc, out in zip(procs, outputs):
-    assert proc.returncode == 0, out[-3000:]
-    results.append(json.loads(out.split("RESULT ", 1)[1].splitlines()[0]))
+  results = distributed_workers.run_workers(_WORKER, tmp_path, num_processes=2, devices_per_process=4)
   for result in results:
     assert result["processes"] == 2 and result["devices"] == 8 and result["local_shards"] == 4
     assert result["batch_shape"] == [ROWS, LENGTH]  # two 8-row halves -> one 16-row global batch

@@ -1,11 +1,14 @@
 """Subword regularisation (BPE-dropout): sampled segmentations per epoch, reproducible within a process
 (transformer_jax/data/subword_sampling.py, Tokenizer.sample_batch, PackedBatches(segmentations=...)).
-SentencePiece's draw for a seed differs between processes, so nothing here compares two processes."""
+SentencePiece's draw for a seed differs between processes, so on several hosts process 0 draws and sends its ids
+(`sharding.ragged_from_first_process`): two jax.distributed processes must pack one plan between them."""
 
 import numpy as np
 import pytest
 
 from experiments.configs import default
+import distributed_workers
+from transformer_jax import sharding
 from transformer_jax.data import batching, datasets, subword_sampling
 from transformer_jax.data import tokenizer as tok_lib
 
@@ -102,9 +105,9 @@ def _corpus_config(tmp_path, alpha):
   return cfg
 
 
-def _epoch_texts(data, epoch):
-  """The (source, target) texts of one epoch's batches, decoded from their packed rows."""
-  train = data.train
+def epoch_pairs(train, tokenizer, epoch):
+  """The (source, target) texts and source ids of one epoch's batches (this process's rows), decoded from
+  their packed rows, sorted."""
   train.set_state({"epoch": epoch, "index": 0, "seed": train.seed})
   texts, ids = [], []
   for _ in range(len(train.plan(epoch))):
@@ -113,9 +116,13 @@ def _epoch_texts(data, epoch):
                                                   batch["targets"], batch["targets_segmentation"]):
       for segment in range(1, row_seg.max() + 1):
         source, target = row_in[row_seg == segment], row_tgt[row_tseg == segment]
-        ids.append(tuple(source))
-        texts.append((data.tokenizer.decode(source), data.tokenizer.decode(target)))
+        ids.append(tuple(int(i) for i in source))
+        texts.append((tokenizer.decode(source), tokenizer.decode(target)))
   return sorted(texts), sorted(ids)
+
+
+def _epoch_texts(data, epoch):
+  return epoch_pairs(data.train, data.tokenizer, epoch)
 
 
 def test_training_batches_sample_every_epoch_and_evaluation_does_not(tmp_path):
@@ -141,3 +148,48 @@ def test_config_refuses_unusable_sampling(overrides, message):
   config.data.update(overrides)
   with pytest.raises(default.ConfigError, match=message):
     default.validate(config)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Several hosts: one draw (process 0's), one plan, each host its own rows
+# ----------------------------------------------------------------------------------------------------------
+
+_HOST = """
+    import test_subword_sampling as T
+    from transformer_jax.data import batching, subword_sampling, tokenizer as tok_lib
+    tok = tok_lib.Tokenizer(sys.argv[3])
+    pairs = list(zip(T.EN, T.DE))
+    sources, targets = tok_lib.encode_pairs(tok, pairs)
+    sampler = subword_sampling.SampledSegmentations(tok, pairs, sources, targets, alpha=0.1, seed=0, max_len=64,
+                                                    share=sharding.ragged_from_first_process)
+    train = batching.PackedBatches(sources, targets, tokens_per_batch=8 * 64, row_length=64, pad_id=tok.pad_id,
+                                   seed=0, process_index=jax.process_index(), process_count=jax.process_count(),
+                                   segmentations=sampler)
+    epochs = [T.epoch_pairs(train, tok, e) for e in (0, 1)]
+    print("RESULT " + json.dumps({"texts": [e[0] for e in epochs], "ids": [e[1] for e in epochs],
+                                  "rows": int(train.rows_per_batch // jax.process_count())}), flush=True)
+"""
+
+
+def test_two_hosts_pack_process_0s_draw_and_take_complementary_rows(tok, tmp_path):
+  hosts = distributed_workers.run_workers(_HOST, tmp_path, num_processes=2, args=(tok.path,))
+  assert [h["rows"] for h in hosts] == [4, 4]
+  for epoch in (0, 1):
+    texts = sorted(tuple(t) for h in hosts for t in h["texts"][epoch])
+    assert texts == sorted(zip(EN, DE))  # every pair exactly once across the two hosts' rows
+    assert all(h["texts"][epoch] for h in hosts)
+  ids = [sorted(tuple(i) for h in hosts for i in h["ids"][epoch]) for epoch in (0, 1)]
+  assert ids[0] != ids[1]  # each epoch its own draw
+  deterministic = sorted(tuple(int(i) for i in s) for s in tok_lib.encode_pairs(tok, list(zip(EN, DE)))[0])
+  assert ids[0] != deterministic and ids[1] != deterministic  # the sampled ids, not the fallbacks
+
+
+def test_ragged_from_first_process_is_the_draw_itself_on_one_host():
+  arrays = sharding.ragged_from_first_process(lambda: [[1, 2, 3], [], [7]])
+  assert [a.tolist() for a in arrays] == [[1, 2, 3], [], [7]] and all(a.dtype == np.int32 for a in arrays)
+  assert sharding.ragged_from_first_process(lambda: []) == []
+
+
+def test_sampling_on_several_processes_needs_the_shared_draw(tmp_path):
+  with pytest.raises(ValueError, match="on 2 processes needs share_across_processes"):
+    datasets.build_datasets(_corpus_config(tmp_path, alpha=0.1), str(tmp_path / "w"), seed=0, process_count=2)

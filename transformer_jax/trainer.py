@@ -391,7 +391,8 @@ def prepare(config: Any, workdir: str) -> Run:
   check_batch_rows(config.data, mesh)
   run_dir.root.mkdir(parents=True, exist_ok=True)
   data = datasets_lib.build_datasets(config.data, str(run_dir.root), seed=config.seed,
-                                     process_index=jax.process_index(), process_count=jax.process_count())
+                                     process_index=jax.process_index(), process_count=jax.process_count(),
+                                     share_across_processes=sharding.ragged_from_first_process)
   model_config = model_config_from(config, data.tokenizer.vocab_size)
   tokenizer_lib.check_model_ids(data.tokenizer, model_config)
   resolved = to_jsonable(config)

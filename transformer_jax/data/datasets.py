@@ -16,7 +16,7 @@ import dataclasses
 import logging
 import os
 import time
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -108,9 +108,14 @@ def build_eval_set(tokenizer: tokenizer_lib.TextTokenizer, pairs) -> EvalSet:
   return EvalSet(list(pairs), srcs, tgts)
 
 
-def build_datasets(data_config: Any, workdir: str, *, seed: int, process_index: int = 0,
-                   process_count: int = 1) -> Datasets:
-  """Vocabulary + packed training iterator + evaluation sets for `data_config` (see experiment configs)."""
+def build_datasets(data_config: Any, workdir: str, *, seed: int, process_index: int = 0, process_count: int = 1,
+                   share_across_processes: Callable | None = None) -> Datasets:
+  """Vocabulary + packed training iterator + evaluation sets for `data_config` (see experiment configs).
+
+  `share_across_processes`: with `data.subword_alpha > 0` on several processes, the collective that gives every
+  process process 0's sampled segmentations (`sharding.ragged_from_first_process`; `SampledSegmentations`).
+  Raises ValueError when it is missing there (each host would pack its own draw), and for the data errors below.
+  """
   eval_names = list(data_config.eval_splits)
   split = data_config.train_split
   # One dataset preparation (and, for local text, one validation of the files) for every split.
@@ -150,11 +155,14 @@ def build_datasets(data_config: Any, workdir: str, *, seed: int, process_index: 
     if not hasattr(tok, "sample_batch"):
       raise ValueError(f"data.subword_alpha={alpha} needs data.tokenizer='sentencepiece' (a "
                        f"{type(tok).__name__} cannot sample segmentations)")
+    if process_count > 1 and share_across_processes is None:
+      raise ValueError(f"data.subword_alpha={alpha} on {process_count} processes needs share_across_processes "
+                       "(sharding.ragged_from_first_process): SentencePiece's sampling differs between processes")
     if len(train_pairs) != len(srcs):
       raise ValueError(f"{cache_file} holds {len(srcs)} pairs but {split!r} has {len(train_pairs)}: remove it")
     segmentations = subword_sampling.SampledSegmentations(
         tok, [train_pairs[i] for i in keep], [srcs[i] for i in keep], [tgts[i] for i in keep], alpha=alpha,
-        seed=seed, max_len=data_config.max_len)
+        seed=seed, max_len=data_config.max_len, share=share_across_processes)
   srcs, tgts = [srcs[i] for i in keep], [tgts[i] for i in keep]
   batching.log_drop_counts("train", too_long, blank, len(srcs), data_config.max_len)
   train = batching.PackedBatches(srcs, tgts, tokens_per_batch=data_config.tokens_per_batch,

@@ -9,7 +9,10 @@ Regularization", 0.1 on both sides there), for a unigram vocabulary a segmentati
 Epoch e's draw is seeded with `(seed, e)`: within one process the same seed gives the same ids, and the batch
 order stays a pure function of `(seed, epoch)`. Across processes it is not reproducible: SentencePiece 0.2's
 sampled ids for the same seed differed from process to process (measured on 2026-12-03, with hash randomisation
-and ASLR off too), so a resumed run restores its position `{epoch, index}` exactly but draws other
+and ASLR off too). Hence, on several hosts, process 0 draws and the others receive its ids (`share`:
+`sharding.ragged_from_first_process`, which the trainer passes), so every host packs the same epoch plan and
+takes its own rows of the same batches; without it each host would pack its own draw and the hosts' rows would
+repeat some pairs and miss others. A resumed run restores its position `{epoch, index}` exactly but draws other
 segmentations (of the same distribution) for the epochs it replays or starts. A sampled segmentation is longer (1.2x the
 tokens at alpha 0.05, 1.4x at 0.1 on Multi30k with 6k pieces), so one that no longer fits a row of
 `max_len` is replaced by the pair's deterministic ids; `SampledSegmentations.last_fallbacks` counts them.
@@ -19,11 +22,14 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 
 from transformer_jax.data import tokenizer as tokenizer_lib
+
+# `share(draw)`: runs `draw()` on process 0 only and returns its id arrays on every process (a collective).
+Share = Callable[[Callable[[], Sequence[Sequence[int]]]], Sequence[np.ndarray]]
 
 _STREAM = 0x5357  # separates these seeds from the batch order's `default_rng([seed, epoch])`
 
@@ -43,6 +49,8 @@ class SampledSegmentations:
     alpha: the sampling parameter, in (0, 1).
     seed: the run's seed.
     max_len: the row length; a sampled side longer than it falls back to the deterministic pair.
+    share: None (one process), or a collective `share(draw) -> ids` that runs `draw()` on process 0 only and
+      returns its int32 arrays on every process (`sharding.ragged_from_first_process`).
 
   Raises:
     ValueError: `pairs` and the ids differ in length, or `alpha` is outside (0, 1).
@@ -50,19 +58,23 @@ class SampledSegmentations:
 
   def __init__(self, tokenizer: tokenizer_lib.Tokenizer, pairs: Sequence[tuple[str, str]],
                sources: Sequence[np.ndarray], targets: Sequence[np.ndarray], *, alpha: float, seed: int,
-               max_len: int):
+               max_len: int, share: Share | None = None):
     if not len(pairs) == len(sources) == len(targets):
       raise ValueError(f"{len(pairs)} texts for {len(sources)} sources and {len(targets)} targets")
     if not 0.0 < alpha < 1.0:
       raise ValueError(f"data.subword_alpha={alpha}: must be in (0, 1)")
     self.tokenizer, self.pairs, self.alpha, self.seed, self.max_len = tokenizer, list(pairs), alpha, seed, max_len
     self.sources, self.targets = list(sources), list(targets)
+    self.share = share
     self.last_fallbacks = 0
 
   def __call__(self, epoch: int) -> tuple[list[np.ndarray], list[np.ndarray]]:
     start = time.perf_counter()
-    sampled = self.tokenizer.sample_batch([t for p in self.pairs for t in p], self.alpha,
-                                          epoch_seed(self.seed, epoch))
+    def draw():  # [2 * pairs] id lists: source, target, source, ...
+      return self.tokenizer.sample_batch([t for p in self.pairs for t in p], self.alpha,
+                                         epoch_seed(self.seed, epoch))
+
+    sampled = self.share(draw) if self.share is not None else draw()
     sources, targets, fallbacks = [], [], 0
     for i in range(len(self.pairs)):
       source, target = sampled[2 * i], sampled[2 * i + 1]
