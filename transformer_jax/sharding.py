@@ -175,7 +175,7 @@ def agree_on_ints(*values: int) -> tuple[int, ...]:
 _BROADCAST_CHUNK = 1 << 24
 
 
-def ragged_from_first_process(produce: Callable[[], Sequence[np.ndarray]]) -> list[np.ndarray]:
+def ragged_from_first_process(produce: Callable[[], Sequence[Sequence[int]]]) -> list[np.ndarray]:
   """Process 0's `produce()` on every process: a list of 1-D integer arrays of any lengths, as int32.
 
   `produce` runs on process 0 only; the others receive its arrays (their lengths, then the concatenated ids in
