@@ -201,7 +201,7 @@ def run_markdown(path, curve, config, model_config, rows, summary) -> str:
       f"{' (lowercased text)' if lowercase else ''}; "
       f"{config.num_train_steps} steps of {config.data.tokens_per_batch} tokens{_devices_words(summary)} "
       f"(warm-up {config.warmup_steps}, "
-      f"cool-down {config.cooldown_steps}, seed {config.seed}{_budget_words(summary['train_budget'])}); "
+      f"cool-down {config.cooldown_steps}{'' if config.cooldown_shape == 'linear' else ' ' + config.cooldown_shape}, seed {config.seed}{_budget_words(summary['train_budget'])}); "
       f"beam {config.decode.beam_size}, "
       f"α {config.decode.alpha}{_mbr_words(config.decode)}; {summary['test_sentences']} test2016 sentences.",
       "",

@@ -12,7 +12,7 @@ import pytest
 from transformer_jax.config import tiny
 from transformer_jax.model import Transformer
 from transformer_jax import sharding
-from transformer_jax.training import (adam, adam_with_schedule, linear_cooldown, eval_step,
+from transformer_jax.training import (adam, adam_with_schedule, cooldown, eval_step,
                                       label_smoothed_cross_entropy, metrics_from_sums, normalized_loss,
                                       rsqrt_schedule, train_step)
 from transformer_jax.training.steps import TrainState
@@ -70,26 +70,37 @@ def test_adam_with_schedule_update_k_uses_step_k():
   assert _paper_lr(1, d_model, warmup) > 0
 
 
-def test_linear_cooldown_values():
-  """Flat factor 1 until T - c, then 1 - k/(c+1) at step T - c + k; c = 0 is the schedule itself."""
+@pytest.mark.parametrize("shape, fall", [("linear", lambda p: p), ("1-sqrt", np.sqrt)])
+def test_cooldown_values(shape, fall):
+  """Flat factor 1 until T - c, then 1 - fall(k/(c+1)) at step T - c + k; c = 0 is the schedule itself."""
   base = rsqrt_schedule(64, 10)
-  total, cooldown = 100, 20
-  cooled = linear_cooldown(base, total, cooldown)
+  total, c = 100, 20
+  cooled = cooldown(base, total, c, shape)
   for step in (1, 10, 50, 80):
     np.testing.assert_allclose(float(cooled(step)), float(base(step)), rtol=1e-6)
   for k in (1, 10, 20):
-    step = total - cooldown + k
-    np.testing.assert_allclose(float(cooled(step)), float(base(step)) * (1 - k / (cooldown + 1)), rtol=1e-5)
+    step = total - c + k
+    np.testing.assert_allclose(float(cooled(step)), float(base(step)) * (1 - fall(k / (c + 1))), rtol=1e-5)
   assert float(cooled(total)) > 0 and float(cooled(total + 5)) == 0.0
-  assert linear_cooldown(base, total, 0) is base
+  assert cooldown(base, total, 0, shape) is base
   for bad in (-1, total + 1):
     with pytest.raises(ValueError, match="cooldown_steps"):
-      linear_cooldown(base, total, bad)
+      cooldown(base, total, bad, shape)
+
+
+def test_one_minus_sqrt_cooldown_sits_below_linear_and_unknown_shapes_raise():
+  """1-sqrt is below linear through the cool-down (it drops fastest at its start), and an unknown shape raises."""
+  base = rsqrt_schedule(64, 10)
+  linear, sqrt = cooldown(base, 100, 20, "linear"), cooldown(base, 100, 20, "1-sqrt")
+  assert all(float(sqrt(s)) < float(linear(s)) for s in range(81, 101))
+  assert float(sqrt(81)) < 0.8 * float(base(81)) < float(linear(81))
+  with pytest.raises(ValueError, match="'cosine'.*'linear', '1-sqrt'"):
+    cooldown(base, 100, 20, "cosine")
 
 
 def test_adam_drives_updates_by_the_cooled_schedule():
   """Constant gradient: update k is -schedule(k) for the composed schedule too (one road for every schedule)."""
-  schedule = linear_cooldown(rsqrt_schedule(32, 3), 8, 4)
+  schedule = cooldown(rsqrt_schedule(32, 3), 8, 4)
   tx = adam(schedule)
   params, grad = jnp.array([0.5]), jnp.array([-2.0])
   state = tx.init(params)

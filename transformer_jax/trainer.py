@@ -143,9 +143,9 @@ def itstime(step: int, every_steps: int, total_steps: int, *, last: bool = True)
 def optimizer(config: Any, d_model: int) -> tuple[optax.GradientTransformation, Any]:
   """Adam with the paper's schedule (section 5.3), cooled down over the last `config.cooldown_steps` (0 = the
   paper's schedule as is), and the schedule itself."""
-  learning_rate_fn = schedule_lib.linear_cooldown(
+  learning_rate_fn = schedule_lib.cooldown(
       schedule_lib.rsqrt_schedule(d_model, config.warmup_steps, config.learning_rate),
-      config.num_train_steps, config.cooldown_steps)
+      config.num_train_steps, config.cooldown_steps, config.cooldown_shape)
   tx = schedule_lib.adam(learning_rate_fn, b1=config.adam_b1, b2=config.adam_b2, eps=config.adam_eps)
   return tx, learning_rate_fn
 

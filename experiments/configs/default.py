@@ -19,6 +19,7 @@ import ml_collections
 
 from transformer_jax import mbr
 from transformer_jax.config import ModelConfig
+from transformer_jax.training.schedule import COOLDOWN_SHAPES
 
 
 def get_config() -> ml_collections.ConfigDict:
@@ -57,7 +58,8 @@ def get_config() -> ml_collections.ConfigDict:
   config.num_train_steps = 100_000            # optimizer updates
   config.warmup_steps = 4000                  # linear warm-up steps of the rsqrt schedule
   config.learning_rate = 1.0                  # multiplies the schedule
-  config.cooldown_steps = 0                   # linear decay to 0 over the last N steps (not in the paper; 0 = off)
+  config.cooldown_steps = 0                   # decay to 0 over the last N steps (not in the paper; 0 = off)
+  config.cooldown_shape = "linear"            # linear | 1-sqrt (Hägele et al., 2024): the cool-down's factor
   config.train_budget_minutes = 0.0           # > 0: fit num_train_steps (then a cap) to this much training time,
                                               # at the measured rate (training/budget.py; 0 = off)
   config.adam_b1 = 0.9                        # Adam beta1
@@ -178,6 +180,7 @@ RULES = {
     "warmup_steps": _integer(1),
     "learning_rate": _number(0.0, low_open=True),
     "cooldown_steps": _integer(0),
+    "cooldown_shape": _one_of(*COOLDOWN_SHAPES),
     "train_budget_minutes": _number(0.0),
     "adam_b1": _number(0.0, 1.0),
     "adam_b2": _number(0.0, 1.0),

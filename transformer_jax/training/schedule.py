@@ -1,8 +1,8 @@
-"""The paper's learning-rate schedule (Vaswani et al., 2017, section 5.3, equation 3), and a linear cool-down.
+"""The paper's learning-rate schedule (Vaswani et al., 2017, section 5.3, equation 3), and a cool-down.
 
-The cool-down (`linear_cooldown`) is not in the paper: it multiplies any schedule by a factor that falls linearly
-to 0 over the last steps of a run whose length is known in advance ("warmup-stable-decay", Hägele et al., 2024,
-"Scaling Laws and Compute-Optimal Training Beyond Fixed Training Durations"; t5x's rsqrt-then-linear-decay).
+The cool-down (`cooldown`) is not in the paper: it multiplies any schedule by a factor that falls to 0 (linearly,
+or as 1 - sqrt) over the last steps of a run whose length is known in advance ("warmup-stable-decay", Hägele et
+al., 2024, "Scaling Laws and Compute-Optimal Training Beyond Fixed Training Durations"; t5x's rsqrt-then-linear-decay).
 A compute-limited run ends at a lower loss with it than at the rsqrt schedule's still-high final rate.
 """
 
@@ -32,22 +32,32 @@ def rsqrt_schedule(d_model: int, warmup_steps: int = 4000, scale: float = 1.0) -
   return schedule
 
 
-def linear_cooldown(schedule: optax.Schedule, total_steps: int, cooldown_steps: int) -> optax.Schedule:
-  """`schedule(step)` times a factor that is 1 up to `total_steps - cooldown_steps`, then falls linearly to 0.
+COOLDOWN_SHAPES = ("linear", "1-sqrt")
 
-  With `cooldown_steps = c` and `total_steps = T`, step `T - c + k` (k = 1..c) is scaled by `1 - k / (c + 1)`,
-  so the last update still moves (factor `1 / (c + 1)`) and nothing after `T` matters. `cooldown_steps = 0`
-  returns `schedule` itself. Raises ValueError unless `0 <= cooldown_steps <= total_steps`.
+
+def cooldown(schedule: optax.Schedule, total_steps: int, cooldown_steps: int, shape: str = "linear"
+             ) -> optax.Schedule:
+  """`schedule(step)` times a factor that is 1 up to `total_steps - cooldown_steps`, then falls to 0.
+
+  With `cooldown_steps = c` and `total_steps = T`, step `T - c + k` (k = 1..c) is scaled by `1 - k / (c + 1)`
+  for `shape='linear'`, or by `1 - sqrt(k / (c + 1))` for `shape='1-sqrt'` (Hägele et al., 2024, section 3:
+  the rate falls fastest at the start of the cool-down and lingers near 0 at its end), so the last update still
+  moves and nothing after `T` matters. `cooldown_steps = 0` returns `schedule` itself. Raises ValueError unless
+  `0 <= cooldown_steps <= total_steps` and `shape` is one of `COOLDOWN_SHAPES`.
   """
   if not 0 <= cooldown_steps <= total_steps:
     raise ValueError(f"cooldown_steps={cooldown_steps} must be in [0, total_steps={total_steps}]")
+  if shape not in COOLDOWN_SHAPES:
+    raise ValueError(f"cooldown shape {shape!r} must be one of {', '.join(map(repr, COOLDOWN_SHAPES))}")
   if cooldown_steps == 0:
     return schedule
   start = total_steps - cooldown_steps
 
   def cooled(step):
     into = jnp.maximum(jnp.asarray(step, dtype=jnp.float32) - start, 0.0)  # steps into the cool-down
-    return schedule(step) * jnp.maximum(1.0 - into / (cooldown_steps + 1), 0.0)
+    progress = jnp.minimum(into / (cooldown_steps + 1), 1.0)                # 0 before, 1 after step T
+    fall = progress if shape == "linear" else jnp.sqrt(progress)
+    return schedule(step) * (1.0 - fall)
 
   return cooled
 
