@@ -108,6 +108,24 @@ def test_a_vocabulary_trained_on_decomposed_text_is_the_same_vocabulary(tokenize
   assert nfd.pieces(range(nfd.vocab_size)) == tokenizer.pieces(range(tokenizer.vocab_size))
 
 
+def test_a_unigram_vocabulary_does_not_depend_on_the_hosts_core_count(tmp_path, monkeypatch):
+  """SentencePiece's unigram scores depend on its thread count: the vocabulary is trained with a fixed one, so
+  hosts with 1 or 4 cores (or the processes of one multi-host run) train the same pieces and scores."""
+  rng = random.Random(0)
+  words = ["".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(rng.randint(2, 9))) for _ in range(2000)]
+  weights = [1 / (rank + 1) for rank in range(len(words))]  # Zipf: frequent short pieces, a long tail
+  lines = [" ".join(rng.choices(words, weights, k=rng.randint(4, 14))) for _ in range(2000)]
+  models = []
+  for cores in (1, 4):
+    monkeypatch.setattr(os, "cpu_count", lambda cores=cores: cores)
+    path = tmp_path / f"{cores}" / "spm.model"
+    tok_lib.train_tokenizer(lines, str(path), vocab_size=300, model_type="unigram")
+    models.append(path.read_bytes())
+  protos = [spm.SentencePieceProcessor(model_proto=m) for m in models]
+  pieces = [[(p.id_to_piece(i), p.get_score(i)) for i in range(p.get_piece_size())] for p in protos]
+  assert pieces[0] == pieces[1]
+
+
 def test_invisible_characters_do_not_change_ids(tokenizer):
   plain = tokenizer.encode("die Straße ist größer")
   for variant in ("\ufeffdie Straße ist größer", "die Stra\u00adße ist\u00a0größer",
