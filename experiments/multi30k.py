@@ -182,6 +182,10 @@ def _budget_words(decision: dict | None) -> str:
           f"cap {decision['cap']}")
 
 
+def _shape_words(shape: str) -> str:
+  return "" if shape == "linear" else f" ({shape})"
+
+
 def _mbr_words(decode_cfg) -> str:
   utility = decode_cfg.get("mbr_utility", "")
   return f", the MBR choice from the {decode_cfg.beam_size}-best list ({utility} utility)" if utility else ""
@@ -201,7 +205,8 @@ def run_markdown(path, curve, config, model_config, rows, summary) -> str:
       f"{' (lowercased text)' if lowercase else ''}; "
       f"{config.num_train_steps} steps of {config.data.tokens_per_batch} tokens{_devices_words(summary)} "
       f"(warm-up {config.warmup_steps}, "
-      f"cool-down {config.cooldown_steps}{'' if config.cooldown_shape == 'linear' else ' ' + config.cooldown_shape}, seed {config.seed}{_budget_words(summary['train_budget'])}); "
+      f"cool-down {config.cooldown_steps}{_shape_words(config.cooldown_shape)}, seed {config.seed}"
+      f"{_budget_words(summary['train_budget'])}); "
       f"beam {config.decode.beam_size}, "
       f"α {config.decode.alpha}{_mbr_words(config.decode)}; {summary['test_sentences']} test2016 sentences.",
       "",

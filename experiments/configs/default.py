@@ -59,7 +59,7 @@ def get_config() -> ml_collections.ConfigDict:
   config.warmup_steps = 4000                  # linear warm-up steps of the rsqrt schedule
   config.learning_rate = 1.0                  # multiplies the schedule
   config.cooldown_steps = 0                   # decay to 0 over the last N steps (not in the paper; 0 = off)
-  config.cooldown_shape = "linear"            # linear | 1-sqrt (Hägele et al., 2024): the cool-down's factor
+  config.cooldown_shape = "linear"            # how the cool-down's factor falls: linear | 1-sqrt (Hägele et al., 2024)
   config.train_budget_minutes = 0.0           # > 0: fit num_train_steps (then a cap) to this much training time,
                                               # at the measured rate (training/budget.py; 0 = off)
   config.adam_b1 = 0.9                        # Adam beta1

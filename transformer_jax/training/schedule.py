@@ -1,8 +1,9 @@
 """The paper's learning-rate schedule (Vaswani et al., 2017, section 5.3, equation 3), and a cool-down.
 
-The cool-down (`cooldown`) is not in the paper: it multiplies any schedule by a factor that falls to 0 (linearly,
-or as 1 - sqrt) over the last steps of a run whose length is known in advance ("warmup-stable-decay", Hägele et
-al., 2024, "Scaling Laws and Compute-Optimal Training Beyond Fixed Training Durations"; t5x's rsqrt-then-linear-decay).
+The cool-down (`cooldown`) is not in the paper: it multiplies any schedule by a factor that falls to 0
+(linearly, or as 1 - sqrt) over the last steps of a run whose length is known in advance ("warmup-stable-decay",
+Hägele et al., 2024, "Scaling Laws and Compute-Optimal Training Beyond Fixed Training Durations"; t5x's
+rsqrt-then-linear-decay).
 A compute-limited run ends at a lower loss with it than at the rsqrt schedule's still-high final rate.
 """
 
