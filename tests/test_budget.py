@@ -10,6 +10,7 @@ import pytest
 from experiments.configs import default, number_words
 from transformer_jax import trainer
 from transformer_jax.training import budget as budget_lib
+from transformer_jax.training import schedule as schedule_lib
 from transformer_jax.workdir import Workdir
 
 
@@ -47,15 +48,44 @@ def test_decide_counts_the_steps_of_an_earlier_process_at_the_same_rate():
   assert decision.elapsed_minutes == pytest.approx((21.0 + 600 / (199 / 20)) / 60)
 
 
-def test_the_plan_comes_after_the_warmup_and_its_revision_before_the_cooldown():
+def test_the_plan_comes_after_the_warmup_and_its_revisions_before_and_inside_the_cooldown():
   assert budget_lib.decision_step(_config(), start_step=0) == 800
   assert budget_lib.decision_step(_config(), start_step=790) == 790 + budget_lib.MIN_MEASURED_STEPS
   assert budget_lib.decision_step(_config(num_train_steps=1500), start_step=0) is None  # cool-down from 500
   plan = budget_lib.decide(10.0, 5000, 0.25, step=800, start_step=0, seconds=300.0, first_step_seconds=1.0)
-  assert budget_lib.revision_step(plan, 0) == plan.num_train_steps - plan.cooldown_steps - 1
-  assert budget_lib.revision_step(plan, plan.num_train_steps - plan.cooldown_steps - 5) is None  # too few steps
-  final = dataclasses.replace(plan, decided_at_step=plan.num_train_steps - plan.cooldown_steps - 1)
-  assert budget_lib.revision_step(final, 0) is None
+  end, start, least = plan.num_train_steps, plan.cooldown_start, budget_lib.MIN_MEASURED_STEPS
+  assert budget_lib.revision_step(plan, 0) == start - 1  # the last step before the cool-down
+  # Once that is past: halfway from the last decision (or this process's first measured steps) to the end.
+  at_start = dataclasses.replace(plan, decided_at_step=start - 1)
+  assert budget_lib.revision_step(at_start, 0) == start - 1 + (end - start + 1) // 2
+  resumed = start - 5 + least - 1  # a process resumed 5 steps before the cool-down measures `least` steps first
+  assert budget_lib.revision_step(plan, start - 5) == resumed + (end - resumed) // 2
+  near_end = dataclasses.replace(plan, decided_at_step=end - 2 * least + 1)  # fewer than `least` to the midpoint
+  assert budget_lib.revision_step(near_end, 0) is None
+
+
+def test_a_revision_inside_the_cooldown_keeps_its_start_and_pins_its_progress():
+  # Planned after step 800 at 2 steps/s: 1,919 steps, the cool-down from step 1,439. Then slower: at step 1,700
+  # 900 s have passed (530.5 were planned), so the 60 s left fit 113 steps at the run's rate, 1,699 / 899 steps/s.
+  plan = budget_lib.decide(16.0, 5000, 0.25, step=800, start_step=0, seconds=400.5, first_step_seconds=1.0)
+  assert (plan.num_train_steps, plan.cooldown_start) == (1919, 1439)
+  revised = budget_lib.revise_in_cooldown(plan, step=1700, start_step=0, seconds=900.0, first_step_seconds=1.0)
+  assert revised.num_train_steps == 1700 + int(60 * 1699 / 899) == 1813
+  assert revised.cooldown_start == plan.cooldown_start == 1439  # the cool-down under way keeps its start
+  assert revised.cooldown_knots == ((1700, pytest.approx((1700 - 1439) / 481)),)  # the progress reached
+  spent = budget_lib.revise_in_cooldown(plan, step=1700, start_step=0, seconds=1000.0, first_step_seconds=1.0)
+  assert (spent.num_train_steps, spent.cooldown_start) == (1700, 1439)  # over budget: the run ends now
+  # The revised schedule follows the old one up to the knot, so the rate is continuous there, then falls to 0
+  # after the new end; a second revision bends it again from its own knot.
+  base = lambda step: 1.0  # noqa: E731
+  old = schedule_lib.cooldown(base, plan.num_train_steps, plan.cooldown_steps, "1-sqrt")
+  new = schedule_lib.cooldown(base, revised.num_train_steps, revised.cooldown_steps, "1-sqrt", revised.cooldown_knots)
+  for step in (1439, 1500, 1650, 1700):
+    assert float(new(step)) == pytest.approx(float(old(step)), rel=1e-5)
+  assert float(old(1701)) > float(new(1701)) and float(new(1813)) > 0 == float(new(1814))
+  again = budget_lib.revise_in_cooldown(revised, step=1760, start_step=0, seconds=930.0, first_step_seconds=1.0)
+  assert again.cooldown_knots[0] == revised.cooldown_knots[0] and again.cooldown_knots[1][0] == 1760
+  schedule_lib.check_cooldown(again.num_train_steps, again.cooldown_steps, "1-sqrt", again.cooldown_knots)
 
 
 def _tiny_config(tmp_path, **overrides):
@@ -124,6 +154,36 @@ def test_a_speedup_after_the_plan_is_taken_up_by_further_revisions_up_to_the_cap
   saved = budget_lib.read(str(tmp_path / "run"))
   assert (saved.decided_at_step, saved.num_train_steps, saved.cooldown_steps) == (49, 60, 10)
   assert result.final_step == 60
+
+
+def test_a_slowdown_inside_the_cooldown_moves_its_end_and_the_run_ends_on_the_budget(tmp_path, monkeypatch):
+  # 2 steps/s up to the cool-down (48 steps fit 24 s; cool-down 8, from step 40), then 1 step/s. Revisions after
+  # step 39 (kept) and halfway to the end, after step 43: 23 s spent, 1 s left: the end moves from 48 to 44, the
+  # cool-down keeps its start and the progress reached at step 43 (3 / 9). Without it the run ended at 28 s.
+  monkeypatch.setattr(budget_lib, "MIN_MEASURED_STEPS", 4)
+  seconds_at = lambda step: 0.5 * min(step, 40) + max(step - 40, 0)  # noqa: E731
+  _fake_clock(monkeypatch, seconds_at)
+  workdir = str(tmp_path / "run")
+  result = trainer.train_and_evaluate(_tiny_config(tmp_path, train_budget_minutes=0.4), workdir)
+  saved = budget_lib.read(workdir)
+  assert (saved.decided_at_step, saved.num_train_steps, saved.cooldown_start) == (43, 44, 40)
+  assert saved.cooldown_knots == ((43, pytest.approx(3 / 9)),)
+  assert result.final_step == 44 and seconds_at(result.final_step) == 24.0
+  assert Workdir(workdir).require_config()["cooldown_knots"] == [[43, saved.cooldown_knots[0][1]]]
+  # The logged rate falls through the cool-down without a jump at the revision.
+  rows = [json.loads(line) for line in Workdir(workdir).metrics_jsonl.read_text().splitlines()]
+  rates = {r["step"]: r["train/learning_rate"] for r in rows if "train/learning_rate" in r}
+  assert all(rates[step + 1] < rates[step] for step in range(40, 44))
+  # The run is bitwise the run given that length, cool-down and knot from the start.
+  fixed = trainer.train_and_evaluate(
+      _tiny_config(tmp_path, num_train_steps=44, cooldown_steps=4, cooldown_knots=saved.cooldown_knots),
+      str(tmp_path / "fixed"))
+  for a, b in zip(jax.tree.leaves(result.state.params), jax.tree.leaves(fixed.state.params)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  # A resumed run keeps the plan: no decision is left to take.
+  monkeypatch.setattr(trainer.budget_lib, "decide", lambda *a, **kw: pytest.fail("decided again"))
+  again = trainer.train_and_evaluate(_tiny_config(tmp_path, train_budget_minutes=0.4), workdir)
+  assert again.final_step == 44 and again.config.cooldown_knots == saved.cooldown_knots
 
 
 def test_without_a_budget_the_configured_length_holds(tmp_path, monkeypatch):

@@ -287,6 +287,10 @@ def test_bad_program_flags_are_one_line_errors(workdir, program, flags, needle):
     (["--config.cooldown_steps=-1"], "--config.cooldown_steps=-1: must be an integer >= 0"),
     (["--config.num_train_steps=10", "--config.cooldown_steps=11"], "must be <= num_train_steps (10)"),
     (["--config.cooldown_shape=cosine"], "--config.cooldown_shape='cosine': must be one of 'linear', '1-sqrt'"),
+    (["--config.cooldown_knots=(3, 0.5)"], "--config.cooldown_knots=(3, 0.5): must be a tuple of (step, progress)"),
+    (["--config.num_train_steps=100", "--config.cooldown_steps=20", "--config.cooldown_knots=((90, 1.5),)"],
+     "--config.cooldown_knots=((90, 1.5),): cooldown knot (90, 1.5) must be (step, progress) with steps increasing "
+     "in (80, 100] and progress increasing in (0, 1)"),
     (["--config.num_cpu_devices=-1"], "--config.num_cpu_devices=-1: must be an integer >= 0"),
     (["--config.decode.mbr_utility=comet"], "--config.decode.mbr_utility='comet': must be one of"),
     (["--config.decode.mbr_utility=chrf", "--config.decode.beam_size=1"], "needs decode.beam_size >= 2"),

@@ -12,7 +12,7 @@ import pytest
 from transformer_jax.config import tiny
 from transformer_jax.model import Transformer
 from transformer_jax import sharding
-from transformer_jax.training import (adam, adam_with_schedule, cooldown, eval_step,
+from transformer_jax.training import (adam, adam_with_schedule, cooldown, cooldown_progress, eval_step,
                                       label_smoothed_cross_entropy, metrics_from_sums, normalized_loss,
                                       rsqrt_schedule, train_step)
 from transformer_jax.training.steps import TrainState
@@ -96,6 +96,33 @@ def test_one_minus_sqrt_cooldown_sits_below_linear_and_unknown_shapes_raise():
   assert float(sqrt(81)) < 0.8 * float(base(81)) < float(linear(81))
   with pytest.raises(ValueError, match="'cosine'.*'linear', '1-sqrt'"):
     cooldown(base, 100, 20, "cosine")
+
+
+@pytest.mark.parametrize("shape", ["linear", "1-sqrt"])
+def test_cooldown_knots_bend_the_progress_and_keep_the_rate_continuous(shape):
+  """A knot (step, p) pins the progress at `step`; between the points it is linear, so the rate has no jump; the
+  end still falls to 0 after T. A knot where the unbent cool-down already is changes nothing."""
+  base = rsqrt_schedule(64, 10)
+  fall = np.sqrt if shape == "1-sqrt" else (lambda p: p)
+  old = cooldown(base, 100, 20, shape)  # from step 80, progress k / 21
+  progress = cooldown_progress(90, 100, 20)
+  assert progress == pytest.approx(10 / 21)
+  knots = ((90, progress),)
+  longer = cooldown(base, 130, 50, shape, knots)  # the end moved from 100 to 130 after step 90
+  for step in range(80, 91):  # the steps taken so far follow the new schedule
+    np.testing.assert_allclose(float(longer(step)), float(old(step)), rtol=1e-5)
+  for k in (1, 20, 40):  # then linear in progress from the knot to 1 at step 131
+    step = 90 + k
+    np.testing.assert_allclose(float(longer(step)), float(base(step)) * (1 - fall(progress + (1 - progress) * k / 41)),
+                               rtol=1e-5)
+  assert cooldown_progress(110, 130, 50, knots) == pytest.approx(progress + (1 - progress) * 20 / 41)
+  assert float(longer(130)) > 0 and float(longer(131)) == 0.0
+  same = cooldown(base, 100, 20, shape, knots)
+  for step in range(78, 103):
+    np.testing.assert_allclose(float(same(step)), float(old(step)), rtol=1e-5, atol=1e-12)
+  for bad in (((80, 0.1),), ((101, 0.5),), ((90, 1.0),), ((90, 0.0),), ((90, 0.5), (95, 0.4)), ((90,),)):
+    with pytest.raises(ValueError, match="cooldown knot"):
+      cooldown(base, 100, 20, shape, bad)
 
 
 def test_adam_drives_updates_by_the_cooled_schedule():

@@ -14,7 +14,7 @@ named steps, each small enough to read at once:
 3. `train`: the compiled step (`make_train_step`, the same one the benchmarks time) in a loop whose periodic
    actions (logging, evaluators, checkpoints, stop signals) are each decided by `itstime`. With
    `config.train_budget_minutes`, the run's length is planned after the warm-up from its measured rate and
-   revised before the cool-down (`fit_to_budget`, `training/budget.py`).
+   revised before and during the cool-down (`fit_to_budget`, `training/budget.py`).
 
 Fine-tuning an imported model (`experiments.import_marian`): the workdir's `config.json` fixes the model's
 architecture and tokenizer; `config_for_workdir(config, workdir, explicit)` takes them from there (and refuses
@@ -145,7 +145,8 @@ def optimizer(config: Any, d_model: int) -> tuple[optax.GradientTransformation, 
   paper's schedule as is), and the schedule itself."""
   learning_rate_fn = schedule_lib.cooldown(
       schedule_lib.rsqrt_schedule(d_model, config.warmup_steps, config.learning_rate),
-      config.num_train_steps, config.cooldown_steps, config.cooldown_shape)
+      config.num_train_steps, config.cooldown_steps, config.cooldown_shape,
+      tuple(map(tuple, config.cooldown_knots)))
   tx = schedule_lib.adam(learning_rate_fn, b1=config.adam_b1, b2=config.adam_b2, eps=config.adam_eps)
   return tx, learning_rate_fn
 
@@ -428,27 +429,34 @@ def with_budget_decision(config: Any, decision: budget_lib.BudgetDecision | None
     return config
   config = copy.deepcopy(config)
   config.num_train_steps, config.cooldown_steps = decision.num_train_steps, decision.cooldown_steps
+  config.cooldown_knots = decision.cooldown_knots
   return config
 
 
 def fit_to_budget(run: Run, previous: budget_lib.BudgetDecision | None, step: int, seconds: float,
                   first_step_seconds: float) -> budget_lib.BudgetDecision:
   """Plans (or, given the `previous` decision, revises) the run's length for its time budget after `step`
-  (`training/budget.py`): process 0's decision on every host, saved in the workdir and config.json. A revision
-  that moves the end by under 1% keeps it (no rebuild). A new length rebuilds the optimizer (its schedule ends
-  at the new last step; Adam's state carries over, a schedule has none) and the compiled step."""
-  basis = (dict(budget_minutes=previous.budget_minutes, cap=previous.cap, cooldown_share=previous.cooldown_share)
-           if previous else budget_lib.plan(run.config))
-  decision = budget_lib.decide(**basis, step=step, start_step=run.start_step, seconds=seconds,
-                               first_step_seconds=first_step_seconds)
+  (`training/budget.py`; inside a cool-down already under way, `revise_in_cooldown`): process 0's decision on
+  every host, saved in the workdir and config.json. A revision that moves the end by under 1% keeps it (no
+  rebuild). A new length rebuilds the optimizer (its schedule ends at the new last step; Adam's state carries
+  over, a schedule has none) and the compiled step."""
+  measured = dict(step=step, start_step=run.start_step, seconds=seconds, first_step_seconds=first_step_seconds)
+  if previous and step >= previous.cooldown_start:
+    decision = budget_lib.revise_in_cooldown(previous, **measured)
+  else:
+    basis = (dict(budget_minutes=previous.budget_minutes, cap=previous.cap, cooldown_share=previous.cooldown_share)
+             if previous else budget_lib.plan(run.config))
+    decision = budget_lib.decide(**basis, **measured)
   total, cooldown = sharding.agree_on_ints(decision.num_train_steps, decision.cooldown_steps)
+  knots = decision.cooldown_knots
   if previous and abs(total - previous.num_train_steps) <= 0.01 * previous.num_train_steps:
-    total, cooldown = previous.num_train_steps, previous.cooldown_steps
-  decision = dataclasses.replace(decision, num_train_steps=total, cooldown_steps=cooldown)
+    total, cooldown, knots = previous.num_train_steps, previous.cooldown_steps, previous.cooldown_knots
+  decision = dataclasses.replace(decision, num_train_steps=total, cooldown_steps=cooldown, cooldown_knots=knots)
   logging.info("Time budget: %s", decision.describe())
-  changed = (total, cooldown) != (run.config.num_train_steps, run.config.cooldown_steps)
+  changed = ((total, cooldown, knots) !=
+             (run.config.num_train_steps, run.config.cooldown_steps, tuple(map(tuple, run.config.cooldown_knots))))
   run.config = with_budget_decision(run.config, decision)
-  run.resolved_config.update(num_train_steps=total, cooldown_steps=cooldown)
+  run.resolved_config.update(num_train_steps=total, cooldown_steps=cooldown, cooldown_knots=knots)
   if run.is_chief:  # saved even when nothing changed: a resumed run starts from the latest plan
     budget_lib.write(run.workdir, decision)
     write_json_atomically(run.workdir.config_json, run.resolved_config)

@@ -19,7 +19,7 @@ import ml_collections
 
 from transformer_jax import mbr
 from transformer_jax.config import ModelConfig
-from transformer_jax.training.schedule import COOLDOWN_SHAPES
+from transformer_jax.training.schedule import COOLDOWN_SHAPES, check_cooldown
 
 
 def get_config() -> ml_collections.ConfigDict:
@@ -60,6 +60,9 @@ def get_config() -> ml_collections.ConfigDict:
   config.learning_rate = 1.0                  # multiplies the schedule
   config.cooldown_steps = 0                   # decay to 0 over the last N steps (not in the paper; 0 = off)
   config.cooldown_shape = "linear"            # how the cool-down's factor falls: linear | 1-sqrt (Hägele et al., 2024)
+  config.cooldown_knots = ()                  # ((step, progress), ...): where a time budget moved the end of a
+                                              # cool-down under way (schedule.cooldown); set by the budget, given
+                                              # only to re-run a budgeted run at its fixed length
   config.train_budget_minutes = 0.0           # > 0: fit num_train_steps (then a cap) to this much training time,
                                               # at the measured rate (training/budget.py; 0 = off)
   config.adam_b1 = 0.9                        # Adam beta1
@@ -154,6 +157,13 @@ def _splits(value):
   return ok, "a tuple of split names, e.g. \"('validation',)\""
 
 
+def _knots(value):
+  ok = isinstance(value, (tuple, list)) and all(
+      isinstance(k, (tuple, list)) and len(k) == 2 and isinstance(k[0], int) and not isinstance(k[0], bool)
+      and isinstance(k[1], (int, float)) and not isinstance(k[1], bool) for k in value)
+  return ok, "a tuple of (step, progress) pairs, e.g. '((3700, 0.42),)', or ()"
+
+
 def _metric_name(value):
   ok = isinstance(value, str) and (value == "" or value.count("/") == 1)
   return ok, "'' or '<eval split>/<metric>', e.g. 'validation/bleu' or 'validation/loss'"
@@ -181,6 +191,7 @@ RULES = {
     "learning_rate": _number(0.0, low_open=True),
     "cooldown_steps": _integer(0),
     "cooldown_shape": _one_of(*COOLDOWN_SHAPES),
+    "cooldown_knots": _knots,
     "train_budget_minutes": _number(0.0),
     "adam_b1": _number(0.0, 1.0),
     "adam_b2": _number(0.0, 1.0),
@@ -246,6 +257,10 @@ def validate(config: ml_collections.ConfigDict) -> None:
   if config.cooldown_steps > config.num_train_steps:
     raise ConfigError(f"--config.cooldown_steps={config.cooldown_steps}: must be <= num_train_steps "
                       f"({config.num_train_steps})")
+  try:
+    check_cooldown(config.num_train_steps, config.cooldown_steps, config.cooldown_shape, config.cooldown_knots)
+  except ValueError as error:
+    raise ConfigError(f"--config.cooldown_knots={config.cooldown_knots!r}: {error}") from None
   if config.decode.mbr_utility and config.decode.beam_size < 2:
     raise ConfigError(f"--config.decode.mbr_utility={config.decode.mbr_utility!r}: needs decode.beam_size >= 2 "
                       f"(MBR chooses from beam search's n-best list), got {config.decode.beam_size}")

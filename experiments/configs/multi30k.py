@@ -53,9 +53,9 @@ def get_config() -> ml_collections.ConfigDict:
   # was worse at every evaluation, docs/results.md), as 1 - sqrt (Hägele et al., 2024): at the same 4,842 steps
   # and seed it ended 0.008 nats lower in val NLL and 0.45 higher in beam val BLEU than the linear fall (R40, R41).
   # The run is fitted to the hour: the trainer measures its steps/s, plans the length that fits 53 minutes of
-  # training after the warm-up and revises it before the cool-down (training/budget.py), so data preparation
-  # (~0.5 min), averaging and test decoding (~2.5 min) end inside 60 on any 2-core host: ~6,900 steps where R5 ran
-  # at 2.2 steps/s, ~3,500 on the AMD EPYC host at ~1.1 (docs/results.md).
+  # training after the warm-up and revises it before and during the cool-down (training/budget.py), so data
+  # preparation (~0.5 min), averaging and test decoding (~2.5 min) end inside 60 on any 2-core host: ~6,900 steps
+  # where R5 ran at 2.2 steps/s, ~3,500 on the AMD EPYC host at ~1.1 (docs/results.md).
   config.num_train_steps = 8000           # a cap: the budget sets the length
   config.cooldown_steps = 2000            # a quarter of the run, whatever length the budget sets
   config.cooldown_shape = "1-sqrt"

@@ -13,9 +13,14 @@ where `cap` is the configured `num_train_steps` and `elapsed` the training time 
 The cool-down keeps its share of the run (`cooldown_steps` of `num_train_steps` as configured) and ends at the
 new last step. The length is planned at the end of the warm-up (`decision_step`) and revised at the last step
 before the planned cool-down (`revision_step`), with the rate of most of the run; a revision that moves the
-end later is revised again before its own cool-down. Only the end of the schedule moves, and only before the
-cool-down has begun, so the steps a run has taken follow the schedule it ends with. Every decision is written
-to `<workdir>/train_budget.json`; a resumed run starts from it, so a restart follows the same plan.
+end later is revised again before its own cool-down. Once the cool-down has begun its start stays, and its end
+is revised again halfway through the rest of it each time (at 1/2, 3/4, 7/8, ... of the way while at least
+`MIN_MEASURED_STEPS` are left to measure), so a host that slows down or speeds up in the last quarter still ends
+on the budget: the training time so far is measured, only the rest is extrapolated, and the error shrinks with
+it. Such a revision pins the cool-down's progress reached so far as a knot (`cooldown_knots`, see
+`schedule.cooldown`), so the rate stays continuous and the steps a run has taken follow the schedule it ends
+with. Every decision is written to `<workdir>/train_budget.json`; a resumed run starts from it, so a restart
+follows the same plan.
 The idea of a schedule set by a time budget: Geiping & Goldstein, "Cramming" (2022), section 3.
 """
 
@@ -25,6 +30,7 @@ import dataclasses
 import os
 from typing import Any
 
+from transformer_jax.training import schedule as schedule_lib
 from transformer_jax.workdir import Workdir, read_json, write_json_atomically
 
 MIN_MEASURED_STEPS = 20  # steps of this process the rate is measured over, at least
@@ -41,12 +47,21 @@ class BudgetDecision:
   cap: int                  # the configured `num_train_steps`, an upper bound
   cooldown_share: float     # the configured `cooldown_steps / num_train_steps`
   num_train_steps: int      # the run's length from then on
-  cooldown_steps: int       # `cooldown_share` of that length, at most the steps left after the decision
+  cooldown_steps: int       # `cooldown_share` of that length, at most the steps left after the decision; once
+                            # the cool-down has begun, from its (fixed) start to the new end
+  cooldown_knots: tuple = ()  # (step, progress) pinned by revisions inside the cool-down (`schedule.cooldown`)
+
+  @property
+  def cooldown_start(self) -> int:
+    """The last step before the cool-down."""
+    return self.num_train_steps - self.cooldown_steps
 
   def describe(self) -> str:
-    return (f"{self.num_train_steps} steps (cool-down {self.cooldown_steps}) fit a {self.budget_minutes:g}-minute "
-            f"training budget at {self.steps_per_s:.3f} steps/s measured up to step {self.decided_at_step} "
-            f"(cap {self.cap})")
+    bent = (f", its end moved after step{'s' if len(self.cooldown_knots) > 1 else ''} "
+            f"{', '.join(str(k[0]) for k in self.cooldown_knots)}" if self.cooldown_knots else "")
+    return (f"{self.num_train_steps} steps (cool-down {self.cooldown_steps}{bent}) fit a "
+            f"{self.budget_minutes:g}-minute training budget at {self.steps_per_s:.3f} steps/s measured up to step "
+            f"{self.decided_at_step} (cap {self.cap})")
 
 
 def path(workdir: Workdir | str | os.PathLike) -> os.PathLike:
@@ -56,7 +71,9 @@ def path(workdir: Workdir | str | os.PathLike) -> os.PathLike:
 def read(workdir) -> BudgetDecision | None:
   """The decision saved in `workdir`, or None."""
   saved = read_json(path(workdir))
-  return BudgetDecision(**saved) if saved else None
+  if not saved:
+    return None
+  return BudgetDecision(**{**saved, "cooldown_knots": tuple(tuple(k) for k in saved.get("cooldown_knots", ()))})
 
 
 def write(workdir, decision: BudgetDecision) -> None:
@@ -71,10 +88,16 @@ def decision_step(config: Any, start_step: int) -> int | None:
 
 
 def revision_step(decision: BudgetDecision, start_step: int) -> int | None:
-  """The step after which `decision` is revised: the last before its cool-down, at least `MIN_MEASURED_STEPS`
-  after this process's first; None when there is no such step (the plan is final)."""
-  step = decision.num_train_steps - decision.cooldown_steps - 1
-  return step if step > max(decision.decided_at_step, start_step + MIN_MEASURED_STEPS - 1) else None
+  """The step after which `decision` is revised, at least `MIN_MEASURED_STEPS` after this process's first: the
+  last before its cool-down, or, once that is past, halfway from the last decision to the end (when at least
+  `MIN_MEASURED_STEPS` lie in between); None when there is no such step (the plan is final)."""
+  earliest = max(decision.decided_at_step, start_step + MIN_MEASURED_STEPS - 1)
+  before_cooldown = decision.cooldown_start - 1
+  if before_cooldown > earliest:
+    return before_cooldown
+  anchor = max(earliest, before_cooldown)
+  step = anchor + (decision.num_train_steps - anchor) // 2
+  return step if step - anchor >= MIN_MEASURED_STEPS else None
 
 
 def plan(config: Any) -> dict:
@@ -101,3 +124,17 @@ def decide(budget_minutes: float, cap: int, cooldown_share: float, *, step: int,
   return BudgetDecision(budget_minutes=budget_minutes, decided_at_step=step, elapsed_minutes=elapsed / 60,
                         steps_per_s=steps_per_s, cap=cap, cooldown_share=cooldown_share, num_train_steps=total,
                         cooldown_steps=min(round(cooldown_share * total), total - step))
+
+
+def revise_in_cooldown(previous: BudgetDecision, *, step: int, start_step: int, seconds: float,
+                       first_step_seconds: float) -> BudgetDecision:
+  """`previous` revised after `step`, inside its cool-down (`step >= previous.cooldown_start`): the end moves to
+  what fits the budget now (`decide`), the cool-down's start stays, and the progress `step` has reached along
+  `previous`'s cool-down is pinned as a knot, so the rate is continuous at `step`."""
+  fitted = decide(previous.budget_minutes, previous.cap, previous.cooldown_share, step=step, start_step=start_step,
+                  seconds=seconds, first_step_seconds=first_step_seconds)
+  progress = schedule_lib.cooldown_progress(step, previous.num_train_steps, previous.cooldown_steps,
+                                            previous.cooldown_knots)
+  knots = previous.cooldown_knots + (((step, progress),) if 0 < progress < 1 else ())
+  return dataclasses.replace(fitted, cooldown_steps=fitted.num_train_steps - previous.cooldown_start,
+                             cooldown_knots=knots)

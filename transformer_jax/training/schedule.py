@@ -10,6 +10,7 @@ A compute-limited run ends at a lower loss with it than at the rsqrt schedule's 
 from __future__ import annotations
 
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 
@@ -36,27 +37,58 @@ def rsqrt_schedule(d_model: int, warmup_steps: int = 4000, scale: float = 1.0) -
 COOLDOWN_SHAPES = ("linear", "1-sqrt")
 
 
-def cooldown(schedule: optax.Schedule, total_steps: int, cooldown_steps: int, shape: str = "linear"
-             ) -> optax.Schedule:
-  """`schedule(step)` times a factor that is 1 up to `total_steps - cooldown_steps`, then falls to 0.
-
-  With `cooldown_steps = c` and `total_steps = T`, step `T - c + k` (k = 1..c) is scaled by `1 - k / (c + 1)`
-  for `shape='linear'`, or by `1 - sqrt(k / (c + 1))` for `shape='1-sqrt'` (Hägele et al., 2024, section 3:
-  the rate falls fastest at the start of the cool-down and lingers near 0 at its end), so the last update still
-  moves and nothing after `T` matters. `cooldown_steps = 0` returns `schedule` itself. Raises ValueError unless
-  `0 <= cooldown_steps <= total_steps` and `shape` is one of `COOLDOWN_SHAPES`.
-  """
+def check_cooldown(total_steps: int, cooldown_steps: int, shape: str = "linear", knots=()) -> None:
+  """Raises ValueError (naming the argument) unless `cooldown` can build this cool-down: `0 <= cooldown_steps <=
+  total_steps`, `shape` one of `COOLDOWN_SHAPES`, and `knots` pairs `(step, progress)` with steps increasing
+  inside the cool-down (`total_steps - cooldown_steps < step <= total_steps`) and progress increasing in (0, 1)."""
   if not 0 <= cooldown_steps <= total_steps:
     raise ValueError(f"cooldown_steps={cooldown_steps} must be in [0, total_steps={total_steps}]")
   if shape not in COOLDOWN_SHAPES:
     raise ValueError(f"cooldown shape {shape!r} must be one of {', '.join(map(repr, COOLDOWN_SHAPES))}")
+  previous_step, previous_progress = total_steps - cooldown_steps, 0.0
+  for knot in knots:
+    if len(knot) != 2 or not (previous_step < knot[0] <= total_steps and previous_progress < knot[1] < 1):
+      raise ValueError(f"cooldown knot {tuple(knot)} must be (step, progress) with steps increasing in "
+                       f"({total_steps - cooldown_steps}, {total_steps}] and progress increasing in (0, 1)")
+    previous_step, previous_progress = knot
+
+
+def _progress_points(total_steps: int, cooldown_steps: int, knots) -> tuple[list[float], list[float]]:
+  """The cool-down's progress as a piecewise-linear function of the step: through (start, 0), the knots and
+  (total_steps + 1, 1)."""
+  start = total_steps - cooldown_steps
+  return ([start, *(float(k[0]) for k in knots), total_steps + 1.0],
+          [0.0, *(float(k[1]) for k in knots), 1.0])
+
+
+def cooldown_progress(step: int, total_steps: int, cooldown_steps: int, knots=()) -> float:
+  """How far (0..1) step `step` is through the cool-down `cooldown(..., total_steps, cooldown_steps, knots=knots)`
+  follows: 0 up to its start, 1 after `total_steps`. The budget's revisions keep it continuous (`knots`)."""
+  xs, ys = _progress_points(total_steps, cooldown_steps, knots)
+  return float(np.interp(step, xs, ys))
+
+
+def cooldown(schedule: optax.Schedule, total_steps: int, cooldown_steps: int, shape: str = "linear",
+             knots=()) -> optax.Schedule:
+  """`schedule(step)` times a factor that is 1 up to `total_steps - cooldown_steps`, then falls to 0.
+
+  With `cooldown_steps = c` and `total_steps = T`, step `T - c + k` (k = 1..c) is scaled by `1 - p` for
+  `shape='linear'`, or by `1 - sqrt(p)` for `shape='1-sqrt'` (Hägele et al., 2024, section 3: the rate falls
+  fastest at the start of the cool-down and lingers near 0 at its end), where the progress `p = k / (c + 1)`,
+  so the last update still moves and nothing after `T` matters.
+
+  `knots`: `(step, progress)` pairs that bend the progress piecewise-linearly through them, from 0 at the start to
+  1 at `T + 1`. A time budget that moves the end of a cool-down already under way (`training/budget.py`) pins the
+  progress reached so far as a knot, so the rate stays continuous and the steps taken follow the new schedule.
+  `cooldown_steps = 0` returns `schedule` itself. Raises ValueError for what `check_cooldown` refuses.
+  """
+  check_cooldown(total_steps, cooldown_steps, shape, knots)
   if cooldown_steps == 0:
     return schedule
-  start = total_steps - cooldown_steps
+  xs, ys = (jnp.asarray(points, jnp.float32) for points in _progress_points(total_steps, cooldown_steps, knots))
 
   def cooled(step):
-    into = jnp.maximum(jnp.asarray(step, dtype=jnp.float32) - start, 0.0)  # steps into the cool-down
-    progress = jnp.minimum(into / (cooldown_steps + 1), 1.0)                # 0 before, 1 after step T
+    progress = jnp.interp(jnp.asarray(step, dtype=jnp.float32), xs, ys)  # 0 before the start, 1 after step T
     fall = progress if shape == "linear" else jnp.sqrt(progress)
     return schedule(step) * (1.0 - fall)
 
