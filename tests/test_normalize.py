@@ -4,6 +4,7 @@ the training pairs, the token-id cache, translation input and the metrics."""
 import json
 import os
 import random
+import threading
 import unicodedata
 
 import numpy as np
@@ -124,6 +125,32 @@ def test_a_unigram_vocabulary_does_not_depend_on_the_hosts_core_count(tmp_path, 
   protos = [spm.SentencePieceProcessor(model_proto=m) for m in models]
   pieces = [[(p.id_to_piece(i), p.get_score(i)) for i in range(p.get_piece_size())] for p in protos]
   assert pieces[0] == pieces[1]
+
+
+def test_processes_that_write_one_vocabulary_at_once_all_succeed(tmp_path):
+  """Every process of a multi-host run trains the vocabulary into a shared workdir (the same bytes): each writes
+  its stamp through its own temporary file (one shared name let one writer rename another's file away) and moves
+  the model in with a rename, so all of them finish and the files are whole."""
+  lines = [f"line {i} with some words {i % 7} and more {i % 13}" for i in range(300)]
+  path = str(tmp_path / "vocab" / "spm.model")
+  errors, models = [], []
+
+  def train():
+    try:
+      models.append(tok_lib.train_tokenizer(lines, path, vocab_size=60).vocab_size)
+      for _ in range(100):
+        tok_lib.write_normalization_stamp(path, (tmp_path / "vocab" / "spm.model").read_bytes())
+    except Exception as error:  # noqa: BLE001 (what a writer raised is the result)
+      errors.append(repr(error))
+
+  writers = [threading.Thread(target=train) for _ in range(4)]
+  for writer in writers:
+    writer.start()
+  for writer in writers:
+    writer.join()
+  assert errors == [] and models == [models[0]] * 4
+  assert tok_lib.Tokenizer(path).vocab_size == models[0]  # loads: the stamp names this model's bytes
+  assert sorted(os.listdir(tmp_path / "vocab")) == ["spm.model", "spm.normalization.json"]  # no temporary left
 
 
 def test_invisible_characters_do_not_change_ids(tokenizer):

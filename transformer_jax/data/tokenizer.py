@@ -35,6 +35,7 @@ import random
 import shutil
 import tempfile
 import threading
+import uuid
 from typing import Iterable, Protocol, Sequence
 
 import numpy as np
@@ -120,7 +121,7 @@ def write_normalization_stamp(model_path: str, model_bytes: bytes, lowercase: bo
   stamp = {"normalization": normalize_lib.VERSION, "lowercase": bool(lowercase),
            "signature": normalize_lib.signature(lowercase=lowercase), "model_sha256": _sha256(model_bytes)}
   target = stamp_path(model_path)
-  tmp = f"{target}.tmp"
+  tmp = f"{target}.{uuid.uuid4().hex}.tmp"  # one per writer: the processes of a run may write it at once
   with open(tmp, "w", encoding="utf-8") as f:
     json.dump(stamp, f, indent=2)
   os.replace(tmp, target)
