@@ -288,6 +288,8 @@ def test_bad_program_flags_are_one_line_errors(workdir, program, flags, needle):
     (["--config.num_train_steps=10", "--config.cooldown_steps=11"], "must be <= num_train_steps (10)"),
     (["--config.cooldown_shape=cosine"], "--config.cooldown_shape='cosine': must be one of 'linear', '1-sqrt'"),
     (["--config.cooldown_knots=(3, 0.5)"], "--config.cooldown_knots=(3, 0.5): must be a tuple of (step, progress)"),
+    (["--config.cooldown_knots=((5, 0.5),)"], "--config.cooldown_knots=((5, 0.5),): cooldown knots ((5, 0.5),) "
+     "need a cool-down (cooldown_steps > 0)"),
     (["--config.num_train_steps=100", "--config.cooldown_steps=20", "--config.cooldown_knots=((90, 1.5),)"],
      "--config.cooldown_knots=((90, 1.5),): cooldown knot (90, 1.5) must be (step, progress) with steps increasing "
      "in (80, 100] and progress increasing in (0, 1)"),

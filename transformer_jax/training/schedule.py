@@ -45,6 +45,8 @@ def check_cooldown(total_steps: int, cooldown_steps: int, shape: str = "linear",
     raise ValueError(f"cooldown_steps={cooldown_steps} must be in [0, total_steps={total_steps}]")
   if shape not in COOLDOWN_SHAPES:
     raise ValueError(f"cooldown shape {shape!r} must be one of {', '.join(map(repr, COOLDOWN_SHAPES))}")
+  if knots and not cooldown_steps:
+    raise ValueError(f"cooldown knots {tuple(map(tuple, knots))} need a cool-down (cooldown_steps > 0)")
   previous_step, previous_progress = total_steps - cooldown_steps, 0.0
   for knot in knots:
     if len(knot) != 2 or not (previous_step < knot[0] <= total_steps and previous_progress < knot[1] < 1):
