@@ -128,28 +128,35 @@ def test_a_unigram_vocabulary_does_not_depend_on_the_hosts_core_count(tmp_path, 
 
 
 def test_processes_that_write_one_vocabulary_at_once_all_succeed(tmp_path):
-  """Every process of a multi-host run trains the vocabulary into a shared workdir (the same bytes): each writes
-  its stamp through its own temporary file (one shared name let one writer rename another's file away) and moves
-  the model in with a rename, so all of them finish and the files are whole."""
+  """Every process of a multi-host run trains the vocabulary into a shared workdir (the same bytes since the
+  thread count is fixed) and puts it in place as `train_tokenizer` does: the stamp through a temporary file, then
+  the model by a rename. With one shared temporary name for the stamp, one writer renamed another's file away
+  (FileNotFoundError) or a reader met a missing stamp; each writer now has its own, so all of them finish, every
+  load in between succeeds and no temporary file is left."""
   lines = [f"line {i} with some words {i % 7} and more {i % 13}" for i in range(300)]
   path = str(tmp_path / "vocab" / "spm.model")
-  errors, models = [], []
+  model = tok_lib.train_tokenizer(lines, path, vocab_size=60)
+  model_bytes = (tmp_path / "vocab" / "spm.model").read_bytes()
+  errors = []
 
-  def train():
+  def writer(index):  # a process that trained the same vocabulary, putting it in place again and loading it
     try:
-      models.append(tok_lib.train_tokenizer(lines, path, vocab_size=60).vocab_size)
-      for _ in range(100):
-        tok_lib.write_normalization_stamp(path, (tmp_path / "vocab" / "spm.model").read_bytes())
+      for round_ in range(100):
+        tok_lib.write_normalization_stamp(path, model_bytes)
+        staged = f"{path}.{index}.{round_}"
+        with open(staged, "wb") as f:
+          f.write(model_bytes)
+        os.replace(staged, path)
+        assert tok_lib.Tokenizer(path).vocab_size == model.vocab_size
     except Exception as error:  # noqa: BLE001 (what a writer raised is the result)
       errors.append(repr(error))
 
-  writers = [threading.Thread(target=train) for _ in range(4)]
-  for writer in writers:
-    writer.start()
-  for writer in writers:
-    writer.join()
-  assert errors == [] and models == [models[0]] * 4
-  assert tok_lib.Tokenizer(path).vocab_size == models[0]  # loads: the stamp names this model's bytes
+  writers = [threading.Thread(target=writer, args=(i,)) for i in range(4)]
+  for thread in writers:
+    thread.start()
+  for thread in writers:
+    thread.join()
+  assert errors == []
   assert sorted(os.listdir(tmp_path / "vocab")) == ["spm.model", "spm.normalization.json"]  # no temporary left
 
 
