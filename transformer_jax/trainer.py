@@ -145,8 +145,7 @@ def optimizer(config: Any, d_model: int) -> tuple[optax.GradientTransformation, 
   paper's schedule as is), and the schedule itself."""
   learning_rate_fn = schedule_lib.cooldown(
       schedule_lib.rsqrt_schedule(d_model, config.warmup_steps, config.learning_rate),
-      config.num_train_steps, config.cooldown_steps, config.cooldown_shape,
-      tuple(map(tuple, config.cooldown_knots)))
+      config.num_train_steps, config.cooldown_steps, config.cooldown_shape, config.cooldown_knots)
   tx = schedule_lib.adam(learning_rate_fn, b1=config.adam_b1, b2=config.adam_b2, eps=config.adam_eps)
   return tx, learning_rate_fn
 
@@ -453,8 +452,8 @@ def fit_to_budget(run: Run, previous: budget_lib.BudgetDecision | None, step: in
     total, cooldown, knots = previous.num_train_steps, previous.cooldown_steps, previous.cooldown_knots
   decision = dataclasses.replace(decision, num_train_steps=total, cooldown_steps=cooldown, cooldown_knots=knots)
   logging.info("Time budget: %s", decision.describe())
-  changed = ((total, cooldown, knots) !=
-             (run.config.num_train_steps, run.config.cooldown_steps, tuple(map(tuple, run.config.cooldown_knots))))
+  changed = (total, cooldown, knots) != (run.config.num_train_steps, run.config.cooldown_steps,
+                                        tuple(run.config.cooldown_knots))
   run.config = with_budget_decision(run.config, decision)
   run.resolved_config.update(num_train_steps=total, cooldown_steps=cooldown, cooldown_knots=knots)
   if run.is_chief:  # saved even when nothing changed: a resumed run starts from the latest plan
