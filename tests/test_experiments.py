@@ -293,6 +293,9 @@ def test_bad_program_flags_are_one_line_errors(workdir, program, flags, needle):
     (["--config.num_train_steps=100", "--config.cooldown_steps=20", "--config.cooldown_knots=((90, 1.5),)"],
      "--config.cooldown_knots=((90, 1.5),): cooldown knot (90, 1.5) must be (step, progress) with steps increasing "
      "in (80, 100] and progress increasing in (0, 1)"),
+    (["--config.dropout_schedule=(300, 0.2)"], "--config.dropout_schedule=(300, 0.2): must be a tuple of (step, rate)"),
+    (["--config.dropout_schedule=((300, 0.2), (200, 0.3))"], "--config.dropout_schedule=((300, 0.2), (200, 0.3)): "
+     "dropout stage (200, 0.3) must be (step, rate) with integer steps increasing from 301 and a rate in [0, 1)"),
     (["--config.num_cpu_devices=-1"], "--config.num_cpu_devices=-1: must be an integer >= 0"),
     (["--config.decode.mbr_utility=comet"], "--config.decode.mbr_utility='comet': must be one of"),
     (["--config.decode.mbr_utility=chrf", "--config.decode.beam_size=1"], "needs decode.beam_size >= 2"),

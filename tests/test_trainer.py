@@ -2,6 +2,7 @@
 
 import copy
 import json
+import logging
 
 import jax
 import numpy as np
@@ -91,6 +92,47 @@ def test_train_and_evaluate_returns_a_typed_result_and_leaves_the_config_alone(t
   saved = Workdir(tmp_path / "run").require_config()
   assert saved["model"]["vocab_size"] == result.model_config.vocab_size
   assert saved["num_train_steps"] == 6
+
+
+def _final_params(result):
+  return jax.tree_util.tree_leaves(jax.device_get(result.state.params))
+
+
+def test_a_dropout_stage_recompiles_the_step_at_its_update_and_on_resume(tmp_path, caplog):
+  """`config.dropout_schedule`: the step is recompiled with the stage's rate at the stage's update, and a run
+  resumed after it compiles that rate; a run that adds the stage on resume ends bitwise where one that had it
+  from the start ends, and elsewhere than one without it."""
+  def config_with(**overrides):
+    config = _tiny_config(tmp_path)
+    config.model.dropout_rate = 0.1
+    config.evals.loss.every_steps = config.evals.bleu.every_steps = config.evals.attention.every_steps = 0
+    config.update(overrides)
+    return config
+
+  staged_config = config_with(dropout_schedule=((4, 0.3),))
+  with caplog.at_level(logging.INFO):
+    staged = trainer.train_and_evaluate(staged_config, str(tmp_path / "staged"))
+  assert "Dropout 0.3 from step 4 (config.dropout_schedule)" in caplog.text
+  assert staged.model_config.dropout_rate == 0.1  # the model's own rate (what config.json keeps)
+
+  trainer.train_and_evaluate(config_with(num_train_steps=3), str(tmp_path / "resumed"))
+  resumed = trainer.train_and_evaluate(staged_config, str(tmp_path / "resumed"))
+  assert resumed.final_step == staged.final_step == 6
+  for a, b in zip(_final_params(staged), _final_params(resumed), strict=True):
+    np.testing.assert_array_equal(a, b)
+  plain = trainer.train_and_evaluate(config_with(), str(tmp_path / "plain"))
+  assert any((a != b).any() for a, b in zip(_final_params(staged), _final_params(plain)))
+
+  # The step a run resumed after the stage compiles is the trainer's step at the stage's rate.
+  run = trainer.prepare(staged_config, str(tmp_path / "staged"))
+  trainer.init_or_restore(run)
+  assert (run.start_step, run.train_dropout_rate) == (6, 0.3)
+  batch = trainer.sharding.shard_batch(next(run.data.train), run.mesh, run.rules)
+  at_rate = trainer.make_train_step(staged_config, run.model_config.replace(dropout_rate=0.3), run.mesh, run.state,
+                                    run.rules)
+  assert run.train_step.lower(run.state, batch, run.rng).as_text() == at_rate.lower(
+      run.state, batch, run.rng).as_text()
+  run.checkpointer.close()
 
 
 def test_make_train_step_is_the_step_the_trainer_runs(tmp_path):

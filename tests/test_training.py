@@ -12,7 +12,7 @@ import pytest
 from transformer_jax.config import tiny
 from transformer_jax.model import Transformer
 from transformer_jax import sharding
-from transformer_jax.training import (adam, adam_with_schedule, cooldown, cooldown_progress, eval_step,
+from transformer_jax.training import (adam, adam_with_schedule, cooldown, cooldown_progress, dropout_rate, eval_step,
                                       label_smoothed_cross_entropy, metrics_from_sums, normalized_loss,
                                       rsqrt_schedule, train_step)
 from transformer_jax.training.steps import TrainState
@@ -123,6 +123,16 @@ def test_cooldown_knots_bend_the_progress_and_keep_the_rate_continuous(shape):
   for bad in (((80, 0.1),), ((101, 0.5),), ((90, 1.0),), ((90, 0.0),), ((90, 0.5), (95, 0.4)), ((90,),)):
     with pytest.raises(ValueError, match="cooldown knot"):
       cooldown(base, 100, 20, shape, bad)
+
+
+def test_dropout_stages_set_the_rate_from_their_step_on():
+  """Before the first stage the model's rate; from a stage's step (update counted from 1) on, its rate."""
+  stages = ((4, 0.2), (7, 0.0))
+  assert [dropout_rate(stages, 0.1, step) for step in range(1, 10)] == [0.1] * 3 + [0.2] * 3 + [0.0] * 3
+  assert dropout_rate((), 0.15, 5000) == 0.15
+  for bad in (((0, 0.2),), ((5, 0.2), (5, 0.3)), ((5, 1.0),), ((5, -0.1),), ((5.5, 0.2),), ((True, 0.2),), ((5,),)):
+    with pytest.raises(ValueError, match="dropout stage"):
+      dropout_rate(bad, 0.1, 1)
 
 
 def test_adam_drives_updates_by_the_cooled_schedule():

@@ -14,7 +14,8 @@ named steps, each small enough to read at once:
 3. `train`: the compiled step (`make_train_step`, the same one the benchmarks time) in a loop whose periodic
    actions (logging, evaluators, checkpoints, stop signals) are each decided by `itstime`. With
    `config.train_budget_minutes`, the run's length is planned after the warm-up from its measured rate and
-   revised before and during the cool-down (`fit_to_budget`, `training/budget.py`).
+   revised before and during the cool-down (`fit_to_budget`, `training/budget.py`). With
+   `config.dropout_schedule`, the step is recompiled at each stage with its dropout rate (`compile_train_step`).
 
 Fine-tuning an imported model (`experiments.import_marian`): the workdir's `config.json` fixes the model's
 architecture and tokenizer; `config_for_workdir(config, workdir, explicit)` takes them from there (and refuses
@@ -160,6 +161,20 @@ def make_train_step(config: Any, model_config: ModelConfig, mesh: jax.sharding.M
   return sharding.jit_train_step(model_config, mesh, sharding.shardings_of(state), rules,
                                  label_smoothing=config.label_smoothing,
                                  grad_accum_steps=config.grad_accum_steps, learning_rate_fn=learning_rate_fn)
+
+
+def train_model_config(config: Any, model_config: ModelConfig, step: int) -> ModelConfig:
+  """The model config update `step` (counted from 1) trains with: `model_config` with the residual dropout rate
+  `config.dropout_schedule` sets for that step (`schedule.dropout_rate`)."""
+  rate = schedule_lib.dropout_rate(config.dropout_schedule, model_config.dropout_rate, step)
+  return model_config if rate == model_config.dropout_rate else model_config.replace(dropout_rate=rate)
+
+
+def compile_train_step(run: "Run", step: int) -> None:
+  """Compiles `run.train_step` for update `step` onwards: the config's schedule and its dropout rate there."""
+  model_config = train_model_config(run.config, run.model_config, step)
+  run.train_step = make_train_step(run.config, model_config, run.mesh, run.state, run.rules)
+  run.train_dropout_rate = model_config.dropout_rate
 
 
 def create_state(config: Any, model_config: ModelConfig, mesh: jax.sharding.Mesh, rng: jax.Array,
@@ -347,6 +362,7 @@ class Run:
   rng: jax.Array | None = None   # the typed dropout key (`jax.random.key`), saved with every checkpoint
   start_step: int = 0
   train_step: sharding.PartitionedFunction | None = None
+  train_dropout_rate: float | None = None  # the residual dropout rate `train_step` was compiled with
   eval_step: sharding.PartitionedFunction | None = None
   checkpointer: checkpoint_lib.Checkpointer | None = None
 
@@ -462,7 +478,7 @@ def fit_to_budget(run: Run, previous: budget_lib.BudgetDecision | None, step: in
   if changed:  # the schedule lives in the state's (static) optimizer: both it and the step are rebuilt
     tx, _ = optimizer(run.config, run.model_config.d_model)
     run.state = run.state.replace(tx=tx)
-    run.train_step = make_train_step(run.config, run.model_config, run.mesh, run.state, run.rules)
+    compile_train_step(run, step + 1)
   return decision
 
 
@@ -491,7 +507,7 @@ def init_or_restore(run: Run) -> None:
     run.data.train.set_state(restored.data_state)
     logging.info("Resumed from the checkpoint at step %d in %s (data position %s)", run.start_step,
                  run.checkpointer.directory, restored.data_state)
-  run.train_step = make_train_step(run.config, run.model_config, run.mesh, run.state, run.rules)
+  compile_train_step(run, run.start_step + 1)
   run.eval_step = sharding.jit_eval_step(run.model_config, run.mesh, sharding.shardings_of(run.state.params),
                                          run.rules, label_smoothing=run.config.label_smoothing)
 
@@ -594,6 +610,9 @@ def train(run: Run, writer: MetricWriter, stop: StopSignal) -> TrainResult:
   while step < total:
     step += 1
     batch = sharding.shard_batch(next_batch(run.data.train, config.grad_accum_steps), run.mesh, run.rules)
+    if train_model_config(config, run.model_config, step).dropout_rate != run.train_dropout_rate:
+      compile_train_step(run, step)
+      logging.info("Dropout %g from step %d (config.dropout_schedule)", run.train_dropout_rate, step)
     run.state, metrics = run.train_step(run.state, batch, run.rng)
     if step == run.start_step + 1:
       first_step_seconds = time.time() - train_start

@@ -19,7 +19,7 @@ import ml_collections
 
 from transformer_jax import mbr
 from transformer_jax.config import ModelConfig
-from transformer_jax.training.schedule import COOLDOWN_SHAPES, check_cooldown
+from transformer_jax.training.schedule import COOLDOWN_SHAPES, check_cooldown, check_dropout_schedule
 
 
 def get_config() -> ml_collections.ConfigDict:
@@ -63,6 +63,8 @@ def get_config() -> ml_collections.ConfigDict:
   config.cooldown_knots = ()                  # ((step, progress), ...): where a time budget moved the end of a
                                               # cool-down under way (schedule.cooldown); set by the budget, given
                                               # only to re-run a budgeted run at its fixed length
+  config.dropout_schedule = ()                # ((step, rate), ...): model.dropout_rate from that update on, in
+                                              # absolute steps (schedule.dropout_rate; () = model.dropout_rate)
   config.train_budget_minutes = 0.0           # > 0: fit num_train_steps (then a cap) to this much training time,
                                               # at the measured rate (training/budget.py; 0 = off)
   config.adam_b1 = 0.9                        # Adam beta1
@@ -157,11 +159,14 @@ def _splits(value):
   return ok, "a tuple of split names, e.g. \"('validation',)\""
 
 
-def _knots(value):
-  ok = isinstance(value, (tuple, list)) and all(
-      isinstance(k, (tuple, list)) and len(k) == 2 and isinstance(k[0], int) and not isinstance(k[0], bool)
-      and isinstance(k[1], (int, float)) and not isinstance(k[1], bool) for k in value)
-  return ok, "a tuple of (step, progress) pairs, e.g. '((3700, 0.42),)', or ()"
+def _step_pairs(second: str, example: str):
+  """A tuple of (integer step, number) pairs, e.g. cool-down knots or dropout stages."""
+  def check(value):
+    ok = isinstance(value, (tuple, list)) and all(
+        isinstance(k, (tuple, list)) and len(k) == 2 and isinstance(k[0], int) and not isinstance(k[0], bool)
+        and isinstance(k[1], (int, float)) and not isinstance(k[1], bool) for k in value)
+    return ok, f"a tuple of (step, {second}) pairs, e.g. '{example}', or ()"
+  return check
 
 
 def _metric_name(value):
@@ -191,7 +196,8 @@ RULES = {
     "learning_rate": _number(0.0, low_open=True),
     "cooldown_steps": _integer(0),
     "cooldown_shape": _one_of(*COOLDOWN_SHAPES),
-    "cooldown_knots": _knots,
+    "cooldown_knots": _step_pairs("progress", "((3700, 0.42),)"),
+    "dropout_schedule": _step_pairs("rate", "((3000, 0.2),)"),
     "train_budget_minutes": _number(0.0),
     "adam_b1": _number(0.0, 1.0),
     "adam_b2": _number(0.0, 1.0),
@@ -261,6 +267,10 @@ def validate(config: ml_collections.ConfigDict) -> None:
     check_cooldown(config.num_train_steps, config.cooldown_steps, config.cooldown_shape, config.cooldown_knots)
   except ValueError as error:
     raise ConfigError(f"--config.cooldown_knots={config.cooldown_knots!r}: {error}") from None
+  try:
+    check_dropout_schedule(config.dropout_schedule)
+  except ValueError as error:
+    raise ConfigError(f"--config.dropout_schedule={config.dropout_schedule!r}: {error}") from None
   if config.decode.mbr_utility and config.decode.beam_size < 2:
     raise ConfigError(f"--config.decode.mbr_utility={config.decode.mbr_utility!r}: needs decode.beam_size >= 2 "
                       f"(MBR chooses from beam search's n-best list), got {config.decode.beam_size}")

@@ -5,6 +5,9 @@ The cool-down (`cooldown`) is not in the paper: it multiplies any schedule by a 
 Hägele et al., 2024, "Scaling Laws and Compute-Optimal Training Beyond Fixed Training Durations"; t5x's
 rsqrt-then-linear-decay).
 A compute-limited run ends at a lower loss with it than at the rsqrt schedule's still-high final rate.
+
+`dropout_rate` is the other schedule a run follows: the residual dropout rate by stages of absolute steps (the
+trainer recompiles its step at each stage, as a dropout rate is a static field of the model's config).
 """
 
 from __future__ import annotations
@@ -107,3 +110,32 @@ def adam_with_schedule(d_model: int, warmup_steps: int = 4000, scale: float = 1.
                        b2: float = 0.98, eps: float = 1e-9) -> optax.GradientTransformation:
   """Adam(β1 0.9, β2 0.98, ε 1e-9) driven by `rsqrt_schedule` (section 5.3); update k uses step k."""
   return adam(rsqrt_schedule(d_model, warmup_steps, scale), b1=b1, b2=b2, eps=eps)
+
+
+def check_dropout_schedule(stages) -> None:
+  """Raises ValueError (naming the stage) unless `stages` are `(step, rate)` pairs with integer steps >= 1,
+  increasing, and rates in [0, 1)."""
+  previous = 0
+  for stage in stages:
+    if (len(stage) != 2 or isinstance(stage[0], bool) or not isinstance(stage[0], (int, np.integer))
+        or not previous < stage[0] or not 0.0 <= stage[1] < 1.0):
+      raise ValueError(f"dropout stage {tuple(stage)} must be (step, rate) with integer steps increasing from "
+                       f"{previous + 1} and a rate in [0, 1)")
+    previous = stage[0]
+
+
+def dropout_rate(stages, base_rate: float, step: int) -> float:
+  """The residual dropout rate (P_drop, section 5.4) of update `step` (counted from 1) under `stages`.
+
+  `stages`: `(step, rate)` pairs; from update `step` on the rate is `rate`, before the first stage `base_rate`
+  (the model's `dropout_rate`). A rate that rises late in a run lets a short run learn at a low rate first and
+  regularise more once it overfits ("late dropout", Liu et al., 2023, "Dropout Reduces Underfitting", ICML).
+  The stages are in absolute steps, not fractions of the run: a slower host that gets fewer steps in its
+  time budget reaches fewer of them. Raises ValueError for what `check_dropout_schedule` refuses.
+  """
+  check_dropout_schedule(stages)
+  rate = base_rate
+  for start, stage_rate in stages:
+    if step >= start:
+      rate = float(stage_rate)
+  return rate
