@@ -601,6 +601,7 @@ def train(run: Run, writer: MetricWriter, stop: StopSignal) -> TrainResult:
   eval_metrics: dict[str, float] = {}
   last_save_time = train_start = time.time()
   step, stopped, first_step_seconds = run.start_step, False, 0.0
+  stage_starts = {start for start, _ in config.dropout_schedule}  # where the compiled step's dropout may change
   decision = budget_lib.read(run.workdir) if config.train_budget_minutes > 0 else None
   fit_at = (budget_lib.revision_step(decision, run.start_step) if decision else
             budget_lib.decision_step(config, run.start_step) if config.train_budget_minutes > 0 else None)
@@ -610,7 +611,8 @@ def train(run: Run, writer: MetricWriter, stop: StopSignal) -> TrainResult:
   while step < total:
     step += 1
     batch = sharding.shard_batch(next_batch(run.data.train, config.grad_accum_steps), run.mesh, run.rules)
-    if train_model_config(config, run.model_config, step).dropout_rate != run.train_dropout_rate:
+    if (step in stage_starts and
+        train_model_config(config, run.model_config, step).dropout_rate != run.train_dropout_rate):
       compile_train_step(run, step)
       logging.info("Dropout %g from step %d (config.dropout_schedule)", run.train_dropout_rate, step)
     run.state, metrics = run.train_step(run.state, batch, run.rng)
