@@ -186,6 +186,16 @@ def _shape_words(shape: str) -> str:
   return "" if shape == "linear" else f" ({shape})"
 
 
+def _dropout_words(config, model_config) -> str:
+  """"dropout 0.1 (0.2 from step 2400), attention dropout 0.1": the residual rate with its stages, and the
+  attention weights' rate where it is set."""
+  stages = "; ".join(f"{rate:g} from step {step}" for step, rate in config.get("dropout_schedule", ()))
+  words = f"dropout {model_config.dropout_rate:g}" + (f" ({stages})" if stages else "")
+  if model_config.attention_dropout_rate:
+    words += f", attention dropout {model_config.attention_dropout_rate:g}"
+  return words
+
+
 def _mbr_words(decode_cfg) -> str:
   utility = decode_cfg.get("mbr_utility", "")
   return f", the MBR choice from the {decode_cfg.beam_size}-best list ({utility} utility)" if utility else ""
@@ -201,7 +211,7 @@ def run_markdown(path, curve, config, model_config, rows, summary) -> str:
       f"{summary['load_average_1_5_15min'][2]:.2f} over the last 15 min). Model: "
       f"{model_config.num_encoder_layers}+{model_config.num_decoder_layers} layers, d_model {model_config.d_model}, "
       f"d_ff {model_config.d_ff}, {model_config.num_heads} heads, "
-      f"dropout {model_config.dropout_rate}, shared BPE vocabulary {model_config.vocab_size}"
+      f"{_dropout_words(config, model_config)}, shared BPE vocabulary {model_config.vocab_size}"
       f"{' (lowercased text)' if lowercase else ''}; "
       f"{config.num_train_steps} steps of {config.data.tokens_per_batch} tokens{_devices_words(summary)} "
       f"(warm-up {config.warmup_steps}, "
