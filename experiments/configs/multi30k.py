@@ -15,17 +15,22 @@ from experiments.configs import default
 def get_config() -> ml_collections.ConfigDict:
   config = default.get_config()
 
-  # A small model (3+3 layers, d_model 256, d_ff 512, 4 heads: 5.5M parameters), post-LN as in the paper. The
-  # published 4+4 x d_model 128 (2.6M) trains at 1.7x the steps/s on 2 cores and was level with it at equal minutes
-  # through the cool-down (docs/results.md, R8). Late dropout (Liu et al., 2023): 0.1 up to step 2,399, 0.2 from
-  # step 2,400 on. An hour is ~16-25 epochs of 29k pairs: early on the model underfits and a higher rate only slows
-  # it (0.1 was 0.15 nats ahead of 0.2 at step 2,000, R6, R9; 0.15 behind 0.1 to step ~3,000, R43-R44), late it
-  # overfits (0.1 stopped learning over the last ~1,000 steps of a fast host's ~5,500, R42). The stage is at an
-  # absolute step, not a share of the run: overfitting starts after so many epochs, so a slow host that gets
-  # fewer steps keeps the lower rate for more of them, which is what it needs. Against constant 0.15 (R43-R44) at
-  # the same seeds and host: val NLL 1.532 / 1.542 against 1.566 / 1.570 (seeds 1 / 0, ahead from step 2,800),
-  # beam val BLEU 41.48 / 41.83 against 41.87 / 40.95, 41.66 against 41.41 in the mean (R46-R47).
-  config.model.update(num_encoder_layers=3, num_decoder_layers=3, d_model=256, d_ff=512, num_heads=4,
+  # A small model (3+3 layers, d_model 192, d_ff 768, 4 heads of 48: 4.28M parameters), post-LN as in the paper.
+  # Per step it learns as d_model 256 x d_ff 512 (5.50M) does (val NLL 0.05 nats ahead to 0.02 behind at every
+  # evaluation from step 800 to the last before either cool-down, in both seeds, R50-R51 against R46-R47) at 1.23x
+  # its steps/s side by side (1.29x on a Zen 4 host), so an hour gives it ~1.25x the steps; the paper's rate scales as d_model^-0.5, so its peak is 2.55e-3. With
+  # constant dropout 0.1 the same model stopped learning half way through a fast hour (R25); late dropout keeps it
+  # learning to the end (R50: val NLL 1.509, beam val BLEU 42.16, both the best of any run). The published
+  # 4+4 x d_model 128 (2.6M) trains at 1.5-1.7x the steps/s and was level with d_model 256 at equal minutes (R8).
+  # Late dropout (Liu et al., 2023): 0.1 up to step 2,399, 0.2 from step 2,400 on. An hour is ~16-30 epochs of the
+  # 29k pairs: early on the model underfits and a higher rate only slows it (0.1 was 0.15 nats ahead of 0.2 at step
+  # 2,000, R6, R9; 0.15 behind 0.1 to step ~3,000, R43-R44), late it overfits (0.1 stopped learning over the last
+  # ~1,000 steps of a fast host's ~5,500, R42). The stage is at an absolute step, not a share of the run:
+  # overfitting starts after so many epochs, so a slow host that gets fewer steps keeps the lower rate for more of
+  # them, which is what it needs. At d_model 256 against constant 0.15 (R43-R44), same seeds and host: val NLL
+  # 1.532 / 1.542 against 1.566 / 1.570 (seeds 1 / 0, ahead from step 2,800), beam val BLEU 41.66 against 41.41 in
+  # the mean (R46-R47).
+  config.model.update(num_encoder_layers=3, num_decoder_layers=3, d_model=192, d_ff=768, num_heads=4,
                       dropout_rate=0.1, max_len=160)
   config.dropout_schedule = ((2400, 0.2),)
   # Relative position representations on the keys of every self-attention layer (Shaw et al., 2018: learned
@@ -61,10 +66,11 @@ def get_config() -> ml_collections.ConfigDict:
   # and seed it ended 0.008 nats lower in val NLL and 0.45 higher in beam val BLEU than the linear fall (R40, R41).
   # The run is fitted to the hour: the trainer measures its steps/s, plans the length that fits 53 minutes of
   # training after the warm-up and revises it before and during the cool-down (training/budget.py), so data
-  # preparation (~0.5 min), averaging and test decoding (~2.5 min) end inside 60 on any 2-core host: ~6,900 steps
-  # where R5 ran at 2.2 steps/s, ~3,500 on the AMD EPYC host at ~1.1 (docs/results.md).
-  config.num_train_steps = 8000           # a cap: the budget sets the length
-  config.cooldown_steps = 2000            # a quarter of the run, whatever length the budget sets
+  # preparation (~0.5 min), averaging and test decoding (~2.5 min) end inside 60 on any 2-core host: ~7,200 steps
+  # on the Intel host at ~2.3 steps/s (R50-R51), ~4,300 on the AMD EPYC host of R7-R17 (~1.1 steps/s at d_model 256,
+  # x1.23 here). The cap is above what the fastest host measured would plan (R5's: ~2.8 steps/s, ~8,900 steps).
+  config.num_train_steps = 10_000         # a cap: the budget sets the length
+  config.cooldown_steps = 2500            # a quarter of the run, whatever length the budget sets
   config.cooldown_shape = "1-sqrt"
   config.warmup_steps = 800
   config.train_budget_minutes = 53.0
