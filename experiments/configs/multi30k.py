@@ -17,11 +17,13 @@ def get_config() -> ml_collections.ConfigDict:
 
   # A small model (3+3 layers, d_model 192, d_ff 768, 4 heads of 48: 4.28M parameters), post-LN as in the paper.
   # Per step it learns as d_model 256 x d_ff 512 (5.50M) does (val NLL 0.05 nats ahead to 0.02 behind at every
-  # evaluation from step 800 to the last before either cool-down, in both seeds, R50-R51 against R46-R47) at 1.23x
-  # its steps/s side by side (1.29x on a Zen 4 host), so an hour gives it ~1.25x the steps; the paper's rate scales as d_model^-0.5, so its peak is 2.55e-3. With
-  # constant dropout 0.1 the same model stopped learning half way through a fast hour (R25); late dropout keeps it
-  # learning to the end (R50: val NLL 1.509, beam val BLEU 42.16, both the best of any run). The published
-  # 4+4 x d_model 128 (2.6M) trains at 1.5-1.7x the steps/s and was level with d_model 256 at equal minutes (R8).
+  # evaluation from step 800 to the last before either cool-down, in both seeds, R50-R51 against R46-R47) at
+  # 1.23-1.30x its steps/s side by side (two probes on the Intel host; 1.29x on a Zen 4 host), so an hour gives it
+  # ~1.25x the steps; the paper's rate scales as d_model^-0.5, so its peak is 2.55e-3. With constant dropout 0.1 the
+  # same model stopped learning half way through a fast hour (R25); late dropout keeps it learning to the end (R50:
+  # val NLL 1.509, beam val BLEU 42.16, both the best of any run). The published 4+4 x d_model 128 (2.6M) trains at
+  # 1.5-1.7x d_model 256's steps/s, but with late dropout it was 0.28-0.31 nats behind this model at equal steps
+  # and minutes to step 1,200 (R52).
   # Late dropout (Liu et al., 2023): 0.1 up to step 2,399, 0.2 from step 2,400 on. An hour is ~16-30 epochs of the
   # 29k pairs: early on the model underfits and a higher rate only slows it (0.1 was 0.15 nats ahead of 0.2 at step
   # 2,000, R6, R9; 0.15 behind 0.1 to step ~3,000, R43-R44), late it overfits (0.1 stopped learning over the last
