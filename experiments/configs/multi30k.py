@@ -23,15 +23,16 @@ def get_config() -> ml_collections.ConfigDict:
   # same model stopped learning half way through a fast hour (R25); late dropout keeps it learning to the end (R50:
   # val NLL 1.509, beam val BLEU 42.16, both the best of any run). The published 4+4 x d_model 128 (2.6M) trains at
   # 1.5-1.7x d_model 256's steps/s, but with late dropout it was 0.28-0.31 nats behind this model at equal steps
-  # and minutes to step 1,200 (R52).
+  # and minutes to step 1,200 (R52); d_model 160 x d_ff 640 (3.13M, 1.21x this step) was 0.056 behind at step 2,800
+  # and behind at equal minutes too (R54).
   # Late dropout (Liu et al., 2023): 0.1 up to step 2,399, 0.2 from step 2,400 on. An hour is ~16-30 epochs of the
   # 29k pairs: early on the model underfits and a higher rate only slows it (0.1 was 0.15 nats ahead of 0.2 at step
   # 2,000, R6, R9; 0.15 behind 0.1 to step ~3,000, R43-R44), late it overfits (0.1 stopped learning over the last
   # ~1,000 steps of a fast host's ~5,500, R42). The stage is at an absolute step, not a share of the run:
   # overfitting starts after so many epochs, so a slow host that gets fewer steps keeps the lower rate for more of
-  # them, which is what it needs. At d_model 256 against constant 0.15 (R43-R44), same seeds and host: val NLL
-  # 1.532 / 1.542 against 1.566 / 1.570 (seeds 1 / 0, ahead from step 2,800), beam val BLEU 41.66 against 41.41 in
-  # the mean (R46-R47).
+  # them, which is what it needs. No dropout before 0.1 led early and lost the lead by step 2,400 (R53). At d_model
+  # 256 against constant 0.15 (R43-R44), same seeds and host: val NLL 1.532 / 1.542 against 1.566 / 1.570 (seeds
+  # 1 / 0, ahead from step 2,800), beam val BLEU 41.66 against 41.41 in the mean (R46-R47).
   config.model.update(num_encoder_layers=3, num_decoder_layers=3, d_model=192, d_ff=768, num_heads=4,
                       dropout_rate=0.1, max_len=160)
   config.dropout_schedule = ((2400, 0.2),)
