@@ -41,11 +41,25 @@ def test_sampling_refuses_parameters_sentencepiece_would_misread(tok, alpha, see
     tok.sample_batch(EN[:2], alpha, seed=seed)
 
 
-def _segmentations(tok, max_len=64, alpha=0.1, seed=0):
+def _segmentations(tok, max_len=64, alpha=0.1, seed=0, from_epoch=0):
   pairs = list(zip(EN, DE))
   sources, targets = tok_lib.encode_pairs(tok, pairs)
   return subword_sampling.SampledSegmentations(tok, pairs, sources, targets, alpha=alpha, seed=seed,
-                                               max_len=max_len)
+                                               max_len=max_len, from_epoch=from_epoch)
+
+
+def test_epochs_before_from_epoch_keep_the_deterministic_ids_and_later_ones_sample(tok):
+  sources, targets = tok_lib.encode_pairs(tok, list(zip(EN, DE)))
+  late, early = _segmentations(tok, from_epoch=2), _segmentations(tok)
+  for epoch in (0, 1):
+    got_sources, got_targets = late(epoch)
+    for got, want in zip(got_sources + got_targets, sources + targets):
+      np.testing.assert_array_equal(got, want)
+  for got, want in zip(late(2)[0], early(2)[0]):  # from there on, the draw of a sampler that started at 0
+    np.testing.assert_array_equal(got, want)
+  assert any(not np.array_equal(x, y) for x, y in zip(late(2)[0], sources))
+  with pytest.raises(ValueError, match="subword_from_epoch=-1"):
+    _segmentations(tok, from_epoch=-1)
 
 
 def test_every_epoch_has_its_own_segmentation_and_a_rerun_the_same(tok):
@@ -142,6 +156,7 @@ def test_training_batches_sample_every_epoch_and_evaluation_does_not(tmp_path):
 @pytest.mark.parametrize("overrides, message", [
     (dict(subword_alpha=1.0), r"--config.data.subword_alpha=1.0: must be a finite number in \[0.0, 1.0\)"),
     (dict(subword_alpha=0.1, tokenizer="marian"), "subword_alpha=0.1: needs data.tokenizer='sentencepiece'"),
+    (dict(subword_alpha=0.1, subword_from_epoch=-1), r"--config.data.subword_from_epoch=-1: must be an integer >= 0"),
 ])
 def test_config_refuses_unusable_sampling(overrides, message):
   config = default.get_config()

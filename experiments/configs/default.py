@@ -51,6 +51,7 @@ def get_config() -> ml_collections.ConfigDict:
   config.data.subword_alpha = 0.0             # > 0: a sampled segmentation of the training pairs every epoch; for
                                               # bpe the probability of skipping a merge (BPE-dropout, Provilkov et
                                               # al., 2020: 0.1), for unigram the smoothing (Kudo, 2018); 0 = off
+  config.data.subword_from_epoch = 0          # the first epoch that samples (earlier ones: deterministic ids)
   config.data.max_len = 256                   # longest training pair kept (tokens per side), and the packed row length
   config.data.tokens_per_batch = 26_624       # packed slots per side per micro-batch, all devices (~25k tokens, sec. 5.1)
 
@@ -189,6 +190,7 @@ RULES = {
     "data.eval_splits": _splits,
     "data.lowercase": _one_of(False, True),
     "data.subword_alpha": _number(0.0, 1.0),
+    "data.subword_from_epoch": _integer(0),
     "data.max_len": _integer(2),
     "data.tokens_per_batch": _integer(2),
     "num_train_steps": _integer(1),

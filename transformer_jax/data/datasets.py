@@ -162,7 +162,8 @@ def build_datasets(data_config: Any, workdir: str, *, seed: int, process_index: 
       raise ValueError(f"{cache_file} holds {len(srcs)} pairs but {split!r} has {len(train_pairs)}: remove it")
     segmentations = subword_sampling.SampledSegmentations(
         tok, [train_pairs[i] for i in keep], [srcs[i] for i in keep], [tgts[i] for i in keep], alpha=alpha,
-        seed=seed, max_len=data_config.max_len, share=share_across_processes)
+        seed=seed, max_len=data_config.max_len, share=share_across_processes,
+        from_epoch=int(data_config.subword_from_epoch))
   srcs, tgts = [srcs[i] for i in keep], [tgts[i] for i in keep]
   batching.log_drop_counts("train", too_long, blank, len(srcs), data_config.max_len)
   train = batching.PackedBatches(srcs, tgts, tokens_per_batch=data_config.tokens_per_batch,

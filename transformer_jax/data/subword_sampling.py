@@ -51,24 +51,31 @@ class SampledSegmentations:
     max_len: the row length; a sampled side longer than it falls back to the deterministic pair.
     share: None (one process), or a collective `share(draw) -> ids` that runs `draw()` on process 0 only and
       returns its int32 arrays on every process (`sharding.ragged_from_first_process`).
+    from_epoch: the first epoch that samples; the epochs before it get the deterministic ids, so a run is
+      the unregularised one up to there (a late regulariser, as `config.dropout_schedule`).
 
   Raises:
-    ValueError: `pairs` and the ids differ in length, or `alpha` is outside (0, 1).
+    ValueError: `pairs` and the ids differ in length, `alpha` is outside (0, 1), or `from_epoch` < 0.
   """
 
   def __init__(self, tokenizer: tokenizer_lib.Tokenizer, pairs: Sequence[tuple[str, str]],
                sources: Sequence[np.ndarray], targets: Sequence[np.ndarray], *, alpha: float, seed: int,
-               max_len: int, share: Share | None = None):
+               max_len: int, share: Share | None = None, from_epoch: int = 0):
     if not len(pairs) == len(sources) == len(targets):
       raise ValueError(f"{len(pairs)} texts for {len(sources)} sources and {len(targets)} targets")
     if not 0.0 < alpha < 1.0:
       raise ValueError(f"data.subword_alpha={alpha}: must be in (0, 1)")
+    if from_epoch < 0:
+      raise ValueError(f"data.subword_from_epoch={from_epoch}: must be >= 0")
     self.tokenizer, self.pairs, self.alpha, self.seed, self.max_len = tokenizer, list(pairs), alpha, seed, max_len
     self.sources, self.targets = list(sources), list(targets)
-    self.share = share
+    self.share, self.from_epoch = share, from_epoch
     self.last_fallbacks = 0
 
   def __call__(self, epoch: int) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    if epoch < self.from_epoch:
+      self.last_fallbacks = 0
+      return self.sources, self.targets
     start = time.perf_counter()
     def draw():  # [2 * pairs] id lists: source, target, source, ...
       return self.tokenizer.sample_batch([t for p in self.pairs for t in p], self.alpha,
