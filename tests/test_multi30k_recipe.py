@@ -33,10 +33,11 @@ def test_the_recipe_config_is_the_one_the_docs_report():
   config = multi30k.get_config()
   assert config.data.dataset == "parallel_text" and config.data.eval_splits == ("val",)  # tuned on val only
   assert 0 <= config.cooldown_steps <= config.num_train_steps
-  # Late dropout: one stage, after the warm-up, reached even on the slowest host measured (below).
-  (stage_step, stage_rate), = config.dropout_schedule
-  assert config.warmup_steps < stage_step < int(config.train_budget_minutes * 60 * 1.0)
-  assert stage_rate > config.model.dropout_rate
+  # Late dropout: rising stages after the warm-up, the first reached even on the slowest host measured (below).
+  steps, rates = zip(*config.dropout_schedule)
+  assert config.warmup_steps < steps[0] < int(config.train_budget_minutes * 60 * 1.0)
+  assert list(steps) == sorted(set(steps)) and list(rates) == sorted(set(rates))
+  assert rates[0] > config.model.dropout_rate
   assert config.checkpoint_keep >= config.decode.average_last
   # The learning curve needs val BLEU at >= 8 points (issue 14), on the slowest 2-core host measured too
   # (docs/results.md, R7: 1.07 steps/s, evaluations included), where the time budget shortens the run most.
