@@ -35,7 +35,8 @@ def get_config() -> ml_collections.ConfigDict:
   # 1 / 0, ahead from step 2,800), beam val BLEU 41.66 against 41.41 in the mean (R46-R47). A third stage, 0.3
   # from step 4,000 (R58): at 0.2 this model overfits again from there (R50-R51: val NLL flat at 1.62 from step
   # 4,400 to the cool-down while the train NLL fell from 1.52 to 1.39), and a slow host that ends before it
-  # never reaches it.
+  # never reaches it. It did not lift that plateau: val NLL level with two stages at equal steps in both seeds
+  # (R58-R60 against R50-R51); it stays as harmless and as what the final recipe's runs measured.
   config.model.update(num_encoder_layers=3, num_decoder_layers=3, d_model=192, d_ff=768, num_heads=4,
                       dropout_rate=0.1, max_len=160)
   config.dropout_schedule = ((2400, 0.2), (4000, 0.3))
@@ -74,10 +75,10 @@ def get_config() -> ml_collections.ConfigDict:
   # training after the warm-up and revises it before and during the cool-down (training/budget.py), so data
   # preparation (~0.5 min), averaging and one test decoding (~1-2 min; the last checkpoint is not decoded unless
   # asked, `--score_last_checkpoint`) end inside 60 on any 2-core host (R41-R56: 1.9-2.6 min after training with
-  # two decodings on the Intel host, up to ~3.5 on the AMD EPYC hosts, and training ends up to 1 min past its
-  # budget): ~7,200 steps
-  # on the Intel host at ~2.3 steps/s (R50-R51), ~4,300 on the AMD EPYC host of R7-R17 (~1.1 steps/s at d_model 256,
-  # x1.23 here). The cap is above what the fastest host measured would plan (R5's: ~2.8 steps/s, ~8,900 steps).
+  # two decodings on the Intel host, up to ~3.5 on the AMD EPYC hosts; R58-R60: 0.7-0.8 min with one, on the
+  # Intel and Zen 4 hosts; training ends up to 1 min past its budget): 6,651-7,445 steps at 2.0-2.3 steps/s on
+  # those hosts (R58-R60), ~4,300 on the AMD EPYC host of R7-R17 (~1.1 steps/s at d_model 256, x1.23 here). The
+  # cap is above what the fastest host measured would plan (R5's: ~2.8 steps/s, ~8,900 steps at 53 minutes).
   config.num_train_steps = 10_000         # a cap: the budget sets the length
   config.cooldown_steps = 2500            # a quarter of the run, whatever length the budget sets
   config.cooldown_shape = "1-sqrt"
