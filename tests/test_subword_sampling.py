@@ -157,6 +157,7 @@ def test_training_batches_sample_every_epoch_and_evaluation_does_not(tmp_path):
     (dict(subword_alpha=1.0), r"--config.data.subword_alpha=1.0: must be a finite number in \[0.0, 1.0\)"),
     (dict(subword_alpha=0.1, tokenizer="marian"), "subword_alpha=0.1: needs data.tokenizer='sentencepiece'"),
     (dict(subword_alpha=0.1, subword_from_epoch=-1), r"--config.data.subword_from_epoch=-1: must be an integer >= 0"),
+    (dict(subword_from_epoch=10), r"--config.data.subword_from_epoch=10: needs data.subword_alpha > 0"),
 ])
 def test_config_refuses_unusable_sampling(overrides, message):
   config = default.get_config()

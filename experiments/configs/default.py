@@ -246,7 +246,8 @@ def validate(config: ml_collections.ConfigDict) -> None:
 
   `config.model` is checked by building `ModelConfig` from it (its own range checks), and the batch by
   `data.tokens_per_batch >= data.max_len` (at least one packed row per batch), subword sampling and
-  lowercasing by `data.tokenizer == 'sentencepiece'`, and MBR decoding by `decode.beam_size >= 2` (its n-best list).
+  lowercasing by `data.tokenizer == 'sentencepiece'`, `data.subword_from_epoch` by `data.subword_alpha > 0`,
+  and MBR decoding by `decode.beam_size >= 2` (its n-best list).
   """
   for key in RULES:
     value = config
@@ -259,6 +260,9 @@ def validate(config: ml_collections.ConfigDict) -> None:
   if config.data.subword_alpha and config.data.tokenizer != "sentencepiece":
     raise ConfigError(f"--config.data.subword_alpha={config.data.subword_alpha}: needs data.tokenizer="
                       f"'sentencepiece' (a {config.data.tokenizer!r} vocabulary cannot sample segmentations)")
+  if config.data.subword_from_epoch and not config.data.subword_alpha:
+    raise ConfigError(f"--config.data.subword_from_epoch={config.data.subword_from_epoch}: needs "
+                      f"data.subword_alpha > 0 (it sets the epoch sampling starts from; with alpha 0 nothing samples)")
   if config.data.lowercase and config.data.tokenizer != "sentencepiece":
     raise ConfigError(f"--config.data.lowercase=True: needs data.tokenizer='sentencepiece' (a "
                       f"{config.data.tokenizer!r} vocabulary writes the case it was trained with)")
