@@ -420,10 +420,7 @@ def prepare(config: Any, workdir: str) -> Run:
   if jax.process_index() == 0:
     write_json_atomically(run_dir.config_json, resolved)
   rules = sharding.validate_model_for_mesh(model_config, mesh)
-  src_eff, tgt_eff = data.train.padding_efficiency()
   logging.info("Model: %s", model_config)
-  logging.info("Packed batches: %d rows x %d slots; padding efficiency source %.1f%%, target %.1f%%",
-               data.train.rows_per_batch, data.train.row_length, 100 * src_eff, 100 * tgt_eff)
   return Run(config=config, workdir=run_dir, resolved_config=resolved, model_config=model_config, data=data,
              mesh=mesh, rules=rules)
 
@@ -507,9 +504,18 @@ def init_or_restore(run: Run) -> None:
     run.data.train.set_state(restored.data_state)
     logging.info("Resumed from the checkpoint at step %d in %s (data position %s)", run.start_step,
                  run.checkpointer.directory, restored.data_state)
+  log_packing(run.data.train)
   compile_train_step(run, run.start_step + 1)
   run.eval_step = sharding.jit_eval_step(run.model_config, run.mesh, sharding.shardings_of(run.state.params),
                                          run.rules, label_smoothing=run.config.label_smoothing)
+
+
+def log_packing(train: batching.PackedBatches) -> None:
+  """Logs the packing of the epoch training continues in (not epoch 0's on a resume: with subword sampling
+  each epoch has its own segmentation, and planning another epoch would sample it for nothing)."""
+  src_eff, tgt_eff = train.padding_efficiency(train.epoch)
+  logging.info("Packed batches: %d rows x %d slots; padding efficiency of epoch %d: source %.1f%%, target %.1f%%",
+               train.rows_per_batch, train.row_length, train.epoch, 100 * src_eff, 100 * tgt_eff)
 
 
 def start_from_import(run: Run, step: int) -> None:
