@@ -100,7 +100,7 @@ def test_train_config_is_the_default_recipe_with_the_presets_sizes():
   config = common.train_config(model_config)
   reference = default.get_config()
   assert trainer.model_config_from(config, 8000) == model_config
-  for key in ("label_smoothing", "warmup_steps", "learning_rate", "adam_b1", "adam_b2", "adam_eps",
+  for key in ("label_smoothing", "warmup_steps", "learning_rate", "adam_b1", "adam_b2", "adam_eps", "weight_decay",
               "grad_accum_steps", "seed"):
     assert config[key] == reference[key], key
   with pytest.raises(ValueError, match="unknown preset 'huge'"):

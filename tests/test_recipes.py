@@ -96,7 +96,7 @@ def test_recipe_matches_the_paper(name):
   # The one-accelerator variant in the docs: an eighth of the batch, accumulated 8 times.
   assert (d.tokens_per_batch // PAPER_DEVICES) % d.max_len == 0
   # Optimiser and schedule (sections 5.3-5.4).
-  assert (config.adam_b1, config.adam_b2, config.adam_eps) == ADAM
+  assert (config.adam_b1, config.adam_b2, config.adam_eps) == ADAM and config.weight_decay == 0.0  # none in the paper
   assert config.warmup_steps == WARMUP and config.learning_rate == LR_SCALE
   assert config.label_smoothing == LABEL_SMOOTHING
   assert config.num_train_steps == paper["steps"]

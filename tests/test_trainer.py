@@ -135,6 +135,32 @@ def test_a_dropout_stage_recompiles_the_step_at_its_update_and_on_resume(tmp_pat
   run.checkpointer.close()
 
 
+def test_weight_decay_trains_resumes_exactly_and_refuses_a_checkpoint_without_it(tmp_path):
+  """`config.weight_decay` (AdamW): a run resumed from its checkpoint ends bitwise where the uninterrupted run
+  ends and elsewhere than the same run without decay; a checkpoint of Adam without decay (another optimizer
+  state) is refused in one line that names the optimizer, and left as it was."""
+  def config_with(**overrides):
+    config = _tiny_config(tmp_path)
+    config.evals.loss.every_steps = config.evals.bleu.every_steps = config.evals.attention.every_steps = 0
+    config.update(overrides)
+    return config
+
+  decayed = trainer.train_and_evaluate(config_with(weight_decay=0.1), str(tmp_path / "decayed"))
+  trainer.train_and_evaluate(config_with(weight_decay=0.1, num_train_steps=4), str(tmp_path / "resumed"))
+  resumed = trainer.train_and_evaluate(config_with(weight_decay=0.1), str(tmp_path / "resumed"))
+  assert resumed.final_step == decayed.final_step == 6
+  for a, b in zip(_final_params(decayed), _final_params(resumed), strict=True):
+    np.testing.assert_array_equal(a, b)
+  plain = trainer.train_and_evaluate(config_with(), str(tmp_path / "plain"))
+  assert any((a != b).any() for a, b in zip(_final_params(decayed), _final_params(plain)))
+
+  checkpoints = Workdir(tmp_path / "plain").checkpoints
+  before = sorted(p.name for p in checkpoints.iterdir())
+  with pytest.raises(checkpoint_lib.CheckpointMismatchError, match=r"does not fit the optimizer .*opt_state/"):
+    trainer.train_and_evaluate(config_with(weight_decay=0.1, num_train_steps=8), str(tmp_path / "plain"))
+  assert sorted(p.name for p in checkpoints.iterdir()) == before
+
+
 def test_make_train_step_is_the_step_the_trainer_runs(tmp_path):
   """`make_train_step` (what the benchmarks time) compiles the same program as the trainer's own step."""
   config = _tiny_config(tmp_path)

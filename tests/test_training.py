@@ -146,6 +146,28 @@ def test_adam_drives_updates_by_the_cooled_schedule():
     np.testing.assert_allclose(float(updates[0]), float(schedule(k)), rtol=1e-5)
 
 
+def test_weight_decay_shrinks_the_matrices_by_the_rate_and_leaves_biases_and_scales():
+  """AdamW: with a zero gradient Adam's step is 0, so update k is -schedule(k) * weight_decay * p for arrays of
+  rank >= 2 and 0 for vectors; weight decay 0 is optax's Adam, state and all."""
+  schedule = rsqrt_schedule(32, 3)
+  params = {"kernel": jnp.full((2, 3), 0.5), "embedding": jnp.full((4, 2), -2.0), "bias": jnp.ones(3),
+            "scale": jnp.ones(2)}
+  zeros = jax.tree_util.tree_map(jnp.zeros_like, params)
+  tx = adam(schedule, weight_decay=0.1)
+  state = tx.init(params)
+  for k in range(1, 5):
+    updates, state = tx.update(zeros, state, params)
+    for name in ("kernel", "embedding"):
+      np.testing.assert_allclose(updates[name], -float(schedule(k)) * 0.1 * params[name], rtol=1e-5)
+    for name in ("bias", "scale"):
+      np.testing.assert_array_equal(updates[name], 0.0)
+    params = optax.apply_updates(params, updates)
+  assert (jax.tree_util.tree_structure(adam(schedule).init(params))
+          == jax.tree_util.tree_structure(optax.adam(schedule, b1=0.9, b2=0.98, eps=1e-9).init(params)))
+  with pytest.raises(ValueError, match="weight_decay=-0.1 must be >= 0"):
+    adam(schedule, weight_decay=-0.1)
+
+
 def test_adam_with_schedule_matches_numpy_adam():
   """β1 0.9, β2 0.98, ε 1e-9 with bias correction, on a varying gradient."""
   d_model, warmup = 128, 3

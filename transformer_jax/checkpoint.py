@@ -208,7 +208,8 @@ def tree_signature(tree: PyTree) -> dict[str, tuple[tuple[int, ...], str]]:
 
 
 def check_same_tree(saved: PyTree, expected: PyTree, where: str, max_listed: int = 3) -> None:
-  """Raises `CheckpointMismatchError` (one line, the first differing entries) when the two trees differ.
+  """Raises `CheckpointMismatchError` (one line, the first differing entries) when the two trees differ; it
+  blames the optimizer when only `opt_state/...` entries differ, else the model.
 
   `saved` is typically orbax metadata of a checkpoint item, `expected` the abstract tree of the model's.
   """
@@ -223,8 +224,10 @@ def check_same_tree(saved: PyTree, expected: PyTree, where: str, max_listed: int
       problems.append(f"{name}: checkpoint {a[name][0]} {a[name][1]}, model {b[name][0]} {b[name][1]}")
   if problems:
     more = f" (and {len(problems) - max_listed} more)" if len(problems) > max_listed else ""
-    raise CheckpointMismatchError(f"{where} does not fit the model (another architecture?): "
-                                  + "; ".join(problems[:max_listed]) + more)
+    differing = {name for name in set(a) ^ set(b)} | {name for name in set(a) & set(b) if a[name] != b[name]}
+    what = ("the optimizer (another optimizer state: weight decay on in one and off in the other?)"
+            if all(name.startswith("opt_state/") for name in differing) else "the model (another architecture?)")
+    raise CheckpointMismatchError(f"{where} does not fit {what}: " + "; ".join(problems[:max_listed]) + more)
 
 
 def abstract_params(model_config: ModelConfig, sharding: jax.sharding.Sharding | None = None) -> PyTree:

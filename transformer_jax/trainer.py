@@ -143,11 +143,13 @@ def itstime(step: int, every_steps: int, total_steps: int, *, last: bool = True)
 
 def optimizer(config: Any, d_model: int) -> tuple[optax.GradientTransformation, Any]:
   """Adam with the paper's schedule (section 5.3), cooled down over the last `config.cooldown_steps` (0 = the
-  paper's schedule as is), and the schedule itself."""
+  paper's schedule as is), decoupled weight decay `config.weight_decay` (0 = the paper's Adam), and the
+  schedule itself."""
   learning_rate_fn = schedule_lib.cooldown(
       schedule_lib.rsqrt_schedule(d_model, config.warmup_steps, config.learning_rate),
       config.num_train_steps, config.cooldown_steps, config.cooldown_shape, config.cooldown_knots)
-  tx = schedule_lib.adam(learning_rate_fn, b1=config.adam_b1, b2=config.adam_b2, eps=config.adam_eps)
+  tx = schedule_lib.adam(learning_rate_fn, b1=config.adam_b1, b2=config.adam_b2, eps=config.adam_eps,
+                        weight_decay=config.weight_decay)
   return tx, learning_rate_fn
 
 

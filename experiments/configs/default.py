@@ -71,6 +71,8 @@ def get_config() -> ml_collections.ConfigDict:
   config.adam_b1 = 0.9                        # Adam beta1
   config.adam_b2 = 0.98                       # Adam beta2
   config.adam_eps = 1e-9                      # Adam epsilon
+  config.weight_decay = 0.0                   # decoupled weight decay of the matrices, times the rate (AdamW,
+                                              # schedule.adam; not in the paper; 0 = off)
   config.label_smoothing = 0.1                # epsilon_ls (section 5.4)
   config.grad_accum_steps = 1                 # micro-batches per optimizer update
 
@@ -204,6 +206,7 @@ RULES = {
     "adam_b1": _number(0.0, 1.0),
     "adam_b2": _number(0.0, 1.0),
     "adam_eps": _number(0.0, low_open=True),
+    "weight_decay": _number(0.0),
     "label_smoothing": _number(0.0, 1.0),
     "grad_accum_steps": _integer(1),
     "mesh.data": _mesh_axis,

@@ -6,12 +6,16 @@ Hägele et al., 2024, "Scaling Laws and Compute-Optimal Training Beyond Fixed Tr
 rsqrt-then-linear-decay).
 A compute-limited run ends at a lower loss with it than at the rsqrt schedule's still-high final rate.
 
+`adam` is the optimizer of the paper (and, with `weight_decay`, AdamW) driven by such a schedule.
 `dropout_rate` is the other schedule a run follows: the residual dropout rate by stages of absolute steps (the
 trainer recompiles its step at each stage, as a dropout rate is a static field of the model's config).
 """
 
 from __future__ import annotations
 
+from typing import Any
+
+import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
@@ -100,10 +104,28 @@ def cooldown(schedule: optax.Schedule, total_steps: int, cooldown_steps: int, sh
   return cooled
 
 
-def adam(schedule: optax.Schedule, b1: float = 0.9, b2: float = 0.98, eps: float = 1e-9
-         ) -> optax.GradientTransformation:
-  """Adam driven by `schedule(step)` of the paper's step (counted from 1): update k uses `schedule(k)`."""
-  return optax.adam(lambda count: schedule(count + 1), b1=b1, b2=b2, eps=eps)
+def matrices(params: Any) -> Any:
+  """A tree of bools like `params`: True for the arrays of rank >= 2 (kernels, embedding tables), False for
+  biases and LayerNorm scales (the parameters decoupled weight decay shrinks, as in nanoGPT and big_vision)."""
+  return jax.tree_util.tree_map(lambda p: p.ndim >= 2, params)
+
+
+def adam(schedule: optax.Schedule, b1: float = 0.9, b2: float = 0.98, eps: float = 1e-9,
+         weight_decay: float = 0.0) -> optax.GradientTransformation:
+  """Adam driven by `schedule(step)` of the paper's step (counted from 1): update k uses `schedule(k)`.
+
+  `weight_decay` > 0: AdamW (Loshchilov & Hutter, 2019, "Decoupled Weight Decay Regularization"), which the
+  paper does not use: every update also subtracts `schedule(k) * weight_decay * p` from each matrix `p`
+  (`matrices`: kernels and embeddings; not biases or LayerNorm scales), optax's and PyTorch's convention of
+  scaling the decay by the rate, so it cools down with it. 0 gives `optax.adam` itself, whose state (and so a
+  checkpoint's tree) has no decay entry. Raises ValueError for a negative `weight_decay`.
+  """
+  if weight_decay < 0:
+    raise ValueError(f"weight_decay={weight_decay} must be >= 0")
+  learning_rate = lambda count: schedule(count + 1)  # noqa: E731
+  if weight_decay == 0:
+    return optax.adam(learning_rate, b1=b1, b2=b2, eps=eps)
+  return optax.adamw(learning_rate, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay, mask=matrices)
 
 
 def adam_with_schedule(d_model: int, warmup_steps: int = 4000, scale: float = 1.0, b1: float = 0.9,
