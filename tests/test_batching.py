@@ -167,6 +167,38 @@ def test_exact_resume_replays_the_same_batches():
       np.testing.assert_array_equal(got[key], expected[key])
 
 
+def test_the_position_after_an_epochs_last_batch_is_the_next_epochs_start():
+  """A run checkpointed right after an epoch's last batch resumes (and plans, samples, logs) the next epoch
+  only; a position saved at the epoch's end by earlier versions (`index` == its batches) still resumes there."""
+  sources, targets = _random_corpus(300)
+  planned = []
+
+  def segmentations(epoch):  # the same ids every epoch; counts which epochs get planned
+    planned.append(epoch)
+    return sources, targets
+
+  make = lambda: batching.PackedBatches(sources, targets, tokens_per_batch=4 * 32, row_length=32,  # noqa: E731
+                                        pad_id=PAD, seed=7, segmentations=segmentations)
+  uninterrupted = make()
+  epoch_batches = len(uninterrupted.plan(0))
+  reference = [next(uninterrupted) for _ in range(epoch_batches + 2)]
+  assert planned == [0, 1]
+
+  first = make()
+  for _ in range(epoch_batches):
+    next(first)
+  assert first.get_state() == {"epoch": 1, "index": 0, "seed": 7}
+  for state in (first.get_state(), {"epoch": 0, "index": epoch_batches, "seed": 7}):
+    planned.clear()
+    resumed = make()
+    resumed.set_state(state)
+    for expected in reference[epoch_batches:]:
+      got = next(resumed)
+      for key in batching.BATCH_KEYS:
+        np.testing.assert_array_equal(got[key], expected[key])
+    assert planned == ([1] if state["epoch"] == 1 else [0, 1])
+
+
 def test_same_seed_same_batches_other_seed_differs():
   sources, targets = _random_corpus(100)
   a = next(batching.PackedBatches(sources, targets, tokens_per_batch=64, row_length=32, pad_id=PAD, seed=1))

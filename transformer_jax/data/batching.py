@@ -161,11 +161,13 @@ class PackedBatches:
 
   def __next__(self) -> dict[str, np.ndarray]:
     plan = self.plan(self.epoch)
-    if self.index >= len(plan):
+    if self.index >= len(plan):  # a position saved at an epoch's end before positions rolled over (below)
       self.epoch, self.index = self.epoch + 1, 0
       plan = self.plan(self.epoch)
     rows = plan[self.index]
     self.index += 1
+    if self.index == len(plan):  # the next batch opens the next epoch, and the position says so: a run resumed
+      self.epoch, self.index = self.epoch + 1, 0  # here starts (and logs) that epoch, without planning this one
     batch = build_packed_batch(rows, self.sources, self.targets, self.row_length, self.rows_per_batch,
                                pad_id=self.pad_id)
     if self.process_count > 1:
