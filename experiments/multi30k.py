@@ -190,13 +190,16 @@ def _shape_words(shape: str) -> str:
   return "" if shape == "linear" else f" ({shape})"
 
 
-def _dropout_words(config, model_config) -> str:
-  """"dropout 0.1 (0.2 from step 2400), attention dropout 0.1": the residual rate with its stages, and the
-  attention weights' rate where it is set."""
+def _regularisation_words(config, model_config) -> str:
+  """"dropout 0.1 (0.2 from step 2400), attention dropout 0.1, label smoothing 0.2, weight decay 0.1": the
+  residual rate with its stages, the attention weights' rate and the decoupled weight decay where they are set."""
   stages = "; ".join(f"{rate:g} from step {step}" for step, rate in config.get("dropout_schedule", ()))
   words = f"dropout {model_config.dropout_rate:g}" + (f" ({stages})" if stages else "")
   if model_config.attention_dropout_rate:
     words += f", attention dropout {model_config.attention_dropout_rate:g}"
+  words += f", label smoothing {config.label_smoothing:g}"
+  if config.get("weight_decay", 0.0):
+    words += f", weight decay {config.weight_decay:g}"
   return words
 
 
@@ -215,7 +218,7 @@ def run_markdown(path, curve, config, model_config, rows, summary) -> str:
       f"{summary['load_average_1_5_15min'][2]:.2f} over the last 15 min). Model: "
       f"{model_config.num_encoder_layers}+{model_config.num_decoder_layers} layers, d_model {model_config.d_model}, "
       f"d_ff {model_config.d_ff}, {model_config.num_heads} heads, "
-      f"{_dropout_words(config, model_config)}, shared BPE vocabulary {model_config.vocab_size}"
+      f"{_regularisation_words(config, model_config)}, shared BPE vocabulary {model_config.vocab_size}"
       f"{' (lowercased text)' if lowercase else ''}; "
       f"{config.num_train_steps} steps of {config.data.tokens_per_batch} tokens{_devices_words(summary)} "
       f"(warm-up {config.warmup_steps}, "
