@@ -89,7 +89,7 @@ def test_shortened_recipe_end_to_end(multi30k_dir, tmp_path):
   assert f"{STEPS} steps of 1024 tokens, data parallel over 2 devices (warm-up 8" in text
   assert "-minute training budget at the " in text
   assert f"cool-down {STEPS // 4} (1-sqrt), seed 0" in text  # the recipe's cool-down shape is named
-  assert "dropout 0.1 (0.2 from step 16), label smoothing 0.2" in text  # and its regularisers
+  assert "dropout 0.1 (0.2 from step 16), label smoothing 0.2, weight decay 0.1, shared BPE" in text  # regularisers
   assert "![learning curve](curve.png)" in text  # the image link points at the PNG, relative to the results file
   assert "/attention/" not in text  # the diagnostics stay in results.json and TensorBoard
   assert "average of last 5: test2016 lc-tok BLEU" in proc.stdout
