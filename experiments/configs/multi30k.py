@@ -21,7 +21,7 @@ def get_config() -> ml_collections.ConfigDict:
   # 1.23-1.30x its steps/s side by side (two probes on the Intel host; 1.29x on a Zen 4 host), so an hour gives it
   # ~1.25x the steps; the paper's rate scales as d_model^-0.5, so its peak is 2.55e-3. With constant dropout 0.1 the
   # same model stopped learning half way through a fast hour (R25); late dropout keeps it learning to the end (R50:
-  # val NLL 1.509, beam val BLEU 42.16, both the best of any run). The published 4+4 x d_model 128 (2.6M) trains at
+  # val NLL 1.509, beam val BLEU 42.16, the best before weight decay). The published 4+4 x d_model 128 (2.6M) trains at
   # 1.5-1.7x d_model 256's steps/s, but with late dropout it was 0.28-0.31 nats behind this model at equal steps
   # and minutes to step 1,200 (R52); d_model 160 x d_ff 640 (3.13M, 1.21x this step) was 0.056 behind at step 2,800
   # and behind at equal minutes too (R54).
