@@ -22,7 +22,7 @@ from jax.sharding import PartitionSpec as P
 import distributed_workers
 from transformer_jax import sharding
 from transformer_jax.config import tiny
-from transformer_jax.training.schedule import adam_with_schedule, rsqrt_schedule
+from transformer_jax.training.schedule import adam, adam_with_schedule, rsqrt_schedule
 
 pytestmark = pytest.mark.filterwarnings("ignore:Some donated buffers were not usable")
 
@@ -140,6 +140,25 @@ def test_train_step_matches_single_device(reference, name):
   assert all(x.sharding == s for x, s in zip(jax.tree_util.tree_leaves(new_state),
                                              jax.tree_util.tree_leaves(shardings)))
   assert metrics["loss"].sharding.is_fully_replicated
+
+
+def test_weight_decay_step_on_an_fsdp_mesh_matches_single_device(reference):
+  """AdamW (`schedule.adam(weight_decay=...)`): its mask is computed on the boxed parameters the state is born
+  from and on the plain ones the step updates; one step on the fsdp mesh equals the single-device step."""
+  tx = adam(_lr(), eps=1e-3, weight_decay=0.1)
+  results = []
+  for mesh in (sharding.single_device_mesh(), sharding.make_mesh(**MESHES["fsdp8"])):
+    shardings = sharding.shardings_of(sharding.create_train_state(CFG, tx, jax.random.key(0), mesh))
+    state = sharding.device_put_sharded(
+        reference["initial"].replace(tx=tx, opt_state=tx.init(reference["initial"].params)), shardings)
+    step = sharding.jit_train_step(CFG, mesh, shardings, label_smoothing=0.1, learning_rate_fn=_lr())
+    results.append(step(state, sharding.shard_batch(reference["batch"], mesh), reference["rng"])[0])
+  _assert_trees_close(results[1].params, results[0].params)
+  # The decay moved the matrices away from plain Adam's step, not the vectors.
+  plain = reference["state"].params
+  assert not np.allclose(_param(_host(results[0].params), *WI), _param(plain, *WI), rtol=0, atol=1e-7)
+  bias = ("encoder", "layer_0", "ffn", "wi", "bias")
+  np.testing.assert_allclose(_param(_host(results[0].params), *bias), _param(plain, *bias), rtol=1e-6, atol=1e-7)
 
 
 def test_grad_accumulation_matches_single_device(reference):
