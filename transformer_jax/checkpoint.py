@@ -224,7 +224,7 @@ def check_same_tree(saved: PyTree, expected: PyTree, where: str, max_listed: int
       problems.append(f"{name}: checkpoint {a[name][0]} {a[name][1]}, model {b[name][0]} {b[name][1]}")
   if problems:
     more = f" (and {len(problems) - max_listed} more)" if len(problems) > max_listed else ""
-    differing = {name for name in set(a) ^ set(b)} | {name for name in set(a) & set(b) if a[name] != b[name]}
+    differing = [name for name in set(a) | set(b) if a.get(name) != b.get(name)]
     what = ("the optimizer (another optimizer state: weight decay on in one and off in the other?)"
             if all(name.startswith("opt_state/") for name in differing) else "the model (another architecture?)")
     raise CheckpointMismatchError(f"{where} does not fit {what}: " + "; ".join(problems[:max_listed]) + more)
