@@ -265,9 +265,9 @@ def test_restore_params(tmp_path, state):
 
 
 @pytest.mark.parametrize("change, named", [
-    (dict(d_model=32, d_ff=64), "checkpoint (16, 2, 8) float32, model (32, 2, 16) float32"),
+    (dict(d_model=32, d_ff=64), "checkpoint (16, 2, 8) float32, this run (32, 2, 16) float32"),
     (dict(num_encoder_layers=2), "encoder/layer_1/"),
-    (dict(vocab_size=40), "shared_embedding/embedding: checkpoint (32, 16) float32, model (40, 16) float32"),
+    (dict(vocab_size=40), "shared_embedding/embedding: checkpoint (32, 16) float32, this run (40, 16) float32"),
 ])
 def test_restore_of_another_architecture_is_refused_naming_the_parameters(tmp_path, state, change, named):
   with ck.Checkpointer(tmp_path, enable_async_checkpointing=False) as ckpt:

@@ -219,9 +219,9 @@ def check_same_tree(saved: PyTree, expected: PyTree, where: str, max_listed: int
     if name not in a:
       problems.append(f"{name} {b[name][0]} is missing from the checkpoint")
     elif name not in b:
-      problems.append(f"{name} {a[name][0]} is in the checkpoint but not in the model")
+      problems.append(f"{name} {a[name][0]} is in the checkpoint but not in this run")
     elif a[name] != b[name]:
-      problems.append(f"{name}: checkpoint {a[name][0]} {a[name][1]}, model {b[name][0]} {b[name][1]}")
+      problems.append(f"{name}: checkpoint {a[name][0]} {a[name][1]}, this run {b[name][0]} {b[name][1]}")
   if problems:
     more = f" (and {len(problems) - max_listed} more)" if len(problems) > max_listed else ""
     differing = [name for name in set(a) | set(b) if a.get(name) != b.get(name)]
