@@ -58,6 +58,14 @@ def _tiny_config(tmp_path):
   return config
 
 
+def _training_only_config(tmp_path, **overrides):
+  """`_tiny_config` without periodic evaluations, with `overrides` of its top-level keys."""
+  config = _tiny_config(tmp_path)
+  config.evals.loss.every_steps = config.evals.bleu.every_steps = config.evals.attention.every_steps = 0
+  config.update(overrides)
+  return config
+
+
 def test_train_and_evaluate_returns_a_typed_result_and_leaves_the_config_alone(tmp_path):
   config = _tiny_config(tmp_path)
   before = copy.deepcopy(config.to_dict())
@@ -103,10 +111,8 @@ def test_a_dropout_stage_recompiles_the_step_at_its_update_and_on_resume(tmp_pat
   resumed after it compiles that rate; a run that adds the stage on resume ends bitwise where one that had it
   from the start ends, and elsewhere than one without it."""
   def config_with(**overrides):
-    config = _tiny_config(tmp_path)
+    config = _training_only_config(tmp_path, **overrides)
     config.model.dropout_rate = 0.1
-    config.evals.loss.every_steps = config.evals.bleu.every_steps = config.evals.attention.every_steps = 0
-    config.update(overrides)
     return config
 
   staged_config = config_with(dropout_schedule=((4, 0.3),))
@@ -139,25 +145,22 @@ def test_weight_decay_trains_resumes_exactly_and_refuses_a_checkpoint_without_it
   """`config.weight_decay` (AdamW): a run resumed from its checkpoint ends bitwise where the uninterrupted run
   ends and elsewhere than the same run without decay; a checkpoint of Adam without decay (another optimizer
   state) is refused in one line that names the optimizer, and left as it was."""
-  def config_with(**overrides):
-    config = _tiny_config(tmp_path)
-    config.evals.loss.every_steps = config.evals.bleu.every_steps = config.evals.attention.every_steps = 0
-    config.update(overrides)
-    return config
+  def decayed_config(**overrides):
+    return _training_only_config(tmp_path, weight_decay=0.1, **overrides)
 
-  decayed = trainer.train_and_evaluate(config_with(weight_decay=0.1), str(tmp_path / "decayed"))
-  trainer.train_and_evaluate(config_with(weight_decay=0.1, num_train_steps=4), str(tmp_path / "resumed"))
-  resumed = trainer.train_and_evaluate(config_with(weight_decay=0.1), str(tmp_path / "resumed"))
+  decayed = trainer.train_and_evaluate(decayed_config(), str(tmp_path / "decayed"))
+  trainer.train_and_evaluate(decayed_config(num_train_steps=4), str(tmp_path / "resumed"))
+  resumed = trainer.train_and_evaluate(decayed_config(), str(tmp_path / "resumed"))
   assert resumed.final_step == decayed.final_step == 6
   for a, b in zip(_final_params(decayed), _final_params(resumed), strict=True):
     np.testing.assert_array_equal(a, b)
-  plain = trainer.train_and_evaluate(config_with(), str(tmp_path / "plain"))
+  plain = trainer.train_and_evaluate(_training_only_config(tmp_path), str(tmp_path / "plain"))
   assert any((a != b).any() for a, b in zip(_final_params(decayed), _final_params(plain)))
 
   checkpoints = Workdir(tmp_path / "plain").checkpoints
   before = sorted(p.name for p in checkpoints.iterdir())
   with pytest.raises(checkpoint_lib.CheckpointMismatchError, match=r"does not fit the optimizer .*opt_state/"):
-    trainer.train_and_evaluate(config_with(weight_decay=0.1, num_train_steps=8), str(tmp_path / "plain"))
+    trainer.train_and_evaluate(decayed_config(num_train_steps=8), str(tmp_path / "plain"))
   assert sorted(p.name for p in checkpoints.iterdir()) == before
 
 

@@ -214,17 +214,17 @@ def check_same_tree(saved: PyTree, expected: PyTree, where: str, max_listed: int
   `saved` is typically orbax metadata of a checkpoint item, `expected` the abstract tree of the model's.
   """
   a, b = tree_signature(saved), tree_signature(expected)
+  differing = [name for name in sorted(set(a) | set(b)) if a.get(name) != b.get(name)]
   problems = []
-  for name in sorted(set(a) | set(b)):
+  for name in differing:
     if name not in a:
       problems.append(f"{name} {b[name][0]} is missing from the checkpoint")
     elif name not in b:
       problems.append(f"{name} {a[name][0]} is in the checkpoint but not in this run")
-    elif a[name] != b[name]:
+    else:
       problems.append(f"{name}: checkpoint {a[name][0]} {a[name][1]}, this run {b[name][0]} {b[name][1]}")
   if problems:
     more = f" (and {len(problems) - max_listed} more)" if len(problems) > max_listed else ""
-    differing = [name for name in set(a) | set(b) if a.get(name) != b.get(name)]
     what = ("the optimizer (another optimizer state: weight decay on in one and off in the other?)"
             if all(name.startswith("opt_state/") for name in differing) else "the model (another architecture?)")
     raise CheckpointMismatchError(f"{where} does not fit {what}: " + "; ".join(problems[:max_listed]) + more)
