@@ -93,10 +93,14 @@ def load_workdir_config(workdir: str) -> ml_collections.ConfigDict:
   return ml_collections.ConfigDict(_merged(default.get_config().to_dict(), Workdir(workdir).require_config()))
 
 
-def load_for_inference(workdir: str, checkpoint: str | None = None):
+def load_for_inference(workdir: str, checkpoint: str | None = None, ema: bool | None = None):
   """(model_config, params, tokenizer) of a trained workdir; `checkpoint` = a step or a checkpoint dir.
 
-  The checkpoint's parameter tree must match the workdir's model (`checkpoint.CheckpointMismatchError`).
+  `ema`: translate with the moving average of the parameters the run kept (`ema_decay` > 0) rather than the
+  parameters; None = the run's own choice (`trainer.inference_params`): the average for a run that kept one,
+  read from its own checkpoints (another directory, e.g. averaged checkpoints, holds parameters only).
+  The checkpoint's parameter tree must match the workdir's model (`checkpoint.CheckpointMismatchError`);
+  ValueError when `ema` asks for an average the checkpoint does not hold.
   """
   config = load_workdir_config(workdir)
   tokenizer = datasets.open_tokenizer(config.data, workdir)  # ours, or an imported model's Marian files
@@ -116,7 +120,9 @@ def load_for_inference(workdir: str, checkpoint: str | None = None):
   if not saved or (step is not None and step not in saved):
     raise FileNotFoundError(f"--checkpoint: {directory} holds no step {step if step is not None else ''} "
                             f"(saved steps: {saved or 'none'})")
-  params = checkpoint_lib.restore_params(directory, model_config, step=step)
+  if ema is None:
+    ema = bool(config.ema_decay) and directory == os.fspath(Workdir(workdir).checkpoints)
+  params = checkpoint_lib.restore_params(directory, model_config, step=step, ema=ema)
   return model_config, params, tokenizer
 
 
@@ -129,7 +135,8 @@ def report_final_eval(config, workdir: str, result: trainer.TrainResult) -> dict
   if final.max_examples:
     pairs = pairs[: final.max_examples]
   start = time.time()
-  hyps = inference.translate_texts(result.state.params, result.model_config, result.datasets.tokenizer,
+  hyps = inference.translate_texts(trainer.inference_params(config, result.state), result.model_config,
+                                   result.datasets.tokenizer,
                                    [s for s, _ in pairs], beam_size=config.decode.beam_size,
                                    alpha=config.decode.alpha, extra_len=config.decode.extra_len,
                                    mbr_utility=config.decode.get("mbr_utility", ""))

@@ -6,7 +6,8 @@ r"""The Multi30k recipe end to end: train, average the last checkpoints, score t
 Scores: the published-style BLEU (hypotheses lowercased, punctuation-normalised, Moses-tokenised, against
 test_2016_flickr.lc.norm.tok.de with tokenize='none') and detokenised sacreBLEU with its signature (cased, or
 lowercased for a case-folded vocabulary, `data.lowercase`),
-for the average of the last `decode.average_last` checkpoints, the recipe's figure (and, with
+for the average of the last `decode.average_last` checkpoints, the recipe's figure, or with `ema_decay` > 0 for
+the moving average of the parameters instead (and, with
 `--score_last_checkpoint` or without checkpoints to average, for the last checkpoint; decoded with `decode`: beam
 size, α and, when `decode.mbr_utility` is set, the MBR choice from the n-best list), on the first
 `final_eval.max_examples` test2016 sentences (0 = all 1,000). Writes `<workdir>/results.json` (scores, wall
@@ -113,10 +114,14 @@ def main():
   ckpt_dir, averaged_dir = os.fspath(run_dir.checkpoints), os.fspath(run_dir.averaged)
   steps = checkpoint_lib.Checkpointer(ckpt_dir, read_only=True).all_steps()
   n = min(config.decode.average_last, len(steps))
-  if FLAGS.score_last_checkpoint or n <= 1:
+  if config.ema_decay:  # the moving average is the run's model; checkpoints are not averaged
+    rows[f"moving average ({config.ema_decay:g})"], hyps = score(
+        trainer.inference_params(config, result.state), model_config, tokenizer, test_src, test_ref, test_lc,
+        config.decode)
+  if FLAGS.score_last_checkpoint or (n <= 1 and not config.ema_decay):
     rows["last checkpoint"], hyps = score(result.state.params, model_config, tokenizer, test_src, test_ref,
                                           test_lc, config.decode)
-  if n > 1:
+  if n > 1 and not config.ema_decay:
     if os.path.isdir(averaged_dir):
       shutil.rmtree(averaged_dir)
     checkpoint_lib.average_checkpoints(ckpt_dir, last_n=n, output_directory=averaged_dir)
@@ -200,6 +205,8 @@ def _regularisation_words(config, model_config) -> str:
   words += f", label smoothing {config.label_smoothing:g}"
   if config.get("weight_decay", 0.0):
     words += f", weight decay {config.weight_decay:g}"
+  if config.get("ema_decay", 0.0):
+    words += f", a moving average of the weights (decay {config.ema_decay:g})"
   return words
 
 

@@ -1,11 +1,12 @@
 r"""Choose the decoding settings on a development split: checkpoints averaged x beam size x α x MBR utility.
 
     python -m experiments.tune_decoding --workdir=DIR --source=val.en --reference=val.de \
-        [--average_last=1,5,10] [--beam_sizes=4,5] [--alphas=0.4,0.6,0.8,1.0] [--mbr_utilities=none,chrf]
+        [--average_last=1,5,10,ema] [--beam_sizes=4,5] [--alphas=0.4,0.6,0.8,1.0] [--mbr_utilities=none,chrf]
         [--extra_len=50] [--report=FILE]
 
 For every number of checkpoints N in `--average_last` (the newest N of the run, averaged as
-`experiments.average_checkpoints` does, into a temporary directory; 1 = the newest checkpoint alone) and every
+`experiments.average_checkpoints` does, into a temporary directory; 1 = the newest checkpoint alone; `ema` = the
+moving average of the parameters a run with `ema_decay` > 0 keeps, from its newest checkpoint) and every
 beam size, α and MBR utility (`none` = beam search's best; `chrf`/`bleu` = the minimum-Bayes-risk choice from
 the beam's n-best list, `transformer_jax.mbr`), translates `--source` and scores cased sacreBLEU against
 `--reference`; prints one table row per setting and the best one, and writes every row as JSON to `--report`
@@ -30,7 +31,8 @@ FLAGS = flags.FLAGS
 flags.DEFINE_string("workdir", None, "The training run's --workdir.")
 flags.DEFINE_string("source", None, "Development source text, one sentence per line.")
 flags.DEFINE_string("reference", None, "Development references, aligned with --source.")
-flags.DEFINE_list("average_last", ["1"], "Numbers of newest checkpoints to average (1 = the newest alone).")
+flags.DEFINE_list("average_last", ["1"], "Numbers of newest checkpoints to average (1 = the newest alone); "
+                  "'ema' = the moving average of the parameters in the newest (a run with ema_decay > 0).")
 flags.DEFINE_list("beam_sizes", ["4"], "Beam sizes (1 = greedy).")
 flags.DEFINE_list("alphas", ["0.6"], "GNMT length penalty exponents.")
 flags.DEFINE_list("mbr_utilities", ["none"], "MBR utilities: none (the beam's best), chrf, bleu.")
@@ -41,7 +43,7 @@ launch.check_flags(extra_len="decode.extra_len")
 launch.check_files_exist("source", "reference")
 
 
-def _grid() -> tuple[list[int], list[int], list[float], list[str]]:
+def _grid() -> tuple[list[int | str], list[int], list[float], list[str]]:
   """The four flag lists as numbers and utilities ('' for none), each non-empty and checked against its config
   key's rule (one-line errors)."""
   def parse(values, kind, key, flag):
@@ -56,7 +58,10 @@ def _grid() -> tuple[list[int], list[int], list[float], list[str]]:
       default.check_value(key, out[-1], f"--{flag}")
     return out
 
-  return (parse(FLAGS.average_last, int, "decode.average_last", "average_last"),
+  _check_nonempty(FLAGS.average_last, "average_last")
+  numbers = [value for value in FLAGS.average_last if value != "ema"]
+  averages = parse(numbers, int, "decode.average_last", "average_last") if numbers else []
+  return (averages + ["ema"] * ("ema" in FLAGS.average_last),
           parse(FLAGS.beam_sizes, int, "decode.beam_size", "beam_sizes"),
           parse(FLAGS.alphas, float, "decode.alpha", "alphas"),
           _utilities())
@@ -77,10 +82,13 @@ def _utilities() -> list[str]:
   return ["" if value == "none" else value for value in FLAGS.mbr_utilities]
 
 
-def _params_of_newest(workdir: str, n: int, scratch: str):
-  """(model_config, params, tokenizer) with the mean of the newest `n` checkpoints' parameters."""
+def _params_of_newest(workdir: str, n: int | str, scratch: str):
+  """(model_config, params, tokenizer) with the mean of the newest `n` checkpoints' parameters, or for
+  `n == "ema"` the moving average of the parameters in the newest checkpoint (a run with `ema_decay` > 0)."""
+  if n == "ema":
+    return common.load_for_inference(workdir, ema=True)
   if n == 1:
-    return common.load_for_inference(workdir)
+    return common.load_for_inference(workdir, ema=False)
   output = os.path.join(scratch, f"average_{n}")
   checkpoint_lib.average_checkpoints(os.fspath(Workdir(workdir).checkpoints), last_n=n, output_directory=output)
   return common.load_for_inference(workdir, output)

@@ -22,6 +22,7 @@ naming the first differing parameters: a checkpoint of another architecture neve
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import math
 import os
@@ -36,6 +37,7 @@ from etils import epath
 from orbax.checkpoint import checkpoint_managers as ocp_policies
 
 from transformer_jax.config import ModelConfig
+from transformer_jax.training.schedule import EMA_KEY
 from transformer_jax.training.steps import init_params
 from transformer_jax.workdir import to_jsonable
 
@@ -225,7 +227,7 @@ def check_same_tree(saved: PyTree, expected: PyTree, where: str, max_listed: int
       problems.append(f"{name}: checkpoint {a[name][0]} {a[name][1]}, this run {b[name][0]} {b[name][1]}")
   if problems:
     more = f" (and {len(problems) - max_listed} more)" if len(problems) > max_listed else ""
-    what = ("the optimizer (another optimizer state: weight decay on in one and off in the other?)"
+    what = ("the optimizer (another optimizer state: weight decay or the moving average on in one and off in the other?)"
             if all(name.startswith("opt_state/") for name in differing) else "the model (another architecture?)")
     raise CheckpointMismatchError(f"{where} does not fit {what}: " + "; ".join(problems[:max_listed]) + more)
 
@@ -479,11 +481,43 @@ def _read_only_manager(directory: str, state_handler: str = "standard") -> ocp.C
                   handler_registry=_handler_registry(state_handler))
 
 
+def _ema_path(opt_state_metadata: PyTree) -> tuple | None:
+  """The keys (dict names, list indices) from a saved `opt_state` to its `params_ema` entry, or None."""
+  if isinstance(opt_state_metadata, Mapping):
+    if EMA_KEY in opt_state_metadata:
+      return (EMA_KEY,)
+    children = opt_state_metadata.items()
+  elif isinstance(opt_state_metadata, (list, tuple)):
+    children = enumerate(opt_state_metadata)
+  else:
+    return None
+  for key, child in children:
+    path = _ema_path(child)
+    if path is not None:
+      return (key, *path)
+  return None
+
+
+def _partial_target(metadata: PyTree, path: tuple, leaf_target: PyTree) -> PyTree:
+  """`metadata`'s containers with `leaf_target` at `path` and orbax placeholders (not read) everywhere else."""
+  if not path:
+    return leaf_target
+  key, rest = path[0], path[1:]
+  if isinstance(metadata, Mapping):
+    return {k: _partial_target(v, rest, leaf_target) if k == key else
+            jax.tree_util.tree_map(lambda _: ocp.PLACEHOLDER, v) for k, v in metadata.items()}
+  return [_partial_target(v, rest, leaf_target) if i == key else
+          jax.tree_util.tree_map(lambda _: ocp.PLACEHOLDER, v) for i, v in enumerate(metadata)]
+
+
 def restore_params(directory: str | os.PathLike, model_config: ModelConfig | None = None,
                    step: int | None = None, *, abstract: PyTree | None = None,
-                   sharding: jax.sharding.Sharding | None = None) -> PyTree:
+                   sharding: jax.sharding.Sharding | None = None, ema: bool = False) -> PyTree:
   """Just `state.params` of `step` (default: the latest) of a checkpoint directory; the optimizer state is never read.
 
+  With `ema`, the moving average of the parameters the optimizer state keeps instead (`schedule.param_ema`,
+  a run with `ema_decay` > 0): only that entry of the optimizer state is read. Raises ValueError when the
+  checkpoint holds none.
   The target tree comes from `model_config` (the model's own parameter shapes) or `abstract` (leaves with
   `.shape`, `.dtype` and optionally `.sharding`); either way the saved tree must match it exactly, else
   `CheckpointMismatchError` names the first differing parameters. With neither, the saved shapes are taken
@@ -496,19 +530,28 @@ def restore_params(directory: str | os.PathLike, model_config: ModelConfig | Non
     step = manager.latest_step() if step is None else int(step)
     if step is None:
       raise FileNotFoundError(f"No checkpoints in {os.path.abspath(os.fspath(directory))}.")
+    where = f"checkpoint {_step_dir(os.fspath(manager.directory), step)}"
     if model_config is not None:
       abstract = abstract_params(model_config)
     default = sharding or replicated_sharding_like(abstract)
-    saved = _item_tree_metadata(manager.directory, step, STATE)["params"]
+    metadata = _item_tree_metadata(manager.directory, step, STATE)
+    path = ("params",)
+    if ema:
+      found = _ema_path(metadata.get("opt_state"))
+      if found is None:
+        raise ValueError(f"{where} holds no moving average of the parameters (trained with ema_decay 0)")
+      path = ("opt_state", *found)
+    saved = functools.reduce(lambda tree, key: tree[key], path, metadata)
     if abstract is None:
-      target = {"params": _abstract_from_metadata(saved, default)}
+      params_target = _abstract_from_metadata(saved, default)
     else:
-      check_same_tree(saved, abstract, f"checkpoint {_step_dir(os.fspath(manager.directory), step)}")
-      target = {"params": _as_abstract(abstract, default)}
+      check_same_tree(saved, abstract, where)
+      params_target = _as_abstract(abstract, default)
+    target = _partial_target({k: v for k, v in metadata.items() if k == path[0]}, path, params_target)
     restore_args = ocp.checkpoint_utils.construct_restore_args(target)
     restored = manager.restore(step, args=ocp.args.Composite(**{
         STATE: ocp.args.PyTreeRestore(item=target, restore_args=restore_args, partial_restore=True)}))
-    return restored[STATE]["params"]
+    return functools.reduce(lambda tree, key: tree[key], path, restored[STATE])
   finally:
     manager.close()
 

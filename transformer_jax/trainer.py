@@ -143,14 +143,24 @@ def itstime(step: int, every_steps: int, total_steps: int, *, last: bool = True)
 
 def optimizer(config: Any, d_model: int) -> tuple[optax.GradientTransformation, Any]:
   """Adam with the paper's schedule (section 5.3), cooled down over the last `config.cooldown_steps` (0 = the
-  paper's schedule as is), decoupled weight decay `config.weight_decay` (0 = the paper's Adam), and the
-  schedule itself."""
+  paper's schedule as is), decoupled weight decay `config.weight_decay` (0 = the paper's Adam), a moving
+  average of the parameters when `config.ema_decay` > 0 (`schedule.param_ema`), and the schedule itself."""
   learning_rate_fn = schedule_lib.cooldown(
       schedule_lib.rsqrt_schedule(d_model, config.warmup_steps, config.learning_rate),
       config.num_train_steps, config.cooldown_steps, config.cooldown_shape, config.cooldown_knots)
   tx = schedule_lib.adam(learning_rate_fn, b1=config.adam_b1, b2=config.adam_b2, eps=config.adam_eps,
                         weight_decay=config.weight_decay)
+  if config.ema_decay:
+    tx = optax.chain(tx, schedule_lib.param_ema(config.ema_decay))
   return tx, learning_rate_fn
+
+
+def inference_params(config: Any, state: steps.TrainState) -> Any:
+  """The parameters a finished run is evaluated and translated with: the moving average when
+  `config.ema_decay` > 0 (`schedule.ema_params`), else `state.params`. Periodic validation during training
+  evaluates `state.params`, the iterate being trained, so learning curves compare across runs with and
+  without the average."""
+  return schedule_lib.ema_params(state.opt_state) if config.ema_decay else state.params
 
 
 def make_train_step(config: Any, model_config: ModelConfig, mesh: jax.sharding.Mesh, state: steps.TrainState,
@@ -522,7 +532,8 @@ def log_packing(train: batching.PackedBatches) -> None:
 
 def start_from_import(run: Run, step: int) -> None:
   """Fine-tuning: the imported checkpoint's parameters in `run.state` (read straight into their shards), at
-  its step; the optimizer state stays the fresh one `init_or_restore` built.
+  its step, with a fresh optimizer state built for them (zero Adam moments; a moving average that starts at
+  the imported parameters, not at the random ones `init_or_restore` drew).
 
   An import has no optimizer state worth restoring (Adam's moments of a model trained elsewhere are not in a
   Hugging Face checkpoint), so Adam starts from zero moments and its count from 0: the learning-rate schedule
@@ -533,7 +544,8 @@ def start_from_import(run: Run, step: int) -> None:
   params = checkpoint_lib.restore_params(run.checkpointer.directory, step=step,
                                          abstract=sharding.abstract_state(run.state.params))
   step_array = jax.device_put(np.asarray(step, run.state.step.dtype), run.state.step.sharding)
-  run.state = run.state.replace(params=params, step=step_array)
+  opt_state = jax.jit(run.state.tx.init, out_shardings=sharding.shardings_of(run.state.opt_state))(params)
+  run.state = run.state.replace(params=params, opt_state=opt_state, step=step_array)
   run.start_step = step
   logging.info("Fine-tuning the model imported in %s from its step %d: parameters restored; a fresh Adam state "
                "(the import has none) with the schedule's warm-up; data from the start", run.workdir.root, step)

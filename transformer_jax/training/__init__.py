@@ -6,9 +6,9 @@ jit road (state creation, partitioned steps) is `transformer_jax.sharding`.
 
 from transformer_jax.training.loss import label_smoothed_cross_entropy, normalized_loss, token_weights
 from transformer_jax.training.schedule import (adam, adam_with_schedule, cooldown, cooldown_progress, dropout_rate,
-                                              rsqrt_schedule)
+                                              ema_params, param_ema, rsqrt_schedule)
 from transformer_jax.training.steps import TrainState, eval_step, init_params, metrics_from_sums, train_step
 
-__all__ = ["TrainState", "adam", "adam_with_schedule", "cooldown", "cooldown_progress", "dropout_rate", "eval_step",
-           "init_params", "label_smoothed_cross_entropy", "metrics_from_sums", "normalized_loss", "rsqrt_schedule",
-           "token_weights", "train_step"]
+__all__ = ["TrainState", "adam", "adam_with_schedule", "cooldown", "cooldown_progress", "dropout_rate", "ema_params",
+           "eval_step", "init_params", "label_smoothed_cross_entropy", "metrics_from_sums", "normalized_loss",
+           "param_ema", "rsqrt_schedule", "token_weights", "train_step"]
