@@ -44,12 +44,15 @@ launch.check_files_exist("source", "reference")
 
 
 def _grid() -> tuple[list[int | str], list[int], list[float], list[str]]:
-  """The four flag lists as numbers and utilities ('' for none), each non-empty and checked against its config
-  key's rule (one-line errors)."""
-  def parse(values, kind, key, flag):
+  """The four flag lists as numbers (`ema` kept as is in `--average_last`) and utilities ('' for none), each
+  non-empty and checked against its config key's rule (one-line errors)."""
+  def parse(values, kind, key, flag, words=()):
     _check_nonempty(values, flag)
     out = []
     for value in values:
+      if value in words:
+        out.append(value)
+        continue
       try:
         out.append(kind(value))
       except ValueError:
@@ -58,10 +61,7 @@ def _grid() -> tuple[list[int | str], list[int], list[float], list[str]]:
       default.check_value(key, out[-1], f"--{flag}")
     return out
 
-  _check_nonempty(FLAGS.average_last, "average_last")
-  numbers = [value for value in FLAGS.average_last if value != "ema"]
-  averages = parse(numbers, int, "decode.average_last", "average_last") if numbers else []
-  return (averages + ["ema"] * ("ema" in FLAGS.average_last),
+  return (parse(FLAGS.average_last, int, "decode.average_last", "average_last", words=("ema",)),
           parse(FLAGS.beam_sizes, int, "decode.beam_size", "beam_sizes"),
           parse(FLAGS.alphas, float, "decode.alpha", "alphas"),
           _utilities())

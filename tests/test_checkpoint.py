@@ -12,6 +12,7 @@ import pytest
 from transformer_jax import checkpoint as ck
 from transformer_jax.config import tiny
 from transformer_jax.sharding import create_train_state
+from transformer_jax.training.schedule import ema_params, param_ema
 from transformer_jax.workdir import to_jsonable
 
 # Restoring a damaged step makes Orbax abandon its other in-flight reads; their coroutines later fail with
@@ -262,6 +263,29 @@ def test_restore_params(tmp_path, state):
   assert all(leaf.sharding == sharding for leaf in jax.tree_util.tree_leaves(params))
   assert ck.read_config(tmp_path) == CONFIG_DICT
   assert_trees_equal(ck.restore_params(tmp_path, CONFIG), state.params)
+
+
+def test_restore_params_reads_the_moving_average_alone_when_asked(tmp_path, state):
+  """`restore_params(ema=True)`: the moving average `schedule.param_ema` keeps in the optimizer state, with the
+  model's tree; without `ema` the parameters; a checkpoint of a run without the average is refused in one line."""
+  tx = optax.chain(optax.adam(1e-2), param_ema(0.9))
+  averaged = create_train_state(CONFIG, tx, jax.random.key(3))
+  for i in range(3):
+    grads = jax.tree_util.tree_map(lambda p, k=jax.random.key(i): jax.random.normal(k, p.shape, p.dtype),
+                                   averaged.params)
+    averaged = averaged.apply_gradients(grads=grads)
+  with ck.Checkpointer(tmp_path / "ema", enable_async_checkpointing=False) as ckpt:
+    ckpt.save(3, averaged, RNG, {}, CONFIG_DICT)
+  restored = ck.restore_params(tmp_path / "ema", CONFIG, ema=True)
+  assert_trees_equal(restored, ema_params(averaged.opt_state))
+  assert_trees_equal(ck.restore_params(tmp_path / "ema", ema=True), ema_params(averaged.opt_state))
+  assert_trees_equal(ck.restore_params(tmp_path / "ema", CONFIG), averaged.params)
+  assert any((np.asarray(a) != np.asarray(b)).any()
+             for a, b in zip(jax.tree_util.tree_leaves(restored), jax.tree_util.tree_leaves(averaged.params)))
+  with ck.Checkpointer(tmp_path / "plain", enable_async_checkpointing=False) as ckpt:
+    ckpt.save(1, state, RNG, {}, CONFIG_DICT)
+  with pytest.raises(ValueError, match=r"checkpoint .*/1 holds no moving average of the parameters"):
+    ck.restore_params(tmp_path / "plain", CONFIG, ema=True)
 
 
 @pytest.mark.parametrize("change, named", [

@@ -58,6 +58,20 @@ def test_translate_stdin_keeps_lines_and_empty_lines(workdir):
   assert all(lines[i] for i in (0, 2, 4))
 
 
+def test_tune_decoding_decodes_the_moving_average_of_a_run_that_kept_one(tmp_path):
+  """`--average_last=...,ema` on a run trained with `ema_decay`: one row per setting, in the flag's order."""
+  workdir = tmp_path / "ema_run"
+  _run(["experiments.train", f"--workdir={workdir}", *TINY_OVERRIDES, "--config.num_train_steps=10",
+        "--config.ema_decay=0.9", "--config.final_eval.split="])
+  src, ref = tmp_path / "src.txt", tmp_path / "ref.txt"
+  src.write_text("twenty-one\nfive\n", encoding="utf-8")
+  ref.write_text("einundzwanzig\nfünf\n", encoding="utf-8")
+  report = tmp_path / "tune.json"
+  _run(["experiments.tune_decoding", f"--workdir={workdir}", f"--source={src}", f"--reference={ref}",
+        "--average_last=ema,1", "--beam_sizes=1", f"--report={report}"])
+  assert [r["average_last"] for r in json.loads(report.read_text())["rows"]] == ["ema", 1]
+
+
 def test_translate_file_with_beam_matches_line_by_line(workdir, tmp_path):
   sources = ["three hundred five", "", "twenty-one", "nine hundred ninety-nine thousand one", "six"]
   (tmp_path / "in.txt").write_text("\n".join(sources) + "\n", encoding="utf-8")
@@ -260,6 +274,10 @@ def test_resume_with_another_architecture_is_refused(deeper_workdir):
      "--mbr_utilities is empty: give at least one value"),
     ("experiments.tune_decoding", ["--source=README.md", "--reference=README.md", "--alphas="],
      "--alphas is empty: give at least one value"),
+    ("experiments.tune_decoding", ["--source=README.md", "--reference=README.md", "--average_last=5,ema"],
+     "holds no moving average of the parameters (trained with ema_decay 0)"),
+    ("experiments.tune_decoding", ["--source=README.md", "--reference=README.md", "--average_last=ema,x"],
+     "--average_last=ema,x: 'x' is not an integer"),
     ("experiments.translate", ["--mbr_utility=meteor", "--beam_size=4"],
      "--mbr_utility='meteor': must be one of '', 'chrf', 'bleu'"),
     ("experiments.translate", ["--mbr_utility=chrf"], "--mbr_utility chooses from beam search's n-best list: it "

@@ -13,6 +13,7 @@ import shutil
 import subprocess
 import sys
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -219,6 +220,29 @@ def test_config_for_workdir_takes_the_imported_architecture(marian_dir, tmp_path
   assert "\n" not in str(error.value)
   # Not an imported model's workdir: the config as it is.
   assert trainer.config_for_workdir(config, str(tmp_path / "other"), explicit={"model.d_model"}) is config
+
+
+def test_a_moving_average_of_an_imported_model_starts_at_its_weights(marian_dir, tmp_path):  # noqa: F811
+  """`config.ema_decay` on a fine-tune: the average starts at the imported parameters, not at the random ones
+  the fresh state was drawn with (`trainer.start_from_import` builds the optimizer state for them)."""
+  workdir = str(tmp_path / "workdir")
+  marian.import_to_workdir(marian_dir, workdir)
+  config = default.get_config()
+  config.data.update(dataset="parallel_text", dir=str(_corpus(tmp_path / "corpus")), eval_splits=("val",),
+                     max_len=32, tokens_per_batch=256)
+  config.ema_decay = 0.99
+  run = trainer.prepare(trainer.config_for_workdir(config, workdir, explicit={"data.dir"}), workdir)
+  trainer.init_or_restore(run)
+  try:
+    imported = jax.tree_util.tree_leaves(jax.device_get(run.state.params))
+    average = jax.tree_util.tree_leaves(jax.device_get(trainer.inference_params(run.config, run.state)))
+    for a, b in zip(imported, average, strict=True):
+      np.testing.assert_array_equal(a, b)
+    _, reference, _ = marian.load_marian(marian_dir)
+    for a, b in zip(imported, jax.tree_util.tree_leaves(reference), strict=True):
+      np.testing.assert_allclose(a, b, rtol=1e-6)
+  finally:
+    run.checkpointer.close()
 
 
 def test_marian_vocabulary_encodes_targets_with_the_target_model(marian_dir):  # noqa: F811

@@ -15,6 +15,7 @@ import functools
 
 import jax
 import numpy as np
+import optax
 import pytest
 from jax.experimental import multihost_utils
 from jax.sharding import PartitionSpec as P
@@ -22,7 +23,7 @@ from jax.sharding import PartitionSpec as P
 import distributed_workers
 from transformer_jax import sharding
 from transformer_jax.config import tiny
-from transformer_jax.training.schedule import adam, adam_with_schedule, rsqrt_schedule
+from transformer_jax.training.schedule import adam, adam_with_schedule, ema_params, param_ema, rsqrt_schedule
 
 pytestmark = pytest.mark.filterwarnings("ignore:Some donated buffers were not usable")
 
@@ -159,6 +160,28 @@ def test_weight_decay_step_on_an_fsdp_mesh_matches_single_device(reference):
   assert not np.allclose(_param(_host(results[0].params), *WI), _param(plain, *WI), rtol=0, atol=1e-7)
   bias = ("encoder", "layer_0", "ffn", "wi", "bias")
   np.testing.assert_allclose(_param(_host(results[0].params), *bias), _param(plain, *bias), rtol=1e-6, atol=1e-7)
+
+
+def test_moving_average_is_sharded_like_the_parameters_and_its_step_matches_single_device(reference):
+  """`schedule.param_ema` in the optimizer state: born from the boxed parameters, the average takes their
+  logical names and so their shardings on the fsdp mesh; one step there updates it as on one device."""
+  tx = optax.chain(adam(_lr(), eps=1e-3), param_ema(0.5))
+  results = []
+  for mesh in (sharding.single_device_mesh(), sharding.make_mesh(**MESHES["fsdp8"])):
+    born = sharding.create_train_state(CFG, tx, jax.random.key(0), mesh)
+    shardings = sharding.shardings_of(born)
+    assert jax.tree_util.tree_leaves(ema_params(shardings.opt_state)) == jax.tree_util.tree_leaves(shardings.params)
+    state = sharding.device_put_sharded(
+        reference["initial"].replace(tx=tx, opt_state=tx.init(reference["initial"].params)), shardings)
+    step = sharding.jit_train_step(CFG, mesh, shardings, label_smoothing=0.1, learning_rate_fn=_lr())
+    results.append(step(state, sharding.shard_batch(reference["batch"], mesh), reference["rng"])[0])
+  assert any(not s.is_fully_replicated for s in jax.tree_util.tree_leaves(ema_params(shardings.opt_state)))
+  _assert_trees_close(ema_params(results[1].opt_state), ema_params(results[0].opt_state))
+  # One update from the initial parameters: d_1 = min(0.5, 2 / 11), so ema = d_1 p_0 + (1 - d_1) p_1.
+  d = 2 / 11
+  expected = jax.tree_util.tree_map(lambda p0, p1: d * np.asarray(p0) + (1 - d) * np.asarray(p1),
+                                    _host(reference["initial"].params), _host(results[0].params))
+  _assert_trees_close(ema_params(results[0].opt_state), expected)
 
 
 def test_grad_accumulation_matches_single_device(reference):

@@ -10,6 +10,7 @@ import pytest
 from tensorboard.backend.event_processing import event_accumulator
 from tensorboard.util import tensor_util
 
+from experiments import common
 from experiments.configs import number_words
 from transformer_jax import checkpoint as checkpoint_lib
 from transformer_jax import trainer
@@ -162,6 +163,42 @@ def test_weight_decay_trains_resumes_exactly_and_refuses_a_checkpoint_without_it
   with pytest.raises(checkpoint_lib.CheckpointMismatchError, match=r"does not fit the optimizer .*opt_state/"):
     trainer.train_and_evaluate(decayed_config(num_train_steps=8), str(tmp_path / "plain"))
   assert sorted(p.name for p in checkpoints.iterdir()) == before
+
+
+def test_moving_average_resumes_exactly_and_is_what_the_finished_run_translates_with(tmp_path):
+  """`config.ema_decay`: the average lives in the optimizer state, so a resumed run ends with the same average,
+  bitwise, as the uninterrupted one; `inference_params`, a translation program's `load_for_inference` and
+  `restore_params(ema=True)` all give it, and it differs from the trained parameters, which periodic
+  validation and `--average_last` numbers keep using. A checkpoint without it is refused, and left alone."""
+  def averaged_config(**overrides):
+    return _training_only_config(tmp_path, ema_decay=0.9, **overrides)
+
+  averaged = trainer.train_and_evaluate(averaged_config(), str(tmp_path / "averaged"))
+  trainer.train_and_evaluate(averaged_config(num_train_steps=4), str(tmp_path / "resumed"))
+  resumed = trainer.train_and_evaluate(averaged_config(), str(tmp_path / "resumed"))
+  ema = jax.device_get(trainer.inference_params(averaged.config, averaged.state))
+  for a, b in zip(jax.tree_util.tree_leaves(ema),
+                  jax.tree_util.tree_leaves(trainer.inference_params(resumed.config, resumed.state)), strict=True):
+    np.testing.assert_array_equal(a, b)
+  for a, b in zip(_final_params(averaged), _final_params(resumed), strict=True):
+    np.testing.assert_array_equal(a, b)
+  assert any((a != b).any() for a, b in zip(jax.tree_util.tree_leaves(ema), _final_params(averaged)))
+
+  checkpoints = str(Workdir(tmp_path / "averaged").checkpoints)
+  _, loaded, _ = common.load_for_inference(str(tmp_path / "averaged"))
+  for restored in (loaded, checkpoint_lib.restore_params(checkpoints, averaged.model_config, ema=True)):
+    for a, b in zip(jax.tree_util.tree_leaves(ema), jax.tree_util.tree_leaves(restored), strict=True):
+      np.testing.assert_array_equal(a, b)
+  _, trained, _ = common.load_for_inference(str(tmp_path / "averaged"), ema=False)
+  for a, b in zip(_final_params(averaged), jax.tree_util.tree_leaves(trained), strict=True):
+    np.testing.assert_array_equal(a, b)
+
+  trainer.train_and_evaluate(_training_only_config(tmp_path), str(tmp_path / "plain"))
+  plain_checkpoints = Workdir(tmp_path / "plain").checkpoints
+  before = sorted(p.name for p in plain_checkpoints.iterdir())
+  with pytest.raises(checkpoint_lib.CheckpointMismatchError, match=r"does not fit the optimizer .*opt_state/"):
+    trainer.train_and_evaluate(averaged_config(num_train_steps=8), str(tmp_path / "plain"))
+  assert sorted(p.name for p in plain_checkpoints.iterdir()) == before
 
 
 def test_make_train_step_is_the_step_the_trainer_runs(tmp_path):

@@ -12,9 +12,9 @@ import pytest
 from transformer_jax.config import tiny
 from transformer_jax.model import Transformer
 from transformer_jax import sharding
-from transformer_jax.training import (adam, adam_with_schedule, cooldown, cooldown_progress, dropout_rate, eval_step,
-                                      label_smoothed_cross_entropy, metrics_from_sums, normalized_loss,
-                                      rsqrt_schedule, train_step)
+from transformer_jax.training import (adam, adam_with_schedule, cooldown, cooldown_progress, dropout_rate, ema_params,
+                                      eval_step, label_smoothed_cross_entropy, metrics_from_sums, normalized_loss,
+                                      param_ema, rsqrt_schedule, train_step)
 from transformer_jax.training.steps import TrainState
 
 VOCAB = 32
@@ -166,6 +166,35 @@ def test_weight_decay_shrinks_the_matrices_by_the_rate_and_leaves_biases_and_sca
           == jax.tree_util.tree_structure(optax.adam(schedule, b1=0.9, b2=0.98, eps=1e-9).init(params)))
   with pytest.raises(ValueError, match="weight_decay=-0.1 must be >= 0"):
     adam(schedule, weight_decay=-0.1)
+
+
+def test_param_ema_averages_the_parameters_each_update_leaves_and_passes_the_updates_through():
+  """`param_ema` chained after an optimizer: the updates are the optimizer's own, and the average follows
+  ema_k = d_k ema_{k-1} + (1 - d_k) params_k, d_k = min(decay, (1 + k) / (10 + k)), from the initial
+  parameters (a NumPy recurrence over 30 updates, so both the warm-up term and the decay itself govern)."""
+  decay = 0.8  # (1 + k) / (10 + k) passes 0.8 at k = 36: both terms matter over 40 updates
+  params = {"w": jnp.linspace(-1.0, 1.0, 6).reshape(2, 3), "b": jnp.ones(3)}
+  grads = [jax.tree_util.tree_map(lambda p, i=i: jnp.sin(p * (i + 1)), params) for i in range(40)]
+  base = optax.adam(1e-2)
+  tx = optax.chain(base, param_ema(decay))
+  state, base_state = tx.init(params), base.init(params)
+  expected = jax.tree_util.tree_map(np.asarray, params)
+  for k, g in enumerate(grads, start=1):
+    updates, state = tx.update(g, state, params)
+    base_updates, base_state = base.update(g, base_state, params)
+    for a, b in zip(jax.tree_util.tree_leaves(updates), jax.tree_util.tree_leaves(base_updates), strict=True):
+      np.testing.assert_array_equal(a, b)
+    params = optax.apply_updates(params, updates)
+    d = min(decay, (1 + k) / (10 + k))
+    expected = jax.tree_util.tree_map(lambda e, p: d * e + (1 - d) * np.asarray(p), expected, params)
+  for name in params:
+    np.testing.assert_allclose(ema_params(state)[name], expected[name], rtol=1e-5, atol=1e-6)
+  assert not np.allclose(ema_params(state)["w"], params["w"])  # an average, not the last iterate
+  for bad in (0.0, 1.0, -0.5):
+    with pytest.raises(ValueError, match=f"ema decay={bad} must be in \\(0, 1\\)"):
+      param_ema(bad)
+  with pytest.raises(ValueError, match="holds no moving average"):
+    ema_params(base_state)
 
 
 def test_adam_with_schedule_matches_numpy_adam():

@@ -227,8 +227,9 @@ def check_same_tree(saved: PyTree, expected: PyTree, where: str, max_listed: int
       problems.append(f"{name}: checkpoint {a[name][0]} {a[name][1]}, this run {b[name][0]} {b[name][1]}")
   if problems:
     more = f" (and {len(problems) - max_listed} more)" if len(problems) > max_listed else ""
-    what = ("the optimizer (another optimizer state: weight decay or the moving average on in one and off in the other?)"
-            if all(name.startswith("opt_state/") for name in differing) else "the model (another architecture?)")
+    optimizer_only = all(name.startswith("opt_state/") for name in differing)
+    what = ("the optimizer (another optimizer state: weight decay or the moving average on in one and off in "
+            "the other?)" if optimizer_only else "the model (another architecture?)")
     raise CheckpointMismatchError(f"{where} does not fit {what}: " + "; ".join(problems[:max_listed]) + more)
 
 
