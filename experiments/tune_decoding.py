@@ -100,6 +100,9 @@ def main():
   if len(sources) != len(references):
     raise ValueError(f"{FLAGS.source} has {len(sources)} lines but {FLAGS.reference} has {len(references)}")
   averages, beams, alphas, utilities = _grid()
+  if "ema" in averages and not common.load_workdir_config(FLAGS.workdir).ema_decay:
+    raise ValueError(f"--average_last={','.join(FLAGS.average_last)}: {FLAGS.workdir} was trained without a moving "
+                     "average of the parameters (config.ema_decay 0)")
   rows = []
   with tempfile.TemporaryDirectory() as scratch:
     for n in averages:

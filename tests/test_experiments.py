@@ -275,7 +275,7 @@ def test_resume_with_another_architecture_is_refused(deeper_workdir):
     ("experiments.tune_decoding", ["--source=README.md", "--reference=README.md", "--alphas="],
      "--alphas is empty: give at least one value"),
     ("experiments.tune_decoding", ["--source=README.md", "--reference=README.md", "--average_last=5,ema"],
-     "holds no moving average of the parameters (trained with ema_decay 0)"),
+     "was trained without a moving average of the parameters (config.ema_decay 0)"),
     ("experiments.tune_decoding", ["--source=README.md", "--reference=README.md", "--average_last=ema,x"],
      "--average_last=ema,x: 'x' is not an integer"),
     ("experiments.translate", ["--mbr_utility=meteor", "--beam_size=4"],
