@@ -114,14 +114,14 @@ def main():
   ckpt_dir, averaged_dir = os.fspath(run_dir.checkpoints), os.fspath(run_dir.averaged)
   steps = checkpoint_lib.Checkpointer(ckpt_dir, read_only=True).all_steps()
   n = min(config.decode.average_last, len(steps))
-  if config.ema_decay:  # the moving average is the run's model; checkpoints are not averaged
-    rows[f"moving average ({config.ema_decay:g})"], hyps = score(
-        trainer.inference_params(config, result.state), model_config, tokenizer, test_src, test_ref, test_lc,
-        config.decode)
   if FLAGS.score_last_checkpoint or (n <= 1 and not config.ema_decay):
     rows["last checkpoint"], hyps = score(result.state.params, model_config, tokenizer, test_src, test_ref,
                                           test_lc, config.decode)
-  if n > 1 and not config.ema_decay:
+  if config.ema_decay:  # the moving average is the run's model (and its hypotheses the file's); no averaging
+    rows[f"moving average ({config.ema_decay:g})"], hyps = score(
+        trainer.inference_params(config, result.state), model_config, tokenizer, test_src, test_ref, test_lc,
+        config.decode)
+  elif n > 1:
     if os.path.isdir(averaged_dir):
       shutil.rmtree(averaged_dir)
     checkpoint_lib.average_checkpoints(ckpt_dir, last_n=n, output_directory=averaged_dir)

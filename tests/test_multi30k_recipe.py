@@ -12,6 +12,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from experiments import docblock
 from experiments.configs import multi30k
 
@@ -46,20 +48,25 @@ def test_the_recipe_config_is_the_one_the_docs_report():
   assert -(-slowest_steps // config.evals.bleu.every_steps) >= 8  # every N steps, and the last
 
 
-def test_shortened_recipe_end_to_end(multi30k_dir, tmp_path):
+@pytest.mark.parametrize("ema_decay", [0.999, 0.0])
+def test_shortened_recipe_end_to_end(multi30k_dir, tmp_path, ema_decay):
+  """Both ways the recipe can decode test2016: the moving average of the weights (`ema_decay` > 0) or the
+  average of the last checkpoints (0); one of them is the recipe's own."""
+  figure = f"moving average ({ema_decay:g})" if ema_decay else "average of last 5"
+  shortened = [*SHORTENED, f"--config.ema_decay={ema_decay}"]
   workdir, results, curve = tmp_path / "run", tmp_path / "results.md", tmp_path / "curve.png"
   results.write_text("# Results\n\nHand-written lever table.\n")
   env = dict(os.environ, PYTHONPATH=REPO)
   env.pop("XLA_FLAGS", None)  # compiled as a user's run (-O2): this test's time is training (conftest.py)
   proc = subprocess.run([sys.executable, "-m", "experiments.multi30k", f"--workdir={workdir}",
-                         f"--data_dir={multi30k_dir}", f"--results={results}", f"--curve={curve}", *SHORTENED],
+                         f"--data_dir={multi30k_dir}", f"--results={results}", f"--curve={curve}", *shortened],
                         cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
   assert proc.returncode == 0, proc.stderr[-3000:]
   assert "Dropout 0.2 from step 16 (config.dropout_schedule)" in proc.stderr  # the step was recompiled there
 
   summary = json.loads((workdir / "results.json").read_text())
   assert summary["steps"] == STEPS and summary["test_sentences"] == 30
-  assert set(summary["rows"]) == {"average of last 5"}  # the recipe's figure; the last checkpoint on request
+  assert set(summary["rows"]) == {figure}  # the recipe's figure; the last checkpoint on request
   for row in summary["rows"].values():
     assert 0.0 <= row["lc_tok_bleu"] <= 100.0 and 0.0 <= row["bleu"] <= 100.0 and row["chrf"] > 0.0
     assert row["bleu_signature"].startswith("nrefs:1|case:mixed")
@@ -85,21 +92,22 @@ def test_shortened_recipe_end_to_end(multi30k_dir, tmp_path):
   text = results.read_text()
   start, end = docblock.markers("multi30k:last-run")
   assert text.startswith("# Results\n\nHand-written lever table.\n") and start in text and end in text
-  assert "| average of last 5 |" in text and "seed 0" in text and "by step: 8: " in text
+  assert f"| {figure} |" in text and "seed 0" in text and "by step: 8: " in text
   assert f"{STEPS} steps of 1024 tokens, data parallel over 2 devices (warm-up 8" in text
   assert "-minute training budget at the " in text
   assert f"cool-down {STEPS // 4} (1-sqrt), seed 0" in text  # the recipe's cool-down shape is named
-  assert "dropout 0.1 (0.2 from step 16), label smoothing 0.2, weight decay 0.1, shared BPE" in text  # regularisers
+  averaging = f", a moving average of the weights (decay {ema_decay:g})" if ema_decay else ""
+  assert f"dropout 0.1 (0.2 from step 16), label smoothing 0.2, weight decay 0.1{averaging}, shared BPE" in text
   assert "![learning curve](curve.png)" in text  # the image link points at the PNG, relative to the results file
   assert "/attention/" not in text  # the diagnostics stay in results.json and TensorBoard
-  assert "average of last 5: test2016 lc-tok BLEU" in proc.stdout
+  assert f"{figure}: test2016 lc-tok BLEU" in proc.stdout
 
   # Run again in the finished workdir with --score_last_checkpoint: nothing is trained, both are scored.
   again = subprocess.run([sys.executable, "-m", "experiments.multi30k", f"--workdir={workdir}",
                           f"--data_dir={multi30k_dir}", f"--results={results}", f"--curve={curve}",
-                          "--score_last_checkpoint", *SHORTENED],
+                          "--score_last_checkpoint", *shortened],
                          cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
   assert again.returncode == 0, again.stderr[-3000:]
   summary = json.loads((workdir / "results.json").read_text())
-  assert summary["steps"] == STEPS and set(summary["rows"]) == {"last checkpoint", "average of last 5"}
+  assert summary["steps"] == STEPS and set(summary["rows"]) == {"last checkpoint", figure}
   assert "| last checkpoint |" in results.read_text() and "last checkpoint: test2016 lc-tok BLEU" in again.stdout
