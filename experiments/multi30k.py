@@ -1,4 +1,4 @@
-r"""The Multi30k recipe end to end: train, average the last checkpoints, score test2016, write docs/results.md.
+r"""The Multi30k recipe end to end: train, average the weights, score test2016, write docs/results.md.
 
     python -m experiments.multi30k --workdir=runs/multi30k --data_dir=../shared/data/multi30k \
         [--config.num_train_steps=...]
@@ -247,7 +247,8 @@ def run_markdown(path, curve, config, model_config, rows, summary) -> str:
             "`test_2016_flickr.lc.norm.tok.de`.", "",
             f"Wall time: **{summary['total_minutes']:.1f} min** in total from the recipe's first start in its "
             f"workdir (data preparation, training at {summary['steps_per_s']:.3f} steps/s with periodic "
-            f"validation, averaging and test decoding; a resumed or re-scored run counts from the first start).",
+            f"validation, {'' if config.get('ema_decay', 0.0) else 'averaging and '}test decoding; a resumed or "
+            "re-scored run counts from the first start).",
             "", f"Validation at the end: {val}", "",
             f"Validation BLEU (greedy, cased sacreBLEU) by step: {bleu_by_step}", "",
             f"![learning curve]({os.path.relpath(curve, os.path.dirname(os.path.abspath(path)))})"]
