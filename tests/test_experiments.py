@@ -315,6 +315,7 @@ def test_bad_program_flags_are_one_line_errors(workdir, program, flags, needle):
     (["--config.dropout_schedule=((300, 0.2), (200, 0.3))"], "--config.dropout_schedule=((300, 0.2), (200, 0.3)): "
      "dropout stage (200, 0.3) must be (step, rate) with integer steps increasing from 301 and a rate in [0, 1)"),
     (["--config.num_cpu_devices=-1"], "--config.num_cpu_devices=-1: must be an integer >= 0"),
+    (["--config.ema_decay=1.0"], "--config.ema_decay=1.0: must be a finite number in [0.0, 1.0)"),
     (["--config.decode.mbr_utility=comet"], "--config.decode.mbr_utility='comet': must be one of"),
     (["--config.decode.mbr_utility=chrf", "--config.decode.beam_size=1"], "needs decode.beam_size >= 2"),
     # Two host devices (the config makes them: a program starts with one) cannot split 3 rows.
