@@ -120,8 +120,8 @@ def load_for_inference(workdir: str, checkpoint: str | None = None, ema: bool | 
   if not saved or (step is not None and step not in saved):
     raise FileNotFoundError(f"--checkpoint: {directory} holds no step {step if step is not None else ''} "
                             f"(saved steps: {saved or 'none'})")
-  if ema is None:
-    ema = bool(config.ema_decay) and directory == os.fspath(Workdir(workdir).checkpoints)
+  if ema is None:  # a step of the run's own checkpoints holds the average; another directory holds parameters
+    ema = bool(config.ema_decay) and not (checkpoint and not checkpoint.isdigit())
   params = checkpoint_lib.restore_params(directory, model_config, step=step, ema=ema)
   return model_config, params, tokenizer
 
