@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import json
 import logging
 import math
 import signal
