@@ -3,11 +3,12 @@ r"""The time cost of `config.profile_steps` stays inside its window: step times 
     python -m experiments.benchmarks.profile_window                 # tiny number-words runs, ~1-2 min on 2 cores
     python -m experiments.benchmarks.profile_window --steps=80 --window=30,33
 
-Trains the same tiny number-words config twice in this process, in temporary workdirs, with `log_every_steps=1`:
-once with `profile_steps` = the window, once without. From each run's `metrics.jsonl` (`train/steps_per_s` of
-every step) it prints the median step time before the window (after the first 5 steps, which compile), inside
-it and after it, and the ratio profiled / plain for each part: before and after should read ~1.00 (within the
-noise of a shared machine), inside it the profiler's own cost.
+Trains the same tiny number-words config in this process, in temporary workdirs, with `log_every_steps=1`,
+`--rounds` times each way in turns: without `profile_steps` and with it = the window. From each run's
+`metrics.jsonl` (`train/steps_per_s` of every step) it takes the median step time before the window (after
+the first 5 steps, which compile), inside it and after it (from the second step after it: the first waits for
+the trace to be written), and prints per round and the median over rounds of profiled / plain for each part:
+before and after should read ~1.00 (within the noise of a shared machine), inside it the profiler's own cost.
 """
 
 from __future__ import annotations
@@ -52,21 +53,24 @@ def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("--steps", type=int, default=60)
   parser.add_argument("--window", default="25,28")
+  parser.add_argument("--rounds", type=int, default=3)
   args = parser.parse_args(argv)
   window = tuple(int(x) for x in args.window.split(","))
-  results = {}
+  rows = []
   with tempfile.TemporaryDirectory(prefix="profile_window_") as tmp:
-    for name, profile in (("plain", ()), ("profiled", window), ("plain again", ())):
-      workdir = f"{tmp}/{name.replace(' ', '_')}"
-      trainer.train_and_evaluate(tiny_config(args.steps, profile, f"{tmp}/tfds"), workdir)
-      results[name] = parts(step_seconds(workdir), window)
+    for r in range(args.rounds):
+      for name, profile in (("plain", ()), ("profiled", window)):
+        workdir = f"{tmp}/{name}_{r}"
+        trainer.train_and_evaluate(tiny_config(args.steps, profile, f"{tmp}/tfds"), workdir)
+        rows.append((r, name, parts(step_seconds(workdir), window)))
   print(f"median step time (ms) of {args.steps}-step tiny runs, profile_steps={window}:")
-  print(f"{'run':12s} {'before':>8s} {'inside':>8s} {'after':>8s}")
-  for name, r in results.items():
-    print(f"{name:12s} " + " ".join(f"{1e3 * r[k]:8.2f}" for k in ("before", "inside", "after")))
-  plain = {k: float(np.mean([results['plain'][k], results['plain again'][k]])) for k in ("before", "inside", "after")}
-  print("profiled / plain (mean of the two plain runs): " + ", ".join(
-      f"{k} {results['profiled'][k] / plain[k]:.2f}x" for k in ("before", "inside", "after")))
+  print(f"{'round':5s} {'run':10s} {'before':>8s} {'inside':>8s} {'after':>8s}")
+  for r, name, part in rows:
+    print(f"{r:<5d} {name:10s} " + " ".join(f"{1e3 * part[k]:8.2f}" for k in ("before", "inside", "after")))
+  ratios = {k: [p[k] / q[k] for (_, _, q), (_, _, p) in zip(rows[0::2], rows[1::2])]
+            for k in ("before", "inside", "after")}
+  print("profiled / plain, median of the rounds (each round's runs back to back): " + ", ".join(
+      f"{k} {np.median(v):.2f}x ({', '.join(f'{x:.2f}' for x in v)})" for k, v in ratios.items()))
 
 
 if __name__ == "__main__":
