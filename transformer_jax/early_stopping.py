@@ -1,7 +1,6 @@
 """Early stopping on a validation metric: stop after `patience` evaluations without improvement.
 
-    rule = EarlyStopping.from_config(config.early_stopping)      # ("validation/loss", 3, 0.0), or () = None
-    rule.resume(workdir.early_stopping_json, start_step)          # the values evaluated up to the checkpoint
+    rule = resume(config.early_stopping, workdir.early_stopping_json, start_step)   # None when () = off
     if rule.update(step, eval_metrics, path): ...save and stop    # True once the rule says stop
 
 As t5x's `EarlyStoppingAction`, fairseq's `--patience` and Hugging Face's `EarlyStoppingCallback`: an
@@ -18,6 +17,7 @@ of a run killed after them, are evaluated again), so killed and resumed it stops
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 from typing import Mapping, Sequence
 
@@ -101,3 +101,14 @@ class EarlyStopping:
     return (f"Early stopping at step {step}: {self.metric} has not improved on {state.best:.4g} (step "
             f"{state.best_step}) by more than {self.min_delta:g} for {state.bad_evaluations} evaluations "
             f"(patience {self.patience}, {'lower' if self.direction == 'min' else 'higher'} is better)")
+
+
+def resume(value: Sequence, path: os.PathLike | str, step: int) -> EarlyStopping | None:
+  """The rule of `config.early_stopping` (None for `()`) with the values saved in `path` of the evaluations at
+  steps <= `step` (a run resumed from the checkpoint of `step`); logs when the rule had already fired."""
+  rule = EarlyStopping.from_config(value)
+  if rule:
+    rule.resume(path, step)
+    if rule.state.stop:
+      logging.warning("%s (an earlier run stopped here); nothing to train", rule.describe(step))
+  return rule

@@ -617,7 +617,7 @@ def train(run: Run, stop: StopSignal, profiler: profiling.StepProfiler) -> Train
   """The step loop from `run.start_step` to `num_train_steps`, with its periodic actions."""
   config, total, writer = run.config, run.config.num_train_steps, run.writer
   evaluators = make_evaluators(config)
-  early = resume_early_stopping(run)
+  early = early_stopping_lib.resume(config.early_stopping, run.workdir.early_stopping_json, run.start_step)
   log = _TrainLog(run.start_step)
   train_metrics: dict[str, float] = {}
   eval_metrics: dict[str, float] = {}
@@ -672,16 +672,6 @@ def train(run: Run, stop: StopSignal, profiler: profiling.StepProfiler) -> Train
                      final_step=step, train_minutes=(time.time() - train_start) / 60, stopped_early=stopped,
                      train_metrics=train_metrics, eval_metrics=eval_metrics,
                      early_stopping=early.summary(step if early_stop else None) if early else {})
-
-
-def resume_early_stopping(run: Run) -> early_stopping_lib.EarlyStopping | None:
-  """The rule of `config.early_stopping` with the values evaluated up to the run's start step (None: off)."""
-  early = early_stopping_lib.EarlyStopping.from_config(run.config.early_stopping)
-  if early:
-    early.resume(run.workdir.early_stopping_json, run.start_step)
-    if early.state.stop:
-      logging.warning("%s (an earlier run stopped here); nothing to train", early.describe(run.start_step))
-  return early
 
 
 def write_samples(writer: MetricWriter, evaluators: list[Evaluator], step: int) -> None:
