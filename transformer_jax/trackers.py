@@ -1,7 +1,7 @@
 """Where a training run's numbers go: `metrics.jsonl` always, and the trackers `config.trackers` lists.
 
-    writer = trackers.MetricWriter.open(config.trackers, workdir, config.wandb, enabled=is_chief)
-    writer.start(resolved_config)                        # the hyperparameters, once the run's config is known
+    writer = trackers.MetricWriter.open(config.trackers, workdir, config.wandb, enabled=is_chief)  # wandb starts
+    writer.start(resolved_config, metric_tags)           # TensorBoard, metrics.jsonl; the config as hyperparameters
     writer.write(step, {"train/loss": 2.1, ...})         # scalars, to every tracker and metrics.jsonl
     writer.write_samples(step, "validation", [(source, reference, hypothesis), ...])
     writer.close()                                       # the final validation metrics close the HParams session
@@ -167,30 +167,35 @@ class WandbTracker:
 class MetricWriter:
   """Fans scalars, hyperparameters and sample translations out to the run's trackers; scalars also go to
   `metrics.jsonl` in the workdir (one JSON object per write: `{"step", "time", **scalars}`). Process 0 only:
-  `enabled=False` on the other hosts makes every method a no-op."""
+  `enabled=False` on the other hosts makes every method a no-op.
 
-  def __init__(self, workdir: Workdir, trackers: Sequence[Any], enabled: bool = True):
-    self.enabled, self.trackers = enabled, list(trackers)
-    self._jsonl = workdir.metrics_jsonl.open("a", encoding="utf-8") if enabled else None
+  `open` starts the trackers that can be refused (wandb) before the trainer writes anything; `start`, once the
+  run's config is written, opens the rest (TensorBoard's event file, metrics.jsonl) and records the config.
+  """
+
+  def __init__(self, workdir: Workdir, names: Sequence[str], trackers: Sequence[Any], enabled: bool = True):
+    self.workdir, self.names, self.enabled, self.trackers = workdir, tuple(names), enabled, list(trackers)
+    self._jsonl = None
 
   @classmethod
   def open(cls, names: Sequence[str], workdir: Workdir, wandb_options: Mapping[str, str],
            enabled: bool = True) -> "MetricWriter":
-    """Starts the trackers `names` (wandb first: the one that can be refused) and `metrics.jsonl`.
+    """Checks the trackers `names` and starts wandb when listed (the tracker that can be refused).
 
     Raises TrackerError (one line) when one cannot start; nothing of the trainer's is written then.
     """
     check_trackers(names)
-    if not enabled:
-      return cls(workdir, [], enabled=False)
-    trackers = [WandbTracker(workdir, wandb_options)] if "wandb" in names else []
-    if "tensorboard" in names:
-      trackers.insert(0, TensorBoardTracker(workdir.tensorboard))
-    workdir.root.mkdir(parents=True, exist_ok=True)
-    return cls(workdir, trackers)
+    started = [WandbTracker(workdir, wandb_options)] if enabled and "wandb" in names else []
+    return cls(workdir, names, started, enabled)
 
   def start(self, resolved_config: Mapping, metric_tags: Sequence[str]) -> None:
-    """Records the run's hyperparameters (the flattened resolved config) and the metrics that judge it."""
+    """Opens TensorBoard's event file (if listed) and metrics.jsonl, and records the run's hyperparameters
+    (the flattened resolved config) with the metrics that judge it."""
+    if not self.enabled:
+      return
+    if "tensorboard" in self.names:
+      self.trackers.insert(0, TensorBoardTracker(self.workdir.tensorboard))
+    self._jsonl = self.workdir.metrics_jsonl.open("a", encoding="utf-8")
     hparams = flatten_hparams(resolved_config)
     for tracker in self.trackers:
       tracker.start(hparams, metric_tags)
@@ -209,7 +214,8 @@ class MetricWriter:
       tracker.write_samples(step, f"{split}/samples", rows)
 
   def close(self) -> None:
-    if self.enabled:
-      for tracker in self.trackers:
-        tracker.close()
+    for tracker in self.trackers:
+      tracker.close()
+    if self._jsonl is not None:
       self._jsonl.close()
+    self.trackers, self._jsonl = [], None

@@ -405,7 +405,7 @@ def prepare(config: Any, workdir: str) -> Run:
                            defaults=DATA_DEFAULTS)
   mesh = sharding.mesh_from_config(config.mesh)
   check_batch_rows(config.data, mesh)
-  # The trackers start first: one that cannot start is refused (trackers.TrackerError) before we write.
+  # A tracker that cannot start is refused (trackers.TrackerError) before we write anything.
   writer = MetricWriter.open(config.trackers, run_dir, config.wandb, enabled=jax.process_index() == 0)
   try:
     return _prepare_run(config, run_dir, saved, untrained_import, mesh, writer)
