@@ -149,11 +149,16 @@ def report_final_eval(config, workdir: str, result: trainer.TrainResult) -> dict
     print(f"  {src}\n    -> {hyp}   [{'ok' if correct else 'reference: ' + ref}]")
   report = {"split": final.split, "examples": len(pairs), "exact_match": exact, "bleu": scores["bleu"],
             "bleu_signature": scores["bleu_signature"], "translate_seconds": seconds,
-            "train_minutes": result.train_minutes}
+            "train_minutes": result.train_minutes, "final_step": result.final_step}
+  if result.early_stopping:
+    report["early_stopping"] = result.early_stopping
   # BLEU needs 4-grams: with one-word references (the built-in task) it is 0 whatever the output.
   bleu = (f"; BLEU {scores['bleu']:.2f} ({scores['bleu_signature']})"
           if any(" " in t for _, t in pairs) else "")
   print(f"Exact match on {len(pairs)} {final.split} examples: {100 * exact:.2f}%{bleu} "
         f"(translated in {seconds:.1f}s; training took {result.train_minutes:.1f} min)")
+  if result.early_stopping.get("stopped_at_step"):
+    print(f"Early stopping ended training at step {result.final_step}: {result.early_stopping['metric']} best "
+          f"{result.early_stopping['best']:.4g} at step {result.early_stopping['best_step']}")
   write_json_atomically(Workdir(workdir).final_eval_json, report)
   return report

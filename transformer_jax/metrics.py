@@ -22,6 +22,26 @@ from transformer_jax.data.normalize import normalize
 
 _COMPOUND = re.compile(r"(\S)-(\S)")
 
+# Whether a lower ("min") or a higher ("max") value of each evaluation metric is better: the one table the
+# trainer's early stopping (and any "best" rule) reads, so a direction is known, never guessed from a name.
+# Keys are the metric part of `<split>/<metric>` as the evaluators log it (trainer.LossEvaluator: loss, nll,
+# perplexity, accuracy; BleuEvaluator: bleu, chrf) and the final evaluation's exact_match.
+METRIC_DIRECTIONS = {"loss": "min", "nll": "min", "perplexity": "min",
+                     "accuracy": "max", "bleu": "max", "chrf": "max", "exact_match": "max"}
+
+
+def metric_direction(name: str) -> str:
+  """"min" or "max": the better direction of metric `name`, `<metric>` or `<split>/<metric>`
+  (e.g. "validation/bleu" -> "max"), from `METRIC_DIRECTIONS`.
+
+  Raises ValueError (one line naming the known metrics) for a metric whose direction the table does not hold.
+  """
+  metric = name.rsplit("/", 1)[-1]
+  if metric not in METRIC_DIRECTIONS:
+    raise ValueError(f"metric {name!r}: its direction is unknown; one of {', '.join(sorted(METRIC_DIRECTIONS))} "
+                     "(with an eval split, e.g. 'validation/bleu')")
+  return METRIC_DIRECTIONS[metric]
+
 
 def sacrebleu_scores(hypotheses: Sequence[str], references: Sequence[str], *, lowercase: bool = False) -> dict:
   """Detokenised corpus BLEU and chrF (sacreBLEU defaults) with their signatures, on normalised text; cased

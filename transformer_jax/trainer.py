@@ -16,6 +16,9 @@ named steps, each small enough to read at once:
    `config.train_budget_minutes`, the run's length is planned after the warm-up from its measured rate and
    revised before and during the cool-down (`fit_to_budget`, `training/budget.py`). With
    `config.dropout_schedule`, the step is recompiled at each stage with its dropout rate (`compile_train_step`).
+   Scalars, the config (HParams) and BLEU's sample translations go to `metrics.jsonl` and `config.trackers`
+   (`trackers.py`); `config.profile_steps` traces chosen steps (`profiling.py`); `config.early_stopping` stops
+   on a validation metric that no longer improves (`early_stopping.py`).
 
 Fine-tuning an imported model (`experiments.import_marian`): the workdir's `config.json` fixes the model's
 architecture and tokenizer; `config_for_workdir(config, workdir, explicit)` takes them from there (and refuses
@@ -29,7 +32,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import json
 import logging
 import math
 import signal
@@ -41,16 +43,17 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from jax.experimental import multihost_utils
-from tensorboard.summary import Writer as TensorBoardWriter
 
 from transformer_jax import checkpoint as checkpoint_lib
-from transformer_jax import diagnostics, inference, metrics as metrics_lib, sharding
+from transformer_jax import diagnostics, early_stopping as early_stopping_lib, inference, metrics as metrics_lib
+from transformer_jax import profiling, sharding
 from transformer_jax.config import RUNTIME_FIELDS, ModelConfig
 from transformer_jax.data import batching, datasets as datasets_lib, tokenizer as tokenizer_lib
 from transformer_jax.data.marian_vocab import TOKENIZER_NAME as MARIAN_TOKENIZER
 from transformer_jax.training import budget as budget_lib
 from transformer_jax.training import schedule as schedule_lib
 from transformer_jax.training import steps
+from transformer_jax.trackers import MetricWriter
 from transformer_jax.workdir import IMPORTED_DATASET, Workdir, config_diff, to_jsonable, write_json_atomically
 
 # Keys of the saved config that must match to reuse a workdir: the data and vocabulary first (checked
@@ -205,37 +208,8 @@ def next_batch(batches: Iterator[dict], accum: int) -> dict:
 
 
 # ------------------------------------------------------------------------------------------------------------
-# Writers, signals and evaluators
+# Signals and evaluators (the writer: `transformer_jax.trackers.MetricWriter`)
 # ------------------------------------------------------------------------------------------------------------
-
-class MetricWriter:
-  """Scalars to TensorBoard event files and `metrics.jsonl` in the workdir (process 0 only).
-
-  The events are written by TensorBoard's own `tensorboard.summary.Writer` (scalars of the `scalars` plugin).
-  It imports TensorFlow when it opens its file (5-9 s on 2 cores, once per training run), where tensorboardX,
-  used before, imported torch whenever torch is installed (the `interop` extra): 2.5-4 s of every program's
-  start, translating and evaluating included, which now import neither.
-  """
-
-  def __init__(self, workdir: Workdir, enabled: bool = True):
-    self.enabled = enabled
-    if enabled:
-      self._tb = TensorBoardWriter(str(workdir.tensorboard))
-      self._jsonl = workdir.metrics_jsonl.open("a", encoding="utf-8")
-
-  def write(self, step: int, scalars: dict[str, float]) -> None:
-    if not self.enabled:
-      return
-    for name, value in scalars.items():
-      self._tb.add_scalar(name, value, step)
-    self._jsonl.write(json.dumps({"step": step, "time": time.time(), **scalars}) + "\n")
-    self._jsonl.flush()
-
-  def close(self) -> None:
-    if self.enabled:
-      self._tb.close()
-      self._jsonl.close()
-
 
 class StopSignal:
   """SIGTERM/SIGINT set a flag; the loop finishes the current step, saves a checkpoint and stops.
@@ -305,13 +279,16 @@ class LossEvaluator:
 
 @dataclasses.dataclass
 class BleuEvaluator:
-  """sacreBLEU and chrF of translations of the first `max_examples` pairs of an eval split."""
+  """sacreBLEU and chrF of translations of the first `max_examples` pairs of an eval split; the first `samples`
+  (source, reference, hypothesis) of each split wait in `samples_by_split` for the trackers."""
 
   every_steps: int
   max_examples: int
   beam_size: int
   alpha: float
+  samples: int = 0
   name: str = "bleu"
+  samples_by_split: dict = dataclasses.field(default_factory=dict)
 
   def __call__(self, run: "Run", params: Any, split: str, eval_set: datasets_lib.EvalSet) -> dict[str, float]:
     pairs = eval_set.pairs[: self.max_examples or None]
@@ -319,6 +296,7 @@ class BleuEvaluator:
                                      beam_size=self.beam_size, alpha=self.alpha)
     scores = metrics_lib.sacrebleu_scores(hyps, [t for _, t in pairs], lowercase=run.data.tokenizer.lowercase)
     logging.info("BLEU %s: %.2f (chrF %.2f) %s", split, scores["bleu"], scores["chrf"], scores["bleu_signature"])
+    self.samples_by_split[split] = [(s, t, h) for (s, t), h in zip(pairs[:self.samples], hyps)]
     return {"bleu": scores["bleu"], "chrf": scores["chrf"]}
 
 
@@ -352,7 +330,14 @@ def make_evaluators(config: Any) -> list[Evaluator]:
   return [LossEvaluator(config.evals.loss.every_steps, config.evals.loss.tokens_per_batch),
           AttentionEvaluator(config.evals.attention.every_steps, config.evals.attention.rows),
           BleuEvaluator(config.evals.bleu.every_steps, config.evals.bleu.max_examples,
-                        config.evals.bleu.beam_size, config.decode.alpha)]
+                        config.evals.bleu.beam_size, config.decode.alpha, config.evals.bleu.samples)]
+
+
+def logged_eval_metrics(config: Any) -> list[str]:
+  """The `<split>/<metric>` tags the evaluators of `config` log (the HParams tab's metrics)."""
+  names = (["loss", "nll", "perplexity", "accuracy"] if config.evals.loss.every_steps else []) + (
+      ["bleu", "chrf"] if config.evals.bleu.every_steps else [])
+  return [f"{split}/{name}" for split in config.data.eval_splits for name in names]
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -377,6 +362,7 @@ class Run:
   train_dropout_rate: float | None = None  # the residual dropout rate `train_step` was compiled with
   eval_step: sharding.PartitionedFunction | None = None
   checkpointer: checkpoint_lib.Checkpointer | None = None
+  writer: MetricWriter | None = None  # metrics.jsonl and the trackers (`config.trackers`), opened by `prepare`
 
   @property
   def is_chief(self) -> bool:
@@ -396,13 +382,15 @@ class TrainResult:
   stopped_early: bool              # a signal stopped the run before `num_train_steps`
   train_metrics: dict[str, float]  # the last logged training scalars (loss, accuracy, tokens/s, ...)
   eval_metrics: dict[str, float]   # the last value of every `<split>/<metric>` the evaluators produced
+  early_stopping: dict = dataclasses.field(default_factory=dict)  # `EarlyStopping.summary`; {} when off
 
 
 def prepare(config: Any, workdir: str) -> Run:
   """Checks the workdir, builds the datasets and the model config, writes `config.json` (process 0).
 
   A workdir holding an imported model needs `config` from `config_for_workdir` (ValueError otherwise). The
-  model's pad/EOS ids must be the tokenizer's (`tokenizer.check_model_ids`, VocabularyError).
+  model's pad/EOS ids must be the tokenizer's (`tokenizer.check_model_ids`, VocabularyError). The trackers
+  of `config.trackers` start before anything is written (`trackers.TrackerError` if one cannot).
   """
   sharding.maybe_initialize_distributed(config.distributed)
   run_dir = Workdir(workdir)
@@ -417,6 +405,18 @@ def prepare(config: Any, workdir: str) -> Run:
                            defaults=DATA_DEFAULTS)
   mesh = sharding.mesh_from_config(config.mesh)
   check_batch_rows(config.data, mesh)
+  # A tracker that cannot start is refused (trackers.TrackerError) before we write anything.
+  writer = MetricWriter.open(config.trackers, run_dir, config.wandb, enabled=jax.process_index() == 0)
+  try:
+    return _prepare_run(config, run_dir, saved, untrained_import, mesh, writer)
+  except BaseException:
+    writer.close()
+    raise
+
+
+def _prepare_run(config: Any, run_dir: Workdir, saved: dict | None, untrained_import: bool,
+                 mesh: jax.sharding.Mesh, writer: MetricWriter) -> Run:
+  """`prepare` once the workdir is accepted and the trackers run: datasets, model config, config.json."""
   run_dir.root.mkdir(parents=True, exist_ok=True)
   data = datasets_lib.build_datasets(config.data, str(run_dir.root), seed=config.seed,
                                      process_index=jax.process_index(), process_count=jax.process_count(),
@@ -433,8 +433,9 @@ def prepare(config: Any, workdir: str) -> Run:
     write_json_atomically(run_dir.config_json, resolved)
   rules = sharding.validate_model_for_mesh(model_config, mesh)
   logging.info("Model: %s", model_config)
+  writer.start(resolved, logged_eval_metrics(config))
   return Run(config=config, workdir=run_dir, resolved_config=resolved, model_config=model_config, data=data,
-             mesh=mesh, rules=rules)
+             mesh=mesh, rules=rules, writer=writer)
 
 
 def check_batch_rows(data_config: Any, mesh: jax.sharding.Mesh) -> None:
@@ -612,10 +613,11 @@ def save(run: Run, step: int, eval_metrics: dict[str, float]) -> None:
                         metrics=eval_metrics if best and best in eval_metrics else None)
 
 
-def train(run: Run, writer: MetricWriter, stop: StopSignal) -> TrainResult:
+def train(run: Run, stop: StopSignal, profiler: profiling.StepProfiler) -> TrainResult:
   """The step loop from `run.start_step` to `num_train_steps`, with its periodic actions."""
-  config, total = run.config, run.config.num_train_steps
+  config, total, writer = run.config, run.config.num_train_steps, run.writer
   evaluators = make_evaluators(config)
+  early = early_stopping_lib.resume(config.early_stopping, run.workdir.early_stopping_json, run.start_step)
   log = _TrainLog(run.start_step)
   train_metrics: dict[str, float] = {}
   eval_metrics: dict[str, float] = {}
@@ -628,14 +630,16 @@ def train(run: Run, writer: MetricWriter, stop: StopSignal) -> TrainResult:
   logging.info("Training %d parameters for %d steps (from step %d)%s",
                sum(x.size for x in jax.tree_util.tree_leaves(run.state.params)), total, run.start_step,
                f"; the time budget plans the length after step {fit_at}" if fit_at else "")
-  while step < total:
+  early_stop = bool(early and early.state.stop)
+  while step < total and not early_stop:
     step += 1
     batch = sharding.shard_batch(next_batch(run.data.train, config.grad_accum_steps), run.mesh, run.rules)
     if (step in stage_starts and
         train_model_config(config, run.model_config, step).dropout_rate != run.train_dropout_rate):
       compile_train_step(run, step)
       logging.info("Dropout %g from step %d (config.dropout_schedule)", run.train_dropout_rate, step)
-    run.state, metrics = run.train_step(run.state, batch, run.rng)
+    with profiler.step(step, outputs=lambda: run.state):
+      run.state, metrics = run.train_step(run.state, batch, run.rng)
     if step == run.start_step + 1:
       first_step_seconds = time.time() - train_start
     if step == fit_at:
@@ -650,18 +654,33 @@ def train(run: Run, writer: MetricWriter, stop: StopSignal) -> TrainResult:
     new_eval = evaluate(run, evaluators, step)
     if new_eval:
       writer.write(step, new_eval)
+      write_samples(writer, evaluators, step)
       eval_metrics.update(new_eval)
+      early_stop = bool(early) and early.update(step, new_eval, run.workdir.early_stopping_json if run.is_chief
+                                                else None)
     stopped = stop.requested(step)
-    if stopped or step == total or _checkpoint_due(run, step, last_save_time):
+    if stopped or early_stop or step == total or _checkpoint_due(run, step, last_save_time):
       save(run, step, new_eval)
       last_save_time = time.time()
     if stopped:
       logging.warning("Received %s: saved the checkpoint of step %d; stopping. Re-run to resume.",
                       stop.signal_name, step)
       break
+  if early_stop:
+    logging.warning("%s; the checkpoint of step %d is saved", early.describe(step), step)
   return TrainResult(state=run.state, model_config=run.model_config, datasets=run.data, config=run.config,
                      final_step=step, train_minutes=(time.time() - train_start) / 60, stopped_early=stopped,
-                     train_metrics=train_metrics, eval_metrics=eval_metrics)
+                     train_metrics=train_metrics, eval_metrics=eval_metrics,
+                     early_stopping=early.summary(step if early_stop else None) if early else {})
+
+
+def write_samples(writer: MetricWriter, evaluators: list[Evaluator], step: int) -> None:
+  """Sends the sample translations the BLEU evaluator kept at `step` to the trackers."""
+  for evaluator in evaluators:
+    for split, rows in getattr(evaluator, "samples_by_split", {}).items():
+      if rows:
+        writer.write_samples(step, split, rows)
+    getattr(evaluator, "samples_by_split", {}).clear()
 
 
 def train_and_evaluate(config: Any, workdir: str) -> TrainResult:
@@ -672,16 +691,23 @@ def train_and_evaluate(config: Any, workdir: str) -> TrainResult:
 
   Raises ValueError for a workdir holding an incompatible run or an invalid config (nothing written then),
   `checkpoint.CheckpointMismatchError` for a checkpoint of another architecture, NonFiniteLossError when
-  the loss becomes NaN/Inf. SIGTERM/SIGINT finish the current step, save, and return (`stopped_early`).
+  the loss becomes NaN/Inf, `trackers.TrackerError` for a tracker that cannot start (before anything is
+  written). SIGTERM/SIGINT finish the current step, save, and return (`stopped_early`). An early-stopping rule
+  that fires saves and returns with `early_stopping["stopped_at_step"]` set.
   """
   run = prepare(config, workdir)
-  init_or_restore(run)
-  writer = MetricWriter(run.workdir, enabled=run.is_chief)
-  stop = StopSignal()
+  stop, profiler = None, None
   try:
-    return train(run, writer, stop)
+    init_or_restore(run)
+    stop = StopSignal()
+    profiler = profiling.StepProfiler(run.config.profile_steps, run.workdir.profile, first_step=run.start_step + 1)
+    return train(run, stop, profiler)
   finally:
-    stop.restore()
-    run.checkpointer.wait()
-    run.checkpointer.close()
-    writer.close()
+    if stop:
+      stop.restore()
+    if profiler:
+      profiler.close()
+    if run.checkpointer:
+      run.checkpointer.wait()
+      run.checkpointer.close()
+    run.writer.close()

@@ -10,7 +10,11 @@
       data/<split>.ids.npz    the training split's token ids (`data.token_cache`), so restarts skip the text
       tfds/                   tfds-prepared datasets (unless `data.tfds_data_dir` names another)
       metrics.jsonl           one JSON object per logged step: {"step", "time", "train/loss", ...}
-      tensorboard/            TensorBoard event files of the same scalars
+      tensorboard/            TensorBoard event files: the same scalars, the config as HParams, sample translations
+      wandb/                  the Weights & Biases run (`config.trackers` with "wandb"): run_id, offline-run-*/
+      profile/plugins/profile/<time>/<host>.xplane.pb  the `jax.profiler` trace of `config.profile_steps`
+                              (`tensorboard --logdir=<workdir>` shows it in the profile plugin)
+      early_stopping.json     the early-stopping metric's value at every evaluation (`config.early_stopping`)
       averaged/<step>/        averaged checkpoint (`experiments.average_checkpoints`)
       eval/                   hypotheses and scores of `experiments.evaluate`
       final_eval.json         the test-split report of `experiments.train`
@@ -85,6 +89,18 @@ class Workdir:
   @property
   def tensorboard(self) -> epath.Path:
     return self.root / "tensorboard"
+
+  @property
+  def wandb(self) -> epath.Path:
+    return self.root / "wandb"
+
+  @property
+  def profile(self) -> epath.Path:
+    return self.root / "profile"
+
+  @property
+  def early_stopping_json(self) -> epath.Path:
+    return self.root / "early_stopping.json"
 
   @property
   def averaged(self) -> epath.Path:
