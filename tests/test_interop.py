@@ -344,7 +344,9 @@ def test_core_import_does_not_load_interop_dependencies():
   assert out.stdout.strip() == "[]", out.stderr[-2000:]
 
 
-@pytest.mark.parametrize("overrides, message", [(dict(position_embedding="learned"), "learned position"),
+@pytest.mark.parametrize("overrides, message", [(dict(position_embedding="learned"), "position_embedding=.learned."),
+                                                (dict(max_relative_position=4), "relative positions"),
+                                                (dict(attention_window=8), "local attention"),
                                                 (dict(pre_ln=True), "pre-LN"),
                                                 (dict(share_embeddings=False), "separate embeddings"),
                                                 (dict(ffn_glu=True), "gated feed-forward")])
@@ -354,16 +356,6 @@ def test_export_refuses_what_marian_cannot_hold_and_writes_nothing(tmp_path, our
   with pytest.raises(marian.UnsupportedModelError, match=message):
     marian.save_marian(params, config, str(out), tokenizer_path=our_spm)
   assert not out.exists() and os.listdir(tmp_path) == []
-
-
-def test_export_refuses_a_lowercased_vocabulary_and_writes_nothing(tmp_path):
-  lowercased = str(tmp_path / "vocab" / "spm.model")
-  tokenizer_lib.train_tokenizer(ENGLISH + GERMAN, lowercased, vocab_size=60, model_type="bpe", lowercase=True)
-  config, params = _our_model(60)
-  out = tmp_path / "marian"
-  with pytest.raises(marian.UnsupportedModelError, match="is a lowercased vocabulary") as error:
-    marian.save_marian(params, config, str(out), tokenizer_path=lowercased)
-  assert "\n" not in str(error.value) and not out.exists() and os.listdir(tmp_path) == ["vocab"]
 
 
 # ----------------------------------------------------------------------------------------------------------
