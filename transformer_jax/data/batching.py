@@ -17,6 +17,8 @@ subword regularisation, `subword_sampling`, the same pairs in the same order, se
 
 from __future__ import annotations
 
+import hashlib
+
 import logging
 from typing import Callable, Iterator, Sequence
 
@@ -120,6 +122,7 @@ class PackedBatches:
     self.process_index, self.process_count = process_index, process_count
     self.segmentations = segmentations
     self._set_ids(sources, targets)
+    self._epoch0_fingerprint = self.plan_fingerprint()  # before a sampled epoch replaces the ids
     self.epoch, self.index = 0, 0
     self._plan_epoch: int | None = None
     self._plan: list[list[list[int]]] = []
@@ -132,13 +135,38 @@ class PackedBatches:
       raise ValueError(f"examples longer than row_length={self.row_length}; filter them first")
 
   # -- position ------------------------------------------------------------------------------------------
+  def plan_fingerprint(self) -> dict:
+    """What the batch plan of every epoch depends on besides the seed: rows per batch and slots per row
+    (`data.tokens_per_batch // data.max_len`, `data.max_len`), and the examples (how many, and a SHA-256 of
+    their lengths in order: another dataset, vocabulary or length filter changes it), and the subword sampling
+    (`data.subword_alpha`, `data.subword_from_epoch`). A position means the same batch only under the same."""
+    lengths = np.stack([self.source_lengths, self.target_lengths]).astype(np.int64)
+    sampling = self.segmentations
+    return {"rows_per_batch": int(self.rows_per_batch), "row_length": int(self.row_length),
+            "examples": len(self.source_lengths), "lengths_sha256": hashlib.sha256(lengths.tobytes()).hexdigest(),
+            "subword_alpha": float(sampling.alpha) if sampling is not None else 0.0,
+            "subword_from_epoch": int(sampling.from_epoch) if sampling is not None else 0}
+
   def get_state(self) -> dict:
-    """The position of the next batch: JSON-serialisable."""
-    return {"epoch": int(self.epoch), "index": int(self.index), "seed": int(self.seed)}
+    """The position of the next batch, and the plan it indexes (`plan_fingerprint`): JSON-serialisable."""
+    return {"epoch": int(self.epoch), "index": int(self.index), "seed": int(self.seed),
+            "plan": self._epoch0_fingerprint}
 
   def set_state(self, state: dict) -> None:
+    """Moves to a saved position. Raises ValueError (one line) when the position was saved under another seed
+    or another batch plan (it would name other batches: training would replay some pairs and skip others).
+    A state saved before plans were recorded (no "plan") is taken as it is."""
     if int(state.get("seed", self.seed)) != self.seed:
-      raise ValueError(f"data iterator state was saved with seed {state['seed']}, this run uses {self.seed}")
+      raise ValueError(f"data iterator state was saved with seed {state['seed']}, this run uses {self.seed} "
+                       "(--config.seed): resuming would replay another batch order; keep the run's seed")
+    saved, mine = state.get("plan"), self._epoch0_fingerprint
+    if saved is not None:
+      changed = [f"{key} {saved.get(key)!r} -> {mine[key]!r}" for key in mine if saved.get(key) != mine[key]]
+      if changed:
+        raise ValueError(f"the checkpoint's data position (epoch {state['epoch']}, batch {state['index']}) indexes "
+                         f"another batch plan than this run's ({'; '.join(changed)}): resuming would replay some "
+                         f"training pairs and skip others; keep the run's data.tokens_per_batch, data.max_len, "
+                         f"data and subword settings, or train in a new --workdir")
     self.epoch, self.index = int(state["epoch"]), int(state["index"])
 
   # -- iteration -----------------------------------------------------------------------------------------
