@@ -265,3 +265,14 @@ def test_a_target_language_whose_tokenizer_is_missing_is_one_line(run10, tmp_pat
                  "--target_lang=ja", f"--output_prefix={tmp_path}/eval"], check=False)
   _one_line_error(result, "ja-mecab")
   assert not (tmp_path / "eval.json").exists()
+
+
+def test_eval_pairs_longer_than_the_position_table_are_left_out_not_nan():
+  from transformer_jax.data.datasets import EvalSet
+  model = config_lib.ModelConfig(vocab_size=32, max_len=4, d_model=8, d_ff=16, num_heads=2)
+  ids = [np.arange(n, dtype=np.int32) for n in (3, 4, 5, 2)]
+  eval_set = EvalSet(pairs=[("", "")] * 4, sources=ids, targets=[np.arange(2, dtype=np.int32)] * 4)
+  sources, _ = trainer.within_position_table(eval_set, model, "validation")
+  assert [len(s) for s in sources] == [3, 4, 2]
+  relative = model.replace(position_embedding="none", max_relative_position=2)
+  assert len(trainer.within_position_table(eval_set, relative, "validation")[0]) == 4

@@ -308,6 +308,20 @@ class Evaluator(Protocol):
     ...
 
 
+def within_position_table(eval_set: datasets_lib.EvalSet, model_config: ModelConfig,
+                          split: str) -> tuple[list[np.ndarray], list[np.ndarray]]:
+  """The eval pairs' (sources, targets) that fit the model's position table (`model.max_len` tokens a side,
+  EOS included; all of them for a model without one); a warning counts the rest, which teacher forcing
+  could not score (their positions would read past the table and give NaN)."""
+  if model_config.position_embedding == "none":
+    return eval_set.sources, eval_set.targets
+  keep = batching.within_length(eval_set.sources, eval_set.targets, model_config.max_len)
+  if len(keep) < len(eval_set.sources):
+    logging.warning("eval %s: %d of %d pairs are longer than model.max_len=%d tokens and are not scored",
+                    split, len(eval_set.sources) - len(keep), len(eval_set.sources), model_config.max_len)
+  return [eval_set.sources[i] for i in keep], [eval_set.targets[i] for i in keep]
+
+
 @dataclasses.dataclass
 class LossEvaluator:
   """Token-weighted loss, NLL, perplexity and accuracy over a whole eval split (teacher forcing)."""
@@ -319,7 +333,10 @@ class LossEvaluator:
   def __call__(self, run: "Run", params: Any, split: str, eval_set: datasets_lib.EvalSet) -> dict[str, float]:
     totals = None
     pad_id = run.model_config.pad_id
-    for batch in batching.eval_batches(eval_set.sources, eval_set.targets, self.tokens_per_batch, pad_id=pad_id):
+    sources, targets = within_position_table(eval_set, run.model_config, split)
+    if not sources:
+      return {}
+    for batch in batching.eval_batches(sources, targets, self.tokens_per_batch, pad_id=pad_id):
       sums = run.eval_step(params, sharding.shard_batch(batch, run.mesh, run.rules, process_local=False,
                                                         pad_rows=True, pad_id=pad_id))
       totals = sums if totals is None else jax.tree_util.tree_map(jnp.add, totals, sums)
@@ -363,9 +380,10 @@ class AttentionEvaluator:
   name: str = "attention"
 
   def __call__(self, run: "Run", params: Any, split: str, eval_set: datasets_lib.EvalSet) -> dict[str, float]:
-    if not self.rows or not eval_set.sources:
+    sources, targets = within_position_table(eval_set, run.model_config, split)
+    if not self.rows or not sources:
       return {}
-    batch = next(batching.eval_batches(eval_set.sources[:self.rows], eval_set.targets[:self.rows],
+    batch = next(batching.eval_batches(sources[:self.rows], targets[:self.rows],
                                        max_tokens=1 << 30, pad_id=run.model_config.pad_id))
     statistics = _attention_statistics(params, run.model_config, jnp.asarray(batch["inputs"]),
                                        jnp.asarray(batch["targets"]))
