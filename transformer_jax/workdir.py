@@ -239,13 +239,18 @@ class WorkdirInUseError(OSError):
 
 
 def _alive(pid: int) -> bool:
+  """Whether process `pid` of this host runs (a zombie, killed but not yet reaped by its parent, does not)."""
   try:
     os.kill(pid, 0)
   except ProcessLookupError:
     return False
   except PermissionError:  # another user's live process
     return True
-  return True
+  try:
+    with open(f"/proc/{pid}/stat", encoding="utf-8") as f:
+      return f.read().rsplit(")", 1)[-1].split()[0] != "Z"
+  except OSError:  # no /proc (macOS): trust the signal test
+    return True
 
 
 class OwnerLock:
