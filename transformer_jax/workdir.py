@@ -286,6 +286,8 @@ class OwnerLock:
   def acquire(self) -> "OwnerLock":
     if not self.enabled:
       return self
+    if os.path.exists(self.root) and not os.path.isdir(self.root):
+      raise NotADirectoryError(f"--workdir={self.root} is a file; a workdir is a directory (new or a run's)")
     self._created_root = not os.path.isdir(self.root)
     os.makedirs(self.root, exist_ok=True)
     me = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
