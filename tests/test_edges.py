@@ -148,8 +148,8 @@ def test_two_trainers_on_one_workdir_the_second_is_refused(tmp_path):
                             "--config.num_train_steps=100000", "--config.final_eval.split="],
                            cwd=REPO, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
   try:
-    deadline = time.time() + 240
-    while not (workdir / LOCK_FILENAME).exists() and time.time() < deadline and first.poll() is None:
+    deadline = time.time() + 240  # until it trains (its SIGTERM handler is installed then)
+    while not (workdir / "metrics.jsonl").exists() and time.time() < deadline and first.poll() is None:
       time.sleep(0.5)
     assert (workdir / LOCK_FILENAME).exists(), first.stderr.read()[-2000:] if first.poll() is not None else ""
     second = _run(["experiments.train", f"--workdir={workdir}", *QUICK], check=False)
