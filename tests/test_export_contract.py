@@ -171,3 +171,42 @@ def test_marian_export_through_marian_tokenizer_and_generate_translates_as_ours(
       out = model.generate(**hf_tok([text], return_tensors="pt"), num_beams=beam)
     got = hf_tok.decode(out[0], skip_special_tokens=True)
     assert got == tok.decode(mine), text
+
+
+# -- the comparison program, through its command line ------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory):
+  from tests.test_experiments import TINY_OVERRIDES, _run
+  workdir = tmp_path_factory.mktemp("tiny") / "w"
+  _run(["experiments.train", f"--workdir={workdir}", *TINY_OVERRIDES, "--config.final_eval.split="])
+  return workdir
+
+
+def test_compare_program_feeds_ctranslate2_as_documented_and_says_so(tiny_run, tmp_path):
+  from tests.test_experiments import _run
+  source = tmp_path / "in.txt"
+  source.write_text("twenty-one\nthree hundred\u00a0five\nnine hundred ninety-nine thousand\n", encoding="utf-8")
+  report = tmp_path / "report.json"
+  result = _run(["experiments.compare_ctranslate2", f"--workdir={tiny_run}", f"--input={source}",
+                 f"--ct2_dir={tmp_path}/ct2", f"--marian_dir={tmp_path}/marian", "--beam_sizes=1",
+                 f"--report={report}"])
+  assert "no </s> appended): 3/3 sources have our pieces" in result.stdout
+  runs = json.loads(report.read_text())["runs"]
+  assert {(r["runtime"], r["identical"]) for r in runs} == {("ctranslate2", 3), ("marian", 3)}
+
+
+def test_compare_program_refuses_a_directory_that_is_not_a_ctranslate2_model(tiny_run, tmp_path):
+  from tests.test_experiments import _one_line_error, _run
+  source = tmp_path / "in.txt"
+  source.write_text("five\n", encoding="utf-8")
+  for ct2_dir, needle in ((tiny_run / "vocab", "is not a CTranslate2 model directory"),
+                          (source, "is a file")):
+    result = _run(["experiments.compare_ctranslate2", f"--workdir={tiny_run}", f"--input={source}",
+                   f"--ct2_dir={ct2_dir}", "--beam_sizes=1"], check=False)
+    _one_line_error(result, needle)
+  bad = tmp_path / "bad"
+  bad.mkdir()
+  (bad / "model.bin").write_bytes(os.urandom(512))  # a model.bin CTranslate2 itself cannot read
+  _one_line_error(_run(["experiments.compare_ctranslate2", f"--workdir={tiny_run}", f"--input={source}",
+                        f"--ct2_dir={bad}", "--beam_sizes=1"], check=False), "not a CTranslate2 model")
