@@ -276,3 +276,16 @@ def test_eval_pairs_longer_than_the_position_table_are_left_out_not_nan():
   assert [len(s) for s in sources] == [3, 4, 2]
   relative = model.replace(position_embedding="none", max_relative_position=2)
   assert len(trainer.within_position_table(eval_set, relative, "validation")[0]) == 4
+
+
+# -- wrong kinds of input ---------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("content, needle", [('{"add_source_eos": true, "bos_token": "<s>"}', "not a transformer_jax run's config"),
+                                             ("\x00\x01garbage", "is not valid JSON")])
+def test_a_directory_of_another_kind_is_not_taken_for_a_workdir(tmp_path, content, needle):
+  (tmp_path / "config.json").write_text(content, encoding="utf-8")
+  before = _tree(tmp_path)
+  for program in (["experiments.translate", f"--workdir={tmp_path}"],
+                  ["experiments.train", f"--workdir={tmp_path}", *QUICK]):
+    _one_line_error(_run(program, stdin="five\n", check=False), needle, str(tmp_path))
+  assert _tree(tmp_path) == before

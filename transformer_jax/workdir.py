@@ -102,8 +102,21 @@ class Workdir:
     return self.root / "final_eval.json"
 
   def read_config(self) -> dict | None:
-    """The saved `config.json`, or None when this is not (yet) a run directory."""
-    return read_json(self.config_json)
+    """The saved `config.json`, or None when this is not (yet) a run directory.
+
+    Raises ValueError (one line naming the file) for a `config.json` that is not JSON or not a run's (no
+    "model" section: e.g. a CTranslate2 or Hugging Face model directory given as a workdir).
+    """
+    try:
+      config = read_json(self.config_json)
+    except (ValueError, UnicodeDecodeError) as error:
+      raise ValueError(f"{self.config_json} is not valid JSON ({error}): is {self.root} a transformer_jax "
+                       "workdir?") from None
+    if config is not None and not (isinstance(config, dict) and isinstance(config.get("model"), dict)):
+      raise ValueError(f"{self.config_json} is not a transformer_jax run's config (no 'model' section): "
+                       f"{self.root} looks like another kind of directory (a CTranslate2 or Hugging Face model?), "
+                       "not a --workdir")
+    return config
 
   def require_config(self) -> dict:
     """The saved `config.json`; FileNotFoundError naming the path when the workdir holds no run."""
