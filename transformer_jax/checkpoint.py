@@ -652,7 +652,7 @@ def average_checkpoints(directory: str | os.PathLike, steps: Iterable[int] | Non
   try:
     chosen = _select_steps(manager.all_steps(), steps, last_n)
     newest = chosen[-1]
-    if os.path.isdir(_step_dir(os.path.abspath(os.fspath(output_directory)), newest)):
+    if (epath.Path(os.fspath(output_directory)) / str(newest)).exists():
       raise FileExistsError(f"{output_directory} already holds step {newest} (an earlier average?); nothing "
                             "written: choose another output directory or remove that step")
     sharding = sharding or jax.sharding.SingleDeviceSharding(jax.devices()[0])
