@@ -355,6 +355,7 @@ class BleuEvaluator:
   max_examples: int
   beam_size: int
   alpha: float
+  target_lang: str = ""  # BLEU's tokenizer follows it as sacreBLEU's does (`metrics.bleu_metric`)
   name: str = "bleu"
 
   def __call__(self, run: "Run", params: Any, split: str, eval_set: datasets_lib.EvalSet) -> dict[str, float]:
@@ -362,7 +363,7 @@ class BleuEvaluator:
     hyps = inference.translate_texts(params, run.model_config, run.data.tokenizer, [s for s, _ in pairs],
                                      beam_size=self.beam_size, alpha=self.alpha)
     scores = metrics_lib.sacrebleu_scores(hyps, [t for _, t in pairs], lowercase=run.data.tokenizer.lowercase,
-                                           target_lang=run.config.data.target_lang)
+                                           target_lang=self.target_lang)
     logging.info("BLEU %s: %.2f (chrF %.2f) %s", split, scores["bleu"], scores["chrf"], scores["bleu_signature"])
     return {"bleu": scores["bleu"], "chrf": scores["chrf"]}
 
@@ -398,7 +399,7 @@ def make_evaluators(config: Any) -> list[Evaluator]:
   return [LossEvaluator(config.evals.loss.every_steps, config.evals.loss.tokens_per_batch),
           AttentionEvaluator(config.evals.attention.every_steps, config.evals.attention.rows),
           BleuEvaluator(config.evals.bleu.every_steps, config.evals.bleu.max_examples,
-                        config.evals.bleu.beam_size, config.decode.alpha)]
+                        config.evals.bleu.beam_size, config.decode.alpha, config.data.target_lang)]
 
 
 # ------------------------------------------------------------------------------------------------------------

@@ -108,15 +108,15 @@ class Workdir:
     "model" section: e.g. a CTranslate2 or Hugging Face model directory given as a workdir).
     """
     try:
-      config = read_json(self.config_json)
+      saved = read_json(self.config_json)
     except (ValueError, UnicodeDecodeError) as error:
       raise ValueError(f"{self.config_json} is not valid JSON ({error}): is {self.root} a transformer_jax "
                        "workdir?") from None
-    if config is not None and not (isinstance(config, dict) and isinstance(config.get("model"), dict)):
+    if saved is not None and not (isinstance(saved, dict) and isinstance(saved.get("model"), dict)):
       raise ValueError(f"{self.config_json} is not a transformer_jax run's config (no 'model' section): "
                        f"{self.root} looks like another kind of directory (a CTranslate2 or Hugging Face model?), "
                        "not a --workdir")
-    return config
+    return saved
 
   def require_config(self) -> dict:
     """The saved `config.json`; FileNotFoundError naming the path when the workdir holds no run."""
