@@ -143,7 +143,8 @@ def report_final_eval(config, workdir: str, result: trainer.TrainResult) -> dict
   seconds = time.time() - start
   lowercase = result.datasets.tokenizer.lowercase  # a case-folded vocabulary writes lowercase
   exact = metrics.exact_match(hyps, [t for _, t in pairs], lowercase=lowercase)  # both sides normalised, as BLEU's
-  scores = metrics.sacrebleu_scores(hyps, [t for _, t in pairs], lowercase=lowercase)
+  scores = metrics.sacrebleu_scores(hyps, [t for _, t in pairs], lowercase=lowercase,
+                                    target_lang=config.data.target_lang)
   for (src, ref), hyp in list(zip(pairs, hyps))[:5]:
     correct = metrics.exact_match([hyp], [ref], lowercase=lowercase) == 1.0  # as the score counts it
     print(f"  {src}\n    -> {hyp}   [{'ok' if correct else 'reference: ' + ref}]")

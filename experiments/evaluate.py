@@ -32,7 +32,8 @@ flags.DEFINE_string("mbr_utility", "", "'' = beam search's best; 'chrf' or 'bleu
                     "choice from its beam_size-best list under that utility.")
 flags.DEFINE_string("checkpoint", None, "A step, or a checkpoint directory (default: the latest).")
 flags.DEFINE_bool("tokenized_bleu", False, "Also report tokenised, compound-split BLEU (paper style).")
-flags.DEFINE_string("target_lang", None, "Target language for Moses tokenisation (default: from config).")
+flags.DEFINE_string("target_lang", None, "Target language: BLEU's tokenizer as sacreBLEU picks it (zh, ja-mecab, "
+                    "ko-mecab, else 13a) and Moses tokenisation (default: the run's data.target_lang).")
 flags.DEFINE_string("lc_tok_reference", None,
                     "Lowercased, normalised, tokenised reference (Multi30k style) for an extra score.")
 flags.DEFINE_string("output_prefix", None, "Where to write .hyp and .json (default: <workdir>/eval/<source>).")
@@ -54,7 +55,7 @@ def _read_inputs():
 
 
 def _scores(hypotheses, references, lc_refs, target_lang: str, lowercase: bool) -> dict:
-  scores = metrics.sacrebleu_scores(hypotheses, references, lowercase=lowercase)
+  scores = metrics.sacrebleu_scores(hypotheses, references, lowercase=lowercase, target_lang=target_lang)
   if FLAGS.tokenized_bleu:
     # Compound splitting is tensor2tensor's German-specific step (get_ende_bleu.sh).
     scores["tokenized_bleu"] = metrics.tokenized_bleu(hypotheses, references, lang=target_lang,
@@ -68,6 +69,7 @@ def _evaluate() -> None:
   sources, references, lc_refs = _read_inputs()
   model_config, params, tokenizer = common.load_for_inference(FLAGS.workdir, FLAGS.checkpoint)
   target_lang = FLAGS.target_lang or common.load_workdir_config(FLAGS.workdir).data.target_lang
+  metrics.bleu_metric(target_lang)  # its tokenizer loads, before anything is translated
   start = time.time()
   with tqdm(total=len(sources), unit="sent", file=sys.stderr) as bar:
     hypotheses = inference.translate_texts(params, model_config, tokenizer, sources, beam_size=FLAGS.beam_size,

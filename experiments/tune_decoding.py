@@ -100,6 +100,8 @@ def main():
   if len(sources) != len(references):
     raise ValueError(f"{FLAGS.source} has {len(sources)} lines but {FLAGS.reference} has {len(references)}")
   averages, beams, alphas, utilities = _grid()
+  target_lang = common.load_workdir_config(FLAGS.workdir).data.target_lang
+  metrics.bleu_metric(target_lang)  # BLEU's tokenizer for the target language loads, before any decoding
   if "ema" in averages and not common.load_workdir_config(FLAGS.workdir).ema_decay:
     raise ValueError(f"--average_last={','.join(FLAGS.average_last)}: {FLAGS.workdir} was trained without a moving "
                      "average of the parameters (config.ema_decay 0)")
@@ -118,7 +120,8 @@ def main():
           outputs = {utility: inference.choose(n_best, utility) for utility in utilities}
         seconds = time.perf_counter() - start
         for utility, hypotheses in outputs.items():
-          scores = metrics.sacrebleu_scores(hypotheses, references, lowercase=tokenizer.lowercase)
+          scores = metrics.sacrebleu_scores(hypotheses, references, lowercase=tokenizer.lowercase,
+                                            target_lang=target_lang)
           rows.append({"average_last": n, "beam_size": beam, "alpha": alpha if beam > 1 else None,
                        "mbr_utility": utility, "bleu": scores["bleu"], "chrf": scores["chrf"],
                        "seconds": seconds, "bleu_signature": scores["bleu_signature"]})

@@ -604,6 +604,18 @@ def average_trees(trees: Sequence[PyTree]) -> PyTree:
   return _cast_like(mean, trees[0])
 
 
+class CheckpointWriteError(OSError):
+  """A checkpoint save that orbax refused or skipped (`CheckpointManager.save` returned False)."""
+
+
+def require_saved(saved: bool, directory: str | os.PathLike, step: int) -> None:
+  """Raises CheckpointWriteError unless `saved` (what `Checkpointer.save` returned) says step `step` was
+  written to `directory`: a refused write is an error, never a silent success."""
+  if not saved:
+    raise CheckpointWriteError(f"{directory}: the checkpoint of step {step} was not written (orbax refused the "
+                               "save: the step exists already, or the save interval skipped it)")
+
+
 def _select_steps(all_steps: Sequence[int], steps: Iterable[int] | None, last_n: int | None) -> list[int]:
   all_steps = sorted(all_steps)
   if (steps is None) == (last_n is None):
@@ -640,6 +652,9 @@ def average_checkpoints(directory: str | os.PathLike, steps: Iterable[int] | Non
   try:
     chosen = _select_steps(manager.all_steps(), steps, last_n)
     newest = chosen[-1]
+    if (epath.Path(os.fspath(output_directory)) / str(newest)).exists():
+      raise FileExistsError(f"{output_directory} already holds step {newest} (an earlier average?); nothing "
+                            "written: choose another output directory or remove that step")
     sharding = sharding or jax.sharding.SingleDeviceSharding(jax.devices()[0])
     state_target = _abstract_from_metadata(_item_tree_metadata(directory, newest, STATE), sharding)
     items = {STATE: ocp.args.StandardRestore(state_target), DATA: ocp.args.JsonRestore(),
@@ -664,8 +679,9 @@ def average_checkpoints(directory: str | os.PathLike, steps: Iterable[int] | Non
   state["params"] = averaged
   rng = newest_items[RNG][_RNG_KEY] if RNG in items else None
   with Checkpointer(output_directory, max_to_keep=None, enable_async_checkpointing=False) as out:
-    out.save(newest, state, rng, newest_items[DATA], newest_items[CONFIG], force=True,
-             custom_metadata={"averaged_steps": chosen, "source_directory": os.path.abspath(directory)})
+    saved = out.save(newest, state, rng, newest_items[DATA], newest_items[CONFIG], force=True,
+                     custom_metadata={"averaged_steps": chosen, "source_directory": os.path.abspath(directory)})
+  require_saved(saved, output_directory, newest)
   logger.info("Averaged the params of steps %s of %s into %s (step %d).", chosen, directory,
               output_directory, newest)
   return newest

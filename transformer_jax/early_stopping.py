@@ -54,7 +54,7 @@ def replay(history: Sequence[tuple[int, float]], direction: str, patience: int, 
 class EarlyStopping:
   """`config.early_stopping = (metric, patience, min_delta)` on `<eval split>/<metric>` (e.g. "validation/bleu").
 
-  Raises ValueError (`metrics.metric_direction`) for a metric whose direction is not known.
+  Raises ValueError (`metrics.higher_is_better`) for a metric whose direction is not known.
   """
 
   metric: str

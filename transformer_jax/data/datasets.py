@@ -169,7 +169,9 @@ def build_datasets(data_config: Any, workdir: str, *, seed: int, process_index: 
   train = batching.PackedBatches(srcs, tgts, tokens_per_batch=data_config.tokens_per_batch,
                                  row_length=data_config.max_len, pad_id=tok.pad_id, seed=seed,
                                  process_index=process_index, process_count=process_count,
-                                 segmentations=segmentations)
+                                 segmentations=segmentations,
+                                 plan_settings={"subword_alpha": alpha,
+                                                "subword_from_epoch": int(data_config.subword_from_epoch)})
   eval_sets = {}
   for name in eval_names:
     eval_sets[name] = build_eval_set(tok, records.read_pairs(builder, name, source_key, target_key))
