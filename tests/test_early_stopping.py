@@ -38,12 +38,12 @@ def reference_stop(values, direction, patience, min_delta):
   return None, best_index
 
 
-def test_metric_directions_come_from_one_table():
+def test_early_stopping_words_the_table_direction():
   assert {name: metrics.metric_direction(f"validation/{name}") for name in ("loss", "nll", "perplexity")} == {
       "loss": "min", "nll": "min", "perplexity": "min"}
   assert {metrics.metric_direction(n) for n in ("validation/bleu", "test/chrf", "accuracy", "exact_match")} == {
       "max"}
-  with pytest.raises(ValueError, match=r"metric 'validation/bleu_loss': its direction is unknown; one of "):
+  with pytest.raises(ValueError, match=r"metric 'validation/bleu_loss' has no known direction; known: "):
     metrics.metric_direction("validation/bleu_loss")  # a suffix is not a direction
 
 
