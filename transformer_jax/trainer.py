@@ -27,6 +27,7 @@ Periodic decisions follow big_vision's `itstime(step, every, total)`; evaluators
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import json
@@ -221,7 +222,9 @@ class MetricWriter:
     self.enabled = enabled
     if enabled:
       self._tb = TensorBoardWriter(str(workdir.tensorboard))
-      self._jsonl = workdir.metrics_jsonl.open("a", encoding="utf-8")
+      # A context manager, not a file, for a gs:// path (epath's TensorFlow backend): closed with the stack.
+      self._files = contextlib.ExitStack()
+      self._jsonl = self._files.enter_context(workdir.metrics_jsonl.open("a", encoding="utf-8"))
 
   def write(self, step: int, scalars: dict[str, float]) -> None:
     if not self.enabled:
@@ -234,7 +237,7 @@ class MetricWriter:
   def close(self) -> None:
     if self.enabled:
       self._tb.close()
-      self._jsonl.close()
+      self._files.close()
 
 
 class StopSignal:

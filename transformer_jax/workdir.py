@@ -19,8 +19,10 @@ A workdir written by an importer (`experiments.import_marian`) has the same layo
 model and its tokenizer, `data.dataset` is `IMPORTED_DATASET` (no training data yet) and checkpoint 0 holds
 the imported parameters; `experiments.train` fine-tunes it from there (`trainer.config_for_workdir`).
 
-Paths go through `etils.epath`, the path type orbax and tfds use, so a `gs://bucket/run` workdir works the
-same way for TPU users (tested here on local paths only).
+Every path goes through `etils.epath`, the path type orbax and tfds use, so a `gs://bucket/run` workdir works
+as a local one: epath hands `gs://` to TensorFlow's GCS filesystem (`tf.io.gfile`), orbax's arrays go through
+tensorstore's `gcs` driver. Tested against a local GCS API server (`tests/test_gcs.py`). `is_local` and
+`absolute` are the only places that tell the two kinds apart.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import uuid
 from typing import Any, Mapping, Sequence
 
 import numpy as np
@@ -143,13 +146,31 @@ def read_json(path: PathLike) -> Any:
   return json.loads(path.read_text(encoding="utf-8"))
 
 
-def write_json_atomically(path: PathLike, value: Any) -> None:
-  """Writes `value` as indented JSON through a temporary file and a rename: readers never see half a file."""
+def is_local(path: PathLike) -> bool:
+  """True for a path of the local filesystem, False for a URI such as `gs://bucket/run`."""
+  return "://" not in os.fspath(path)
+
+
+def absolute(path: PathLike) -> epath.Path:
+  """`path` made absolute against the current directory when local; a `gs://` URI as it is (epath's own
+  `absolute()` would prefix it with the current directory)."""
+  path = epath.Path(path)
+  return path.absolute() if is_local(path) else path
+
+
+def write_bytes_atomically(path: PathLike, data: bytes) -> None:
+  """Writes `data` to `path` through a temporary file (one per writer) and a rename: readers never see half a
+  file. On Cloud Storage, where a rename is a copy, each object still appears whole or not at all."""
   path = epath.Path(path)
   path.parent.mkdir(parents=True, exist_ok=True)
-  tmp = path.parent / (path.name + ".tmp")
-  tmp.write_text(json.dumps(to_jsonable(value), indent=2, sort_keys=True), encoding="utf-8")
+  tmp = path.parent / f"{path.name}.{uuid.uuid4().hex}.tmp"
+  tmp.write_bytes(data)
   tmp.replace(path)
+
+
+def write_json_atomically(path: PathLike, value: Any) -> None:
+  """Writes `value` as indented JSON through a temporary file and a rename: readers never see half a file."""
+  write_bytes_atomically(path, json.dumps(to_jsonable(value), indent=2, sort_keys=True).encode("utf-8"))
 
 
 def to_jsonable(value: Any) -> Any:
