@@ -35,6 +35,7 @@ import ssl
 import subprocess
 import threading
 import time
+import urllib.parse
 import urllib.request
 
 GOOGLE_HOSTS = ("www.googleapis.com", "storage.googleapis.com")
@@ -97,7 +98,6 @@ class _GoogleApi(http.server.BaseHTTPRequestHandler):
       return
     chunked = self.headers.get("Transfer-Encoding", "identity").lower() == "chunked"
     body = self._read_chunked() if chunked else self.rfile.read(int(self.headers.get("Content-Length", 0)))
-    if os.environ.get("GCS_PROXY_DEBUG"): print(self.command, self.path, dict(self.headers), len(body), flush=True)
     headers = {k: v for k, v in self.headers.items()
                if k.lower() not in ("transfer-encoding", "content-length", "expect", "connection")}
     headers["Content-Length"] = str(len(body))
@@ -107,7 +107,6 @@ class _GoogleApi(http.server.BaseHTTPRequestHandler):
       upstream.request(self.command, self.path, body=body, headers=headers)
       response = upstream.getresponse()
       data = response.read()
-      if os.environ.get("GCS_PROXY_DEBUG"): print(" ->", response.status, response.getheaders(), data[:200], flush=True)
       self.send_response_only(response.status, response.reason)
       for k, v in response.getheaders():
         if k.lower() not in ("transfer-encoding", "content-length", "connection"):
@@ -206,6 +205,35 @@ class GcsServer:
         "STORAGE_EMULATOR_HOST": self.http_url,
         "NO_GCE_CHECK": "true",
     }
+
+  # What the server holds, read through its JSON API with urllib: a client independent of the project's.
+
+  def list(self, prefix: str) -> list[str]:
+    """Names of the objects under `prefix` (directory placeholders, names ending in /, left out)."""
+    names, token = [], ""
+    while True:
+      query = urllib.parse.urlencode({"prefix": prefix, "pageToken": token, "maxResults": 1000})
+      with urllib.request.urlopen(f"{self.http_url}/storage/v1/b/{self.bucket}/o?{query}", timeout=30) as r:
+        page = json.load(r)
+      names += [item["name"] for item in page.get("items", []) if not item["name"].endswith("/")]
+      token = page.get("nextPageToken", "")
+      if not token:
+        return sorted(names)
+
+  def read(self, name: str) -> bytes:
+    quoted = urllib.parse.quote(name, safe="")
+    with urllib.request.urlopen(f"{self.http_url}/storage/v1/b/{self.bucket}/o/{quoted}?alt=media",
+                                timeout=30) as r:
+      return r.read()
+
+  def download(self, prefix: str, directory: str) -> str:
+    """Every object under `prefix` into `directory` (its layout kept); returns `directory`."""
+    for name in self.list(prefix):
+      local = os.path.join(directory, name[len(prefix):].lstrip("/"))
+      os.makedirs(os.path.dirname(local), exist_ok=True)
+      with open(local, "wb") as f:
+        f.write(self.read(name))
+    return directory
 
   def stop(self) -> None:
     self._proxy.shutdown()
