@@ -183,6 +183,17 @@ def test_sigkill_resume_average_translate_evaluate_on_gcs_equal_a_local_run(gcs,
            f"--reference={tmp_path / 'test.de'}")
   hypotheses = gcs.read(f"{prefix}/eval/test.en.hyp").decode().splitlines()
   scores = json.loads(gcs.read(f"{prefix}/eval/test.en.json"))
-  assert hypotheses == _translate(gcs, reference).splitlines()
+  assert hypotheses == _translate(gcs, reference, "--beam_size=4").splitlines()  # evaluate decodes with beam 4
   assert scores["bleu"] == pytest.approx(sacrebleu.corpus_bleu(hypotheses, [REFERENCES]).score)
   assert scores["chrf"] == pytest.approx(sacrebleu.corpus_chrf(hypotheses, [REFERENCES]).score)
+
+
+def test_a_bucket_that_does_not_exist_is_a_one_line_error(gcs):
+  """TensorFlow's makedirs walks up to a missing bucket without end; the trainer names the bucket instead."""
+  result = subprocess.run([sys.executable, "-m", "experiments.train", "--workdir=gs://no-such-bucket/run",
+                           "--config.data.builder_config=tiny", "--config.num_train_steps=1"], cwd=REPO,
+                          env=_env(gcs), capture_output=True, text=True, timeout=300)
+  assert result.returncode == 1
+  assert result.stderr.strip().splitlines()[-1] == (
+      "error: gs://no-such-bucket does not exist or cannot be read (workdir gs://no-such-bucket/run): create the "
+      "bucket first, e.g. gcloud storage buckets create gs://no-such-bucket")

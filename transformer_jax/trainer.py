@@ -420,7 +420,7 @@ def prepare(config: Any, workdir: str) -> Run:
                            defaults=DATA_DEFAULTS)
   mesh = sharding.mesh_from_config(config.mesh)
   check_batch_rows(config.data, mesh)
-  run_dir.root.mkdir(parents=True, exist_ok=True)
+  run_dir.create()
   data = datasets_lib.build_datasets(config.data, str(run_dir.root), seed=config.seed,
                                      process_index=jax.process_index(), process_count=jax.process_count(),
                                      share_across_processes=sharding.ragged_from_first_process)

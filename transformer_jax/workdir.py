@@ -101,6 +101,20 @@ class Workdir:
   def final_eval_json(self) -> epath.Path:
     return self.root / "final_eval.json"
 
+  def create(self) -> None:
+    """Makes the run directory (and its parents).
+
+    Raises FileNotFoundError naming the bucket when the root is in a Cloud Storage bucket that does not exist
+    (or cannot be read): TensorFlow's `makedirs` would otherwise walk up to the missing bucket without end.
+    """
+    if not is_local(self.root):
+      scheme, rest = os.fspath(self.root).split("://", 1)
+      bucket = epath.Path(f"{scheme}://{rest.split('/')[0]}")
+      if not bucket.exists():
+        raise FileNotFoundError(f"{bucket} does not exist or cannot be read (workdir {self.root}): create the "
+                                f"bucket first, e.g. gcloud storage buckets create {bucket}")
+    self.root.mkdir(parents=True, exist_ok=True)
+
   def read_config(self) -> dict | None:
     """The saved `config.json`, or None when this is not (yet) a run directory."""
     return read_json(self.config_json)
