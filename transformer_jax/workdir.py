@@ -8,7 +8,7 @@
       vocab/spm.normalization.json  the text normalisation it was trained with (`data.tokenizer.stamp_path`);
       vocab/source.spm, target.spm, vocab.json  instead, for an imported Marian model (`data.tokenizer` "marian")
       data/<split>.ids.npz    the training split's token ids (`data.token_cache`), so restarts skip the text
-      tfds/                   tfds-prepared datasets (unless `data.tfds_data_dir` names another)
+      tfds/                   tfds-prepared datasets (unless `data.tfds_data_dir` names another; TFRecord on gs://)
       metrics.jsonl           one JSON object per logged step: {"step", "time", "train/loss", ...}
       tensorboard/            TensorBoard event files of the same scalars
       averaged/<step>/        averaged checkpoint (`experiments.average_checkpoints`)
@@ -21,8 +21,9 @@ the imported parameters; `experiments.train` fine-tunes it from there (`trainer.
 
 Every path goes through `etils.epath`, the path type orbax and tfds use, so a `gs://bucket/run` workdir works
 as a local one: epath hands `gs://` to TensorFlow's GCS filesystem (`tf.io.gfile`), orbax's arrays go through
-tensorstore's `gcs` driver. Tested against a local GCS API server (`tests/test_gcs.py`). `is_local` and
-`absolute` are the only places that tell the two kinds apart.
+tensorstore's `gcs` driver. Tested against a local GCS API server (`tests/test_gcs.py`). `is_local` tells the
+two kinds apart where a library opens local files only (ArrayRecord, zip writing, SentencePiece's trainer);
+`absolute` is epath's `absolute()` without its bug on `gs://` URIs.
 """
 
 from __future__ import annotations
