@@ -10,6 +10,7 @@ import time
 from typing import Any, Callable
 
 import ml_collections
+from etils import epath
 import tensorflow_datasets as tfds
 from absl import app
 from absl import logging as absl_logging
@@ -113,7 +114,7 @@ def load_for_inference(workdir: str, checkpoint: str | None = None, ema: bool | 
       step = int(checkpoint)
     else:
       directory = checkpoint
-  if not os.path.isdir(directory):
+  if not epath.Path(directory).is_dir():
     raise FileNotFoundError(f"--checkpoint: {directory} is not a checkpoint directory")
   with checkpoint_lib.Checkpointer(directory, read_only=True) as checkpointer:
     saved = checkpointer.all_steps()

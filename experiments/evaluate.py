@@ -15,6 +15,7 @@ import sys
 import time
 
 from absl import flags
+from etils import epath
 from tqdm import tqdm
 
 from experiments import common, launch
@@ -80,12 +81,10 @@ def _evaluate() -> None:
   scores.update(sentences=len(sources), seconds=seconds, beam_size=FLAGS.beam_size, alpha=FLAGS.alpha,
                 mbr_utility=FLAGS.mbr_utility,
                 checkpoint=FLAGS.checkpoint or "latest")
-  prefix = FLAGS.output_prefix or os.path.join(Workdir(FLAGS.workdir).eval, os.path.basename(FLAGS.source))
-  os.makedirs(os.path.dirname(os.path.abspath(prefix)), exist_ok=True)
-  with open(prefix + ".hyp", "w", encoding="utf-8") as f:
-    f.writelines(h + "\n" for h in hypotheses)
-  with open(prefix + ".json", "w", encoding="utf-8") as f:
-    json.dump(scores, f, indent=2)
+  prefix = FLAGS.output_prefix or os.fspath(Workdir(FLAGS.workdir).eval / epath.Path(FLAGS.source).name)
+  epath.Path(prefix + ".hyp").parent.mkdir(parents=True, exist_ok=True)
+  epath.Path(prefix + ".hyp").write_text("".join(h + "\n" for h in hypotheses), encoding="utf-8")
+  epath.Path(prefix + ".json").write_text(json.dumps(scores, indent=2), encoding="utf-8")
   print(f"BLEU {scores['bleu']:.2f}  ({scores['bleu_signature']})")
   print(f"chrF {scores['chrf']:.2f}  ({scores['chrf_signature']})")
   if "tokenized_bleu" in scores:

@@ -17,6 +17,7 @@ from absl import flags
 from experiments import common, launch
 from transformer_jax.interop import ctranslate2 as ct2
 from transformer_jax.interop import marian
+from transformer_jax.workdir import is_local
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("workdir", None, "A training run's (or an imported model's) --workdir.")
@@ -34,6 +35,10 @@ def tokenizer_files(tokenizer) -> str:
 
 @common.program
 def main():
+  if not is_local(FLAGS.output) or not is_local(FLAGS.workdir):
+    raise ValueError(f"--output={FLAGS.output} / --workdir={FLAGS.workdir}: export reads and writes local "
+                     "directories only (CTranslate2 and transformers load local files); copy the workdir down "
+                     "first, e.g. gcloud storage cp -r")
   if os.path.exists(FLAGS.output) and not os.path.isdir(FLAGS.output):
     raise FileExistsError(f"--output={FLAGS.output} is a file; expected a new (or empty) directory")
   if os.path.isdir(FLAGS.output) and os.listdir(FLAGS.output):

@@ -11,6 +11,7 @@ Empty input lines give empty output lines. `--checkpoint` takes a step number or
 import sys
 
 from absl import flags
+from etils import epath
 from tqdm import tqdm
 
 from experiments import common, launch
@@ -41,7 +42,7 @@ def main():
     outputs = inference.translate_texts(params, model_config, tokenizer, lines, beam_size=FLAGS.beam_size,
                                         alpha=FLAGS.alpha, extra_len=FLAGS.extra_len, mbr_utility=FLAGS.mbr_utility,
                                         progress=bar.update)
-  with (open(FLAGS.output, "w", encoding="utf-8") if FLAGS.output
+  with (epath.Path(FLAGS.output).open("w", encoding="utf-8") if FLAGS.output
         else open(sys.stdout.fileno(), "w", encoding="utf-8", closefd=False)) as stream:
     stream.writelines(line + "\n" for line in outputs)
 

@@ -30,6 +30,7 @@ unknown entity) raises `TrackerError` (one line) before the trainer writes anyth
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import os
@@ -175,7 +176,7 @@ class MetricWriter:
 
   def __init__(self, workdir: Workdir, names: Sequence[str], trackers: Sequence[Any], enabled: bool = True):
     self.workdir, self.names, self.enabled, self.trackers = workdir, tuple(names), enabled, list(trackers)
-    self._jsonl = None
+    self._jsonl, self._files = None, contextlib.ExitStack()
 
   @classmethod
   def open(cls, names: Sequence[str], workdir: Workdir, wandb_options: Mapping[str, str],
@@ -195,7 +196,8 @@ class MetricWriter:
       return
     if "tensorboard" in self.names:
       self.trackers.insert(0, TensorBoardTracker(self.workdir.tensorboard))
-    self._jsonl = self.workdir.metrics_jsonl.open("a", encoding="utf-8")
+    # A context manager, not a file, for a gs:// path (epath's TensorFlow backend): entered, closed with the stack.
+    self._jsonl = self._files.enter_context(self.workdir.metrics_jsonl.open("a", encoding="utf-8"))
     hparams = flatten_hparams(resolved_config)
     for tracker in self.trackers:
       tracker.start(hparams, metric_tags)
@@ -216,6 +218,5 @@ class MetricWriter:
   def close(self) -> None:
     for tracker in self.trackers:
       tracker.close()
-    if self._jsonl is not None:
-      self._jsonl.close()
+    self._files.close()
     self.trackers, self._jsonl = [], None

@@ -30,6 +30,7 @@ Periodic decisions follow big_vision's `itstime(step, every, total)`; evaluators
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import logging
@@ -468,7 +469,7 @@ def prepare(config: Any, workdir: str) -> Run:
 def _prepare_run(config: Any, run_dir: Workdir, saved: dict | None, untrained_import: bool,
                  mesh: jax.sharding.Mesh, writer: MetricWriter) -> Run:
   """`prepare` once the workdir is accepted and the trackers run: datasets, model config, config.json."""
-  run_dir.root.mkdir(parents=True, exist_ok=True)
+  run_dir.create()
   data = datasets_lib.build_datasets(config.data, str(run_dir.root), seed=config.seed,
                                      process_index=jax.process_index(), process_count=jax.process_count(),
                                      share_across_processes=sharding.ragged_from_first_process)

@@ -8,7 +8,7 @@
       vocab/spm.normalization.json  the text normalisation it was trained with (`data.tokenizer.stamp_path`);
       vocab/source.spm, target.spm, vocab.json  instead, for an imported Marian model (`data.tokenizer` "marian")
       data/<split>.ids.npz    the training split's token ids (`data.token_cache`), so restarts skip the text
-      tfds/                   tfds-prepared datasets (unless `data.tfds_data_dir` names another)
+      tfds/                   tfds-prepared datasets (unless `data.tfds_data_dir` names another; TFRecord on gs://)
       metrics.jsonl           one JSON object per logged step: {"step", "time", "train/loss", ...}
       tensorboard/            TensorBoard event files: the same scalars, the config as HParams, sample translations
       wandb/                  the Weights & Biases run (`config.trackers` with "wandb"): run_id, offline-run-*/
@@ -24,8 +24,11 @@ A workdir written by an importer (`experiments.import_marian`) has the same layo
 model and its tokenizer, `data.dataset` is `IMPORTED_DATASET` (no training data yet) and checkpoint 0 holds
 the imported parameters; `experiments.train` fine-tunes it from there (`trainer.config_for_workdir`).
 
-Paths go through `etils.epath`, the path type orbax and tfds use, so a `gs://bucket/run` workdir works the
-same way for TPU users (tested here on local paths only).
+Every path goes through `etils.epath`, the path type orbax and tfds use, so a `gs://bucket/run` workdir works
+as a local one: epath hands `gs://` to TensorFlow's GCS filesystem (`tf.io.gfile`), orbax's arrays go through
+tensorstore's `gcs` driver. Tested against a local GCS API server (`tests/test_gcs.py`). `is_local` tells the
+two kinds apart where a library opens local files only (ArrayRecord, zip writing, SentencePiece's trainer);
+`absolute` is epath's `absolute()` without its bug on `gs://` URIs.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ import json
 import os
 import socket
 import time
+import uuid
 from typing import Any, Mapping, Sequence
 
 import numpy as np
@@ -117,6 +121,20 @@ class Workdir:
   def final_eval_json(self) -> epath.Path:
     return self.root / "final_eval.json"
 
+  def create(self) -> None:
+    """Makes the run directory (and its parents).
+
+    Raises FileNotFoundError naming the bucket when the root is in a Cloud Storage bucket that does not exist
+    (or cannot be read): TensorFlow's `makedirs` would otherwise walk up to the missing bucket without end.
+    """
+    if not is_local(self.root):
+      scheme, rest = os.fspath(self.root).split("://", 1)
+      bucket = epath.Path(f"{scheme}://{rest.split('/')[0]}")
+      if not bucket.exists():
+        raise FileNotFoundError(f"{bucket} does not exist or cannot be read (workdir {self.root}): create the "
+                                f"bucket first, e.g. gcloud storage buckets create {bucket}")
+    self.root.mkdir(parents=True, exist_ok=True)
+
   def read_config(self) -> dict | None:
     """The saved `config.json`, or None when this is not (yet) a run directory.
 
@@ -175,13 +193,31 @@ def read_json(path: PathLike) -> Any:
   return json.loads(path.read_text(encoding="utf-8"))
 
 
-def write_json_atomically(path: PathLike, value: Any) -> None:
-  """Writes `value` as indented JSON through a temporary file and a rename: readers never see half a file."""
+def is_local(path: PathLike) -> bool:
+  """True for a path of the local filesystem, False for a URI such as `gs://bucket/run`."""
+  return "://" not in os.fspath(path)
+
+
+def absolute(path: PathLike) -> epath.Path:
+  """`path` made absolute against the current directory when local; a `gs://` URI as it is (epath's own
+  `absolute()` would prefix it with the current directory)."""
+  path = epath.Path(path)
+  return path.absolute() if is_local(path) else path
+
+
+def write_bytes_atomically(path: PathLike, data: bytes) -> None:
+  """Writes `data` to `path` through a temporary file (one per writer) and a rename: readers never see half a
+  file. On Cloud Storage, where a rename is a copy, each object still appears whole or not at all."""
   path = epath.Path(path)
   path.parent.mkdir(parents=True, exist_ok=True)
-  tmp = path.parent / (path.name + ".tmp")
-  tmp.write_text(json.dumps(to_jsonable(value), indent=2, sort_keys=True), encoding="utf-8")
+  tmp = path.parent / f"{path.name}.{uuid.uuid4().hex}.tmp"
+  tmp.write_bytes(data)
   tmp.replace(path)
+
+
+def write_json_atomically(path: PathLike, value: Any) -> None:
+  """Writes `value` as indented JSON through a temporary file and a rename: readers never see half a file."""
+  write_bytes_atomically(path, json.dumps(to_jsonable(value), indent=2, sort_keys=True).encode("utf-8"))
 
 
 def to_jsonable(value: Any) -> Any:
