@@ -47,7 +47,7 @@ from tensorboard.plugins.text import summary_v2 as text_summary
 from tensorboard.summary.writer import event_file_writer
 from tensorboard.util import tensor_util
 
-from transformer_jax.workdir import Workdir, to_jsonable
+from transformer_jax.workdir import Workdir, is_local, to_jsonable
 
 TRACKERS = ("tensorboard", "wandb")
 # The Python package each tracker needs beyond the core dependencies (pyproject extras).
@@ -132,6 +132,9 @@ class WandbTracker:
   """A Weights & Biases run in `<workdir>/wandb/`, resumed across restarts by the run id saved there."""
 
   def __init__(self, workdir: Workdir, options: Mapping[str, str]):
+    if not is_local(workdir.root):  # wandb writes its run files with local file I/O
+      raise TrackerError(f"--config.trackers includes 'wandb', which keeps its run in a local directory, but the "
+                         f"workdir {workdir.root} is not local: drop 'wandb' or use a local --workdir")
     import wandb  # an optional extra, imported only when listed
     self._wandb = wandb
     directory = workdir.wandb

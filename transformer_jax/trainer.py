@@ -30,7 +30,6 @@ Periodic decisions follow big_vision's `itstime(step, every, total)`; evaluators
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import dataclasses
 import logging
