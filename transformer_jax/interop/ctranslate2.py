@@ -18,6 +18,9 @@ holds what CTranslate2 must add to what its documentation feeds a Marian model (
   (`data.spm_export`), so raw text encodes to our pieces.
 * pad and BOS are never emitted: their output bias is `BANNED_LOGIT` (our searches ban them too), so no
   `suppress_sequences` is needed.
+* relative positions (Shaw et al.) go into each self-attention's `relative_position_keys` / `_values`
+  (zeros for `relative_values=False`) for models with `position_embedding='none'`; with absolute positions too
+  they are refused, as CTranslate2 then builds no position encoder (`check_relative_positions`).
 * the sinusoid tables hold `max(model.max_len, POSITIONS)` positions (the same function extended, like
   Marian's), so no `max_decoding_length` or source up to `POSITIONS` runs past them. Outputs equal ours while
   they fit in `model.max_len` tokens (our decoder's own cap): give `max_decoding_length <= model.max_len`
@@ -127,7 +130,7 @@ def relative_tables(params, config) -> dict:
     for i in range(layers):
       attention = params[side][f"layer_{i}"]["self_attention"]
       key = np.asarray(attention["relative_key"], np.float32)
-      value = np.asarray(attention["relative_value"], np.float32) if "relative_value" in attention else np.zeros_like(key)
+      value = np.asarray(attention.get("relative_value", np.zeros_like(key)), np.float32)
       out[(side, i)] = (key, value)
   return out
 
