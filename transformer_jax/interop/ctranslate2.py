@@ -18,6 +18,9 @@ holds what CTranslate2 must add to what its documentation feeds a Marian model (
   (`data.spm_export`), so raw text encodes to our pieces.
 * pad and BOS are never emitted: their output bias is `BANNED_LOGIT` (our searches ban them too), so no
   `suppress_sequences` is needed.
+* relative positions (Shaw et al.) go into each self-attention's `relative_position_keys` / `_values`
+  (zeros for `relative_values=False`) for models with `position_embedding='none'`; with absolute positions too
+  they are refused, as CTranslate2 then builds no position encoder (`check_relative_positions`).
 * the sinusoid tables hold `max(model.max_len, POSITIONS)` positions (the same function extended, like
   Marian's), so no `max_decoding_length` or source up to `POSITIONS` runs past them. Outputs equal ours while
   they fit in `model.max_len` tokens (our decoder's own cap): give `max_decoding_length <= model.max_len`
@@ -29,6 +32,7 @@ Needs `ctranslate2`, `transformers` and `torch` (the `interop` extra), imported 
 from __future__ import annotations
 
 import collections
+import dataclasses
 import json
 import os
 import shutil
@@ -41,6 +45,7 @@ import sentencepiece as spm
 import torch
 import transformers
 from ctranslate2.converters import transformers as ct2_transformers
+from ctranslate2.specs import attention_spec
 
 from transformer_jax.data import normalize
 from transformer_jax.data.tokenizer import Tokenizer
@@ -57,12 +62,20 @@ EXPORT_INFO = "transformer_jax_export.json"
 
 
 class ExactMarianLoader(ct2_transformers.MarianMTLoader):
-  """`MarianMTLoader` that keeps the decoder start token's embedding and the full vocabulary."""
+  """`MarianMTLoader` that keeps the decoder start token's embedding and the full vocabulary; with `relative`
+  (`relative_tables`), each self-attention gets Shaw et al.'s tables (CTranslate2's `relative_position_keys` /
+  `relative_position_values`, OpenNMT-py's `max_relative_positions`)."""
+
+  def __init__(self, relative: dict | None = None):
+    super().__init__()
+    self._relative = relative
 
   def get_model_spec(self, model):
     model.config.normalize_before = False
     model.config.normalize_embedding = False
     spec = ct2_transformers.BartLoader.get_model_spec(self, model)
+    if self._relative:
+      set_relative_positions(spec, self._relative)
     banned = sorted({model.config.pad_token_id, model.config.decoder_start_token_id})
     bias = torch.zeros(model.config.vocab_size) if spec.decoder.projection.bias is None or isinstance(
         spec.decoder.projection.bias, str) else torch.as_tensor(np.asarray(spec.decoder.projection.bias)).clone()
@@ -94,18 +107,74 @@ class ExactMarianLoader(ct2_transformers.MarianMTLoader):
     return ct2_transformers.BartLoader.get_vocabulary(self, model, tokenizer)
 
 
+def check_relative_positions(config) -> None:
+  """Raises `UnsupportedModelError` for relative positions with absolute ones: CTranslate2 builds no position
+  encoder for a stack whose first self-attention has `relative_position_keys` (`has_positional_embeddings`), so
+  only `position_embedding='none'` computes ours (measured: docs/interop.md)."""
+  if config.max_relative_position and config.position_embedding != "none":
+    raise marian_lib.UnsupportedModelError(
+        f"cannot export relative positions with position_embedding={config.position_embedding!r} to CTranslate2: "
+        "it drops the absolute positions of a model with relative ones; train with "
+        "model.position_embedding='none' (or max_relative_position=0)")
+
+
+def relative_tables(params, config) -> dict:
+  """`{("encoder"|"decoder", layer): (key, value)}` of a model with relative positions: our self-attention
+  tables `relative_key` / `relative_value` `[2k+1, head_dim]` float32 (row `r` embeds the clipped distance
+  key - query = r - k, CTranslate2's convention too); `value` is zeros `[2k+1, head_dim]` for
+  `relative_values=False` (adds nothing: Σ_j p_ij · 0). Empty without relative positions."""
+  if not config.max_relative_position:
+    return {}
+  out = {}
+  for side, layers in (("encoder", config.num_encoder_layers), ("decoder", config.num_decoder_layers)):
+    for i in range(layers):
+      attention = params[side][f"layer_{i}"]["self_attention"]
+      key = np.asarray(attention["relative_key"], np.float32)
+      value = np.asarray(attention.get("relative_value", np.zeros_like(key)), np.float32)
+      out[(side, i)] = (key, value)
+  return out
+
+
+def without_relative(params, config):
+  """(params, config) with the relative tables removed: what `save_marian` holds (the rest of the network)."""
+  def strip(tree):
+    if not isinstance(tree, collections.abc.Mapping):
+      return tree
+    return {k: strip(v) for k, v in tree.items() if k not in ("relative_key", "relative_value")}
+  return strip(params), dataclasses.replace(config, max_relative_position=0, relative_values=False,
+                                            position_embedding="sinusoidal")
+
+
+def set_relative_positions(spec, relative: dict) -> None:
+  """Puts `relative` (`relative_tables`) into every self-attention of `spec` (a `TransformerSpec`)."""
+  for (side, i), (key, value) in relative.items():
+    layer = getattr(spec, side).layer[i]
+    attention = attention_spec.MultiHeadAttentionSpec(self_attention=True, relative_position=True)
+    for name, field in vars(layer.self_attention).items():  # linear, layer_norm, queries_scale
+      if not name.startswith("_"):
+        setattr(attention, name, field)
+    attention.relative_position_keys = key  # [2k+1, head_dim]
+    attention.relative_position_values = value  # [2k+1, head_dim]
+    layer.self_attention = attention
+  for side in (spec.encoder, spec.decoder):  # CTranslate2 reads no absolute positions with relative ones
+    if hasattr(side, "position_encodings"):
+      del side.position_encodings
+
+
 class MarianDirectoryConverter(ct2_transformers.TransformersConverter):
   """Converts a `save_pretrained` Marian directory with `ExactMarianLoader`, in float32 weights."""
 
-  def __init__(self, model_dir: str, layer_norm_epsilon: float = marian_lib.MARIAN_LAYER_NORM_EPSILON):
+  def __init__(self, model_dir: str, layer_norm_epsilon: float = marian_lib.MARIAN_LAYER_NORM_EPSILON,
+               relative: dict | None = None):
     super().__init__(model_dir)
     self._layer_norm_epsilon = layer_norm_epsilon
+    self._relative = relative
 
   def _load(self):
     with torch.no_grad():
       model = transformers.MarianMTModel.from_pretrained(self._model_name_or_path, dtype=torch.float32)
       tokenizer = transformers.MarianTokenizer.from_pretrained(self._model_name_or_path)
-      spec = ExactMarianLoader()(model, tokenizer)
+      spec = ExactMarianLoader(self._relative)(model, tokenizer)
     spec.config.layer_norm_epsilon = self._layer_norm_epsilon
     for name in marian_lib.MARIAN_TOKENIZER_FILES:  # SentencePiece models travel with the model
       spec.register_file(os.path.join(self._model_name_or_path, name))
@@ -113,8 +182,10 @@ class MarianDirectoryConverter(ct2_transformers.TransformersConverter):
 
 
 def convert_marian_directory(model_dir: str, output_dir: str, *, quantization: str | None = None,
-                             layer_norm_epsilon: float = marian_lib.MARIAN_LAYER_NORM_EPSILON) -> str:
-  """A CTranslate2 model directory from a Marian directory; returns `output_dir`.
+                             layer_norm_epsilon: float = marian_lib.MARIAN_LAYER_NORM_EPSILON,
+                             relative: dict | None = None) -> str:
+  """A CTranslate2 model directory from a Marian directory (plus `relative`, `relative_tables`); returns
+  `output_dir`.
 
   Raises:
     ValueError: an unknown `quantization` (allowed: `QUANTIZATIONS`).
@@ -124,7 +195,7 @@ def convert_marian_directory(model_dir: str, output_dir: str, *, quantization: s
     raise ValueError(f"quantization={quantization!r}; expected one of {', '.join(QUANTIZATIONS)}")
   if os.path.isdir(output_dir) and os.listdir(output_dir):
     raise FileExistsError(f"{output_dir} exists and is not empty; choose a new --output")
-  converter = MarianDirectoryConverter(model_dir, layer_norm_epsilon)
+  converter = MarianDirectoryConverter(model_dir, layer_norm_epsilon, relative)
   return converter.convert(output_dir, quantization=quantization, force=True)
 
 
@@ -134,14 +205,16 @@ def export_ctranslate2(params, config, output_dir: str, *, tokenizer_path: str,
   behind on failure. `tokenizer_path`: our `spm.model`, or a Marian tokenizer directory."""
   if os.path.isdir(output_dir) and os.listdir(output_dir):
     raise FileExistsError(f"{output_dir} exists and is not empty; choose a new --output")
+  check_relative_positions(config)
   parent = os.path.dirname(os.path.abspath(output_dir))
   os.makedirs(parent, exist_ok=True)
   with tempfile.TemporaryDirectory(prefix=".ct2-", dir=parent) as tmp:
     marian_dir = os.path.join(tmp, "marian")
-    marian_lib.save_marian(params, config, marian_dir, tokenizer_path=tokenizer_path)
+    relative = relative_tables(params, config)
+    marian_lib.save_marian(*without_relative(params, config), marian_dir, tokenizer_path=tokenizer_path)
     staged = os.path.join(tmp, "ct2")
     convert_marian_directory(marian_dir, staged, quantization=quantization,
-                             layer_norm_epsilon=config.layer_norm_epsilon)
+                             layer_norm_epsilon=config.layer_norm_epsilon, relative=relative)
     with open(os.path.join(staged, EXPORT_INFO), "w", encoding="utf-8") as f:
       json.dump(export_info(config, tokenizer_path), f, indent=1)
     if os.path.isdir(output_dir):
@@ -161,7 +234,9 @@ def export_info(config, tokenizer_path: str) -> dict:
           "decoder_start": "added by CTranslate2 (config.json decoder_start_token)",
           "normalization": f"{normalization}, applied by source.spm itself: encode raw text with it",
           "banned_outputs": "pad and BOS have output bias %g: never emitted, as in transformer_jax" % BANNED_LOGIT,
-          "trained_positions": config.max_len, "position_table": max(config.max_len, POSITIONS),
+          "trained_positions": config.max_len,
+          "position_table": (f"none: relative positions (max_relative_position={config.max_relative_position})"
+                             if config.max_relative_position else max(config.max_len, POSITIONS)),
           "max_decoding_length": config.max_len,
           "min_decoding_length": "CTranslate2's default 1 bars an empty output, which ours allows (0 matches ours)",
           "identical_outputs": "to transformer_jax's decoder for sources of up to max_decoding_length pieces with "

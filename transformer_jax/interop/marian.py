@@ -146,8 +146,8 @@ def marian_config_from_model(config: ModelConfig) -> dict:
                                 "has sinusoids only")
   if config.max_relative_position:
     raise UnsupportedModelError(f"cannot export relative positions (max_relative_position="
-                                f"{config.max_relative_position}): MarianMTModel and CTranslate2's Marian models have "
-                                "none, so the export would compute another function; train with max_relative_position=0")
+                                f"{config.max_relative_position}) to Marian: MarianMTModel has none (the CTranslate2 "
+                                "export holds them with position_embedding='none'); train with max_relative_position=0")
   if config.attention_window:
     raise UnsupportedModelError(f"cannot export local attention (attention_window={config.attention_window}): "
                                 "MarianMTModel attends to every position")
