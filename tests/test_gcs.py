@@ -92,6 +92,7 @@ def _gcs_losses(gcs, prefix):
   return _logged(gcs.read(names[0]).decode()) if names else {}
 
 
+@pytest.mark.slow  # 80 s on 2 cores: the default suite keeps the server, bucket and refusal tests (~16.5 min -> ~15.8)
 def test_train_resume_and_translate_on_gcs(gcs, tmp_path):
   """The default suite's gs:// run: train, resume, translate; the workdir copied down answers the same."""
   prefix = _run_prefix()
