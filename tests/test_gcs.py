@@ -94,7 +94,7 @@ def _gcs_losses(gcs, prefix):
 
 @pytest.mark.slow  # 80 s on 2 cores: the default suite keeps the server, bucket and refusal tests (~16.5 min -> ~15.8)
 def test_train_resume_and_translate_on_gcs(gcs, tmp_path):
-  """The default suite's gs:// run: train, resume, translate; the workdir copied down answers the same."""
+  """A short gs:// run: train, resume, translate; the workdir copied down answers the same."""
   prefix = _run_prefix()
   workdir = f"gs://{gcs.bucket}/{prefix}"
   _program(gcs, "train", *_flags(workdir, num_steps=4, checkpoint_every=4))
