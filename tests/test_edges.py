@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 import sacrebleu
 
+import helpers
 from tests.test_experiments import REPO, TINY_OVERRIDES, _env, _one_line_error, _run, _tree
 from transformer_jax import config as config_lib
 from transformer_jax import metrics, trainer
@@ -83,19 +84,7 @@ def test_relative_distances_past_the_clip_stay_in_the_table():
 def test_a_non_finite_grad_norm_names_the_quantity_step_and_batch(monkeypatch, tmp_path):
   from experiments.configs import number_words
 
-  real = trainer.make_train_step
-
-  def poisoned(*args, **kwargs):
-    step_fn = real(*args, **kwargs)
-
-    def run(state, batch, rng):
-      new_state, metrics_ = step_fn(state, batch, rng)
-      if int(new_state.step) == 4:
-        metrics_ = dict(metrics_, grad_norm=np.float32("inf"))
-      return new_state, metrics_
-    return run
-
-  monkeypatch.setattr(trainer, "make_train_step", poisoned)
+  helpers.poison_train_step(monkeypatch, 4, grad_norm=float("inf"))
   config = number_words.get_config()
   config.data.builder_config, config.data.vocab_size = "tiny", 128
   config.data.tfds_data_dir = str(tmp_path / "tfds")

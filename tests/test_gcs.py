@@ -16,10 +16,10 @@ import re
 import signal
 import subprocess
 import sys
-import time
 import uuid
 
 import gcs_server
+import helpers
 import jax
 import numpy as np
 import pytest
@@ -121,18 +121,6 @@ def _params(directory, step=None):
   return jax.tree_util.tree_leaves(checkpoint_lib.restore_params(str(directory), step=step))
 
 
-def _wait_for(predicate, proc, timeout=300):
-  deadline = time.time() + timeout
-  while time.time() < deadline:
-    if predicate():
-      return
-    if proc.poll() is not None:
-      raise AssertionError(f"training exited early: {proc.stderr.read()[-3000:]}")
-    time.sleep(0.2)
-  proc.kill()
-  raise AssertionError("timed out waiting for training progress")
-
-
 @pytest.mark.slow
 def test_sigkill_resume_average_translate_evaluate_on_gcs_equal_a_local_run(gcs, tmp_path):
   steps, every = 24, 8
@@ -144,8 +132,8 @@ def test_sigkill_resume_average_translate_evaluate_on_gcs_equal_a_local_run(gcs,
   extra = random.Random(os.getpid()).randint(1, every - 1)
   proc = subprocess.Popen([sys.executable, "-m", "experiments.train", *_flags(workdir, steps, every)], cwd=REPO,
                           env=_env(gcs), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-  _wait_for(lambda: _complete_steps(gcs, prefix) and max(_gcs_losses(gcs, prefix), default=0)
-            >= _complete_steps(gcs, prefix)[0] + extra, proc)
+  helpers.wait_for(lambda: _complete_steps(gcs, prefix) and max(_gcs_losses(gcs, prefix), default=0)
+            >= _complete_steps(gcs, prefix)[0] + extra, proc, timeout=300, poll=0.2)
   proc.send_signal(signal.SIGKILL)
   proc.wait()
   killed_at = max(_gcs_losses(gcs, prefix))

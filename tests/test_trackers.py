@@ -17,8 +17,9 @@ from tensorboard.backend.event_processing import event_accumulator
 from tensorboard.plugins.hparams import metadata as hparams_metadata
 from tensorboard.util import tensor_util
 
+import helpers
 from experiments.benchmarks import profile as profile_bench
-from experiments.configs import default, number_words
+from experiments.configs import default
 from transformer_jax import trackers, trainer
 from transformer_jax.data import sources
 from transformer_jax.workdir import Workdir
@@ -30,18 +31,12 @@ STEPS, PROFILE = 12, (5, 8)
 
 
 def _config(tmp_path):
-  config = number_words.get_config()
-  config.data.builder_config = "tiny"
-  config.data.vocab_size = 128
-  config.data.tfds_data_dir = str(tmp_path / "tfds")
-  config.data.tokens_per_batch = 512
-  config.model.update(num_encoder_layers=1, num_decoder_layers=1, d_model=32, d_ff=64, num_heads=2)
+  config = helpers.tiny_number_words_config(tmp_path)
   config.num_train_steps, config.warmup_steps, config.log_every_steps = STEPS, 2, 1
   config.evals.loss.every_steps = 6
   config.evals.attention.every_steps = 6
   config.evals.bleu.update(every_steps=6, max_examples=8, samples=3)
   config.checkpoint_every_steps = 0
-  config.async_checkpointing = False
   config.trackers = ("tensorboard", "wandb")
   config.profile_steps = PROFILE
   return config
