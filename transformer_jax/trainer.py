@@ -653,7 +653,7 @@ class _TrainLog:
   """Collects the step metrics between logging steps and turns them into scalars (one host sync per log)."""
 
   def __init__(self, start_step: int):
-    self.pending: list[tuple[int, dict]] = []
+    self.pending: list[tuple[int, dict, Mapping | None]] = []  # (step, metrics, data position)
     self.last_time, self.last_step = time.time(), start_step
 
   def add(self, step: int, metrics: dict, position: Mapping | None = None) -> None:

@@ -18,7 +18,6 @@ subword regularisation, `subword_sampling`, the same pairs in the same order, se
 from __future__ import annotations
 
 import hashlib
-
 import logging
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
