@@ -36,8 +36,6 @@ import numpy as np
 
 from experiments.benchmarks import common
 from transformer_jax import inference, sharding
-from transformer_jax.config import PAD_ID
-from transformer_jax.data.batching import PackedBatches
 from transformer_jax.training.steps import init_params
 
 # First match wins: the finer module paths before the blocks that contain them.
@@ -118,8 +116,7 @@ def _train_program(args):
   """(compiled step, run once, steps per run, title) for the trainer's step on one packed batch."""
   corpus = common.load_corpus(args.row_length)
   cfg = common.preset_config(args.preset, args.vocab or corpus.vocab_size)
-  batches = PackedBatches(corpus.sources, corpus.targets, tokens_per_batch=args.tokens,
-                          row_length=args.row_length, pad_id=PAD_ID, seed=0)
+  batches = common.packed_stream(corpus, args.tokens, args.row_length)
   built = common.build_train_step(common.train_config(cfg), mesh=sharding.single_device_mesh())
   batch = built.shard(next(batches))
   state, rng = built.state, built.rng
