@@ -237,3 +237,11 @@ def test_rows_that_do_not_divide_among_processes_are_refused(tmp_path):
   shards = _shards(tmp_path, *_corpus(20))
   with pytest.raises(ValueError, match="not a positive multiple of the 2 processes"):
     _stream(shards, rows=3, process_count=2)
+
+
+def test_epoch_pairs_name_what_the_batches_hold(tmp_path):
+  sources, targets = _corpus(301)
+  stream = _stream(_shards(tmp_path, sources, targets), rows=4, seed=5, process_index=1, process_count=2)
+  read = [i for _ in range(60) for row in _examples(next(stream)) for i in row]
+  expected = np.concatenate([stream.epoch_pairs(e) for e in range(3)])[:stream.consumed]
+  assert stream.consumed > stream.share and sorted(read) == sorted(expected.tolist())

@@ -30,6 +30,7 @@ import json
 import logging
 import os
 import time
+import weakref
 from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
 
 import grain
@@ -305,6 +306,7 @@ class TrainStream:
     del lengths
     self._sampling, self._read_threads = sampling, read_threads
     self._iterator = self._dataset().__iter__()
+    weakref.finalize(self, self._iterator.close)  # stops the prefetch thread before the interpreter tears down
 
   def _dataset(self) -> grain.IterDataset:
     shards, n = self.shards, self.process_count
@@ -337,9 +339,21 @@ class TrainStream:
     return 0
 
   @property
+  def consumed(self) -> int:
+    """How many pairs this process's batches so far hold (its stream's position at the next batch)."""
+    return self._stream_index(self._iterator.get_state())
+
+  @property
   def epoch(self) -> int:
     """The epoch of the first pair of the next batch on this process."""
-    return self._stream_index(self._iterator.get_state()) // self.share
+    return self.consumed // self.share
+
+  def epoch_pairs(self, epoch: int) -> np.ndarray:
+    """The pairs (record indices in `shards`) this process reads in `epoch`, in reading order: the same grain
+    index chain as the stream's, over indices instead of records."""
+    order = grain.MapDataset.range(len(self.kept)).shuffle(seed=self.seed)[self.process_index::self.process_count]
+    order = order.repeat()
+    return self.kept[[order[k] for k in range(epoch * self.share, (epoch + 1) * self.share)]]
 
   def get_state(self) -> dict:
     """This process's position: grain's iterator state, the seed, the epoch and the stream spec (JSON)."""
@@ -387,6 +401,7 @@ class TrainStream:
     for _ in range(batches):
       batch = next(probe)
       real += [(batch["inputs_segmentation"] > 0).sum(), (batch["targets_segmentation"] > 0).sum()]
+    probe.close()
     slots = batches * (self.rows_per_batch // self.process_count) * self.row_length
     return real[0] / slots, real[1] / slots
 
