@@ -204,37 +204,33 @@ class IdShards:
 
 
 # -- the stream ---------------------------------------------------------------------------------------------
-class _KeptRecords:
-  """grain random-access source: record `kept[i]` of the shards (batched reads through `__getitems__`)."""
-
-  def __init__(self, paths: Sequence[str], kept: np.ndarray):
-    self._source = grain.sources.ArrayRecordDataSource(list(paths))
-    self._kept = kept
-
-  def __len__(self) -> int:
-    return len(self._kept)
-
-  def __getitem__(self, index: int) -> bytes:
-    return self._source[int(self._kept[index])]
-
-  def __getitems__(self, indices: Sequence[int]) -> list[bytes]:
-    return self._source.__getitems__([int(self._kept[i]) for i in indices])
+READ_CHUNK = 256  # pairs read in one batched ArrayRecord call (a single random read costs ~20x more per pair)
 
 
-class _Decode(grain.transforms.Map):
-  def __init__(self, dtype: np.dtype):
-    self.dtype = dtype
+class _ReadChunk:
+  """`(j, positions) -> pairs`: chunk `j` of a process's stream (stream elements `j * READ_CHUNK + i`), the kept
+  pairs at `positions` read in one batched call and decoded (with `sampler`, resegmented: `k` is the element's
+  stream index)."""
 
-  def map(self, raw: bytes) -> dict[str, np.ndarray]:
-    return decode_record(raw, self.dtype)
+  def __init__(self, paths: Sequence[str], kept: np.ndarray, dtype: np.dtype, sampler: Callable | None = None):
+    self.paths, self.kept, self.dtype, self.sampler = list(paths), kept, dtype, sampler
+    self._source = None
+
+  def __call__(self, j: int, positions: np.ndarray) -> list[dict[str, Any]]:
+    if self._source is None:  # opened where it is used (a grain worker process, or the prefetch thread)
+      self._source = grain.sources.ArrayRecordDataSource(self.paths)
+    raws = self._source.__getitems__([int(self.kept[i]) for i in positions])
+    if self.sampler is None:
+      return [decode_record(raw, self.dtype) for raw in raws]
+    return [self.sampler(j * READ_CHUNK + i, decode_record(raw, self.dtype, texts=True))
+            for i, raw in enumerate(raws)]
 
 
-class _DecodeWithTexts(grain.transforms.Map):
-  def __init__(self, dtype: np.dtype):
-    self.dtype = dtype
+class _Unchunk(grain.experimental.FlatMapTransform):
+  max_fan_out = READ_CHUNK
 
-  def map(self, raw: bytes) -> dict[str, Any]:
-    return decode_record(raw, self.dtype, texts=True)
+  def flat_map(self, element):
+    return element
 
 
 def _rename(batch: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -308,20 +304,25 @@ class TrainStream:
     self._iterator = self._dataset().__iter__()
     weakref.finalize(self, self._iterator.close)  # stops the prefetch thread before the interpreter tears down
 
+  def _order(self) -> grain.MapDataset:
+    """Stream element k -> the position (in `kept`) of the pair this process reads there: grain's index shuffle
+    of epoch k // share with seed `seed + epoch`, every `process_count`-th position from `process_index`."""
+    order = grain.MapDataset.range(len(self.kept)).shuffle(seed=self.seed)
+    return order[self.process_index::self.process_count].repeat()
+
   def _dataset(self) -> grain.IterDataset:
-    shards, n = self.shards, self.process_count
-    ds = grain.MapDataset.source(_KeptRecords(shards.paths, self.kept)).shuffle(seed=self.seed)
-    ds = ds[self.process_index::n].repeat()
+    sampler = None
     if self._sampling:
       tokenizer, alpha, from_epoch = self._sampling
-      ds = ds.map(_DecodeWithTexts(shards.dtype)).map_with_index(subword_sampling.PairSampler(
-          tokenizer, alpha=alpha, seed=self.seed, process_index=self.process_index, share=self.share,
-          from_epoch=from_epoch, max_len=self.row_length))
-    else:
-      ds = ds.map(_Decode(shards.dtype))
-    stream = ds.to_iter_dataset(grain.ReadOptions(num_threads=self._read_threads,
-                                                prefetch_buffer_size=4096 if self._read_threads else 0))
-    rows = self.rows_per_batch // n
+      sampler = subword_sampling.PairSampler(tokenizer, alpha=alpha, seed=self.seed,
+                                             process_index=self.process_index, share=self.share,
+                                             from_epoch=from_epoch, max_len=self.row_length)
+    chunks = self._order().batch(READ_CHUNK).map_with_index(
+        _ReadChunk(self.shards.paths, self.kept, self.shards.dtype, sampler))
+    chunks = chunks.to_iter_dataset(grain.ReadOptions(num_threads=self._read_threads,
+                                                      prefetch_buffer_size=4 if self._read_threads else 0))
+    stream = grain.experimental.FlatMapIterDataset(chunks, _Unchunk())
+    rows = self.rows_per_batch // self.process_count
     packed = grain.experimental.FirstFitPackIterDataset(
         stream, length_struct={"inputs": self.row_length, "targets": self.row_length}, num_packing_bins=rows,
         shuffle_bins=False, padding_struct={"inputs": self.pad_id, "targets": self.pad_id})
@@ -331,12 +332,13 @@ class TrainStream:
   # -- position ------------------------------------------------------------------------------------------
   @staticmethod
   def _stream_index(state: Any) -> int:
-    """The number of elements this process's stream has consumed at `state` (grain's `next_index`)."""
+    """The number of elements this process's stream has consumed at `state`: the chunk being unpacked (grain's
+    `next_index` under the flat map) times READ_CHUNK plus the next element's place in it."""
     while isinstance(state, dict):
-      if "next_index" in state:
-        return int(state["next_index"])
-      state = state.get("parent", next((v for v in state.values() if isinstance(v, dict)), None))
-    return 0
+      if "next_index_in_buffer" in state:
+        return int(state["parent"]["next_index"]) * READ_CHUNK + int(state["next_index_in_buffer"])
+      state = state.get("parent")
+    raise ValueError(f"not a TrainStream state: {state!r}")
 
   @property
   def consumed(self) -> int:
@@ -351,8 +353,7 @@ class TrainStream:
   def epoch_pairs(self, epoch: int) -> np.ndarray:
     """The pairs (record indices in `shards`) this process reads in `epoch`, in reading order: the same grain
     index chain as the stream's, over indices instead of records."""
-    order = grain.MapDataset.range(len(self.kept)).shuffle(seed=self.seed)[self.process_index::self.process_count]
-    order = order.repeat()
+    order = self._order()
     return self.kept[[order[k] for k in range(epoch * self.share, (epoch + 1) * self.share)]]
 
   def get_state(self) -> dict:

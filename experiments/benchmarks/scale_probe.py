@@ -1,0 +1,168 @@
+r"""The input pipeline at WMT scale: start-up, memory and throughput of `experiments.train` on a WMT-like corpus.
+
+    python -m experiments.benchmarks.scale_probe --pairs=100000,1000000,4500000 --root=/tmp/scale_probe
+
+Builds, for each size, a parallel corpus from Multi30k (`../shared/data/multi30k`, or `--multi30k`): every line
+joins 1-3 consecutive training sentences (seeded), ~124 characters per English line like news text, with
+Multi30k's `val` as the validation split. Then runs `experiments.train` as a child process, as a new user would:
+a tiny model, a 32k vocabulary, rows of 256 slots, `--steps` steps on a fresh workdir (vocabulary, dataset
+preparation and tokenisation included), then again to twice the steps (a restart from the checkpoint). Prints
+per size: time to the first training step (the first `step N/M` log line) and peak RSS of the child
+(`os.wait4`'s `ru_maxrss`) for the first start and the restart, the tokenisation and vocabulary times the child
+logged, the id shards' bytes on disk, the pipeline's packed target tokens/s (`pipeline.TrainStream` over the
+workdir's shards in this process, `--tokens` slots per batch, after its first batch) and its packing efficiency.
+Last, the packing efficiency of the Multi30k recipe's own rows (64 slots, its `data.tokens_per_batch`).
+
+Timings only (nothing is trained to convergence); the machine is shared: run it under `flock -x`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+from experiments.configs import multi30k as multi30k_config
+from transformer_jax.data import pipeline
+from transformer_jax.data import tokenizer as tok_lib
+
+REPO = Path(__file__).resolve().parents[2]
+MULTI30K = REPO.parent / "shared" / "data" / "multi30k"
+TINY = ["--config.model.d_model=64", "--config.model.d_ff=128", "--config.model.num_heads=2",
+        "--config.model.num_encoder_layers=1", "--config.model.num_decoder_layers=1"]
+
+
+def build_corpus(multi30k: Path, directory: Path, pairs: int, seed: int = 0) -> float:
+  """Writes `directory/{train,validation}.{en,de}` (`pairs` training lines); returns mean English characters."""
+  directory.mkdir(parents=True, exist_ok=True)
+  if (directory / "train.de").exists():
+    return float("nan")
+  en = (multi30k / "train.en").read_text(encoding="utf-8").splitlines()
+  de = (multi30k / "train.de").read_text(encoding="utf-8").splitlines()
+  rng = np.random.default_rng(seed)
+  counts = rng.integers(1, 4, pairs)
+  starts = np.cumsum(np.concatenate([[0], counts[:-1]])) % len(en)
+  chars = 0
+  with open(directory / "train.en", "w", encoding="utf-8") as fe, open(directory / "train.de", "w",
+                                                                        encoding="utf-8") as fd:
+    for block in range(0, pairs, 100_000):
+      lines_en, lines_de = [], []
+      for start, count in zip(starts[block:block + 100_000], counts[block:block + 100_000]):
+        idx = [(start + j) % len(en) for j in range(count)]
+        lines_en.append(" ".join(en[i] for i in idx))
+        lines_de.append(" ".join(de[i] for i in idx))
+      chars += sum(map(len, lines_en))
+      fe.write("\n".join(lines_en) + "\n")
+      fd.write("\n".join(lines_de) + "\n")
+  for lang in ("en", "de"):
+    (directory / f"validation.{lang}").write_text((multi30k / f"val.{lang}").read_text(encoding="utf-8"),
+                                                  encoding="utf-8")
+  return chars / pairs
+
+
+def run_train(corpus: Path, workdir: Path, steps: int, tokens: int) -> dict:
+  """`experiments.train` as a child: seconds to its first step log line, peak RSS, what it logged."""
+  cmd = [sys.executable, "-m", "experiments.train", f"--workdir={workdir}", "--config.data.dataset=parallel_text",
+         f"--config.data.dir={corpus}", "--config.data.vocab_size=32000", "--config.data.max_len=256",
+         f"--config.data.tokens_per_batch={tokens}", "--config.model.max_len=256", *TINY,
+         f"--config.num_train_steps={steps}", "--config.warmup_steps=1", "--config.log_every_steps=1",
+         f"--config.checkpoint_every_steps={steps}", "--config.evals.loss.every_steps=0",
+         "--config.evals.bleu.every_steps=0", "--config.evals.attention.every_steps=0",
+         "--config.final_eval.split="]
+  start = time.perf_counter()
+  proc = subprocess.Popen(cmd, cwd=REPO, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True,
+                          env=dict(os.environ, PYTHONPATH=str(REPO)))
+  first_step, lines = None, []
+  for line in proc.stderr:
+    lines.append(line)
+    if first_step is None and re.search(r"\] step \d+/\d+ \|", line):
+      first_step = time.perf_counter() - start
+  _, status, usage = os.wait4(proc.pid, 0)
+  if status != 0:
+    raise RuntimeError(f"experiments.train failed ({status}):\n{''.join(lines[-30:])}")
+  text = "".join(lines)
+  found = lambda pattern: (float(m.group(1)) if (m := re.search(pattern, text)) else float("nan"))  # noqa: E731
+  return {"first_step_s": first_step, "peak_rss_gb": usage.ru_maxrss / 2**20, "wall_s": time.perf_counter() - start,
+          "tokenise_s": found(r"Tokenised \d+ of the \d+ shards of \S+ into \S+ in ([\d.]+)s"),
+          "efficiency": re.findall(r"padding efficiency of the next \d+ batches \(epoch \d+\): source ([\d.]+)%, "
+                                   r"target ([\d.]+)%", text)}
+
+
+def pipeline_rate(shards: pipeline.IdShards, tokens: int, row_length: int, batches: int) -> dict:
+  """Packed target tokens/s of `TrainStream` over `shards` after its first batch, and its packing efficiency."""
+  stream = pipeline.TrainStream(shards, tokens_per_batch=tokens, row_length=row_length, pad_id=tok_lib.PAD_ID)
+  next(stream)
+  start, real, slots = time.perf_counter(), np.zeros(2), 0
+  for _ in range(batches):
+    batch = next(stream)
+    real += [(batch["inputs_segmentation"] > 0).sum(), (batch["targets_segmentation"] > 0).sum()]
+    slots += batch["inputs"].size
+  seconds = time.perf_counter() - start
+  return {"target_tokens_per_s": real[1] / seconds, "source_eff": real[0] / slots, "target_eff": real[1] / slots,
+          "index_bytes_per_pair": stream.kept.itemsize}
+
+
+def multi30k_packing(multi30k: Path, root: Path, batches: int) -> tuple[float, float]:
+  """Packing efficiency of the Multi30k recipe's rows (its max_len and tokens_per_batch, its 6k vocabulary)."""
+  config = multi30k_config.get_config()
+  en = (multi30k / "train.en").read_text(encoding="utf-8").splitlines()
+  de = (multi30k / "train.de").read_text(encoding="utf-8").splitlines()
+  path = root / "multi30k_spm.model"
+  tok = tok_lib.Tokenizer(str(path)) if path.exists() else tok_lib.train_tokenizer(
+      en + de, str(path), config.data.vocab_size)
+  sources, targets = tok_lib.encode_pairs(tok, list(zip(en, de)))
+  shards = pipeline.write_id_arrays(root / "multi30k_ids" / str(time.time_ns()), {"probe": 1}, sources, targets,
+                                    tok.vocab_size)
+  stream = pipeline.TrainStream(shards, tokens_per_batch=config.data.tokens_per_batch,
+                                row_length=config.data.max_len, pad_id=tok.pad_id)
+  return stream.padding_efficiency(batches)
+
+
+def main(argv=None) -> int:
+  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  parser.add_argument("--pairs", default="100000,1000000,4500000", help="corpus sizes, comma-separated")
+  parser.add_argument("--root", default="/tmp/scale_probe", help="corpora and workdirs go here")
+  parser.add_argument("--multi30k", default=str(MULTI30K))
+  parser.add_argument("--steps", type=int, default=3)
+  parser.add_argument("--tokens", type=int, default=8 * 256, help="slots per batch of the training runs")
+  parser.add_argument("--pipeline_tokens", type=int, default=26_624, help="slots per batch of the pipeline rate")
+  parser.add_argument("--pipeline_batches", type=int, default=100)
+  parser.add_argument("--restart_only", action="store_true", help="reuse existing workdirs (time restarts only)")
+  args = parser.parse_args(argv)
+  multi30k, root = Path(args.multi30k), Path(args.root)
+  if not (multi30k / "train.en").exists():
+    print(f"error: --multi30k={multi30k} has no train.en", file=sys.stderr)
+    return 1
+  try:
+    sizes = [int(float(p)) for p in args.pairs.split(",")]
+  except ValueError:
+    print(f"error: --pairs={args.pairs!r}: comma-separated integers expected", file=sys.stderr)
+    return 1
+  print("pairs | chars/line | first start: to step 1, peak RSS | restart: to first step, peak RSS | tokenise | "
+        "ids on disk | pipeline target tok/s | packing src/tgt (rows of 256)", flush=True)
+  for n in sizes:
+    corpus, workdir = root / f"corpus_{n}", root / f"work_{n}"
+    chars = build_corpus(multi30k, corpus, n)
+    fresh = None if args.restart_only else run_train(corpus, workdir, args.steps, args.tokens)
+    restart = run_train(corpus, workdir, 2 * args.steps if fresh else 3 * args.steps, args.tokens)
+    shards = pipeline.IdShards.newest(workdir / "data" / "train.ids")
+    disk = sum(os.path.getsize(p) for p in shards.directory.iterdir())
+    rate = pipeline_rate(shards, args.pipeline_tokens, 256, args.pipeline_batches)
+    first = f"{fresh['first_step_s']:.1f} s, {fresh['peak_rss_gb']:.2f} GB" if fresh else "-"
+    print(f"{n:,} | {chars:.0f} | {first} | {restart['first_step_s']:.1f} s, {restart['peak_rss_gb']:.2f} GB | "
+          f"{fresh['tokenise_s'] if fresh else float('nan'):.1f} s | {disk / 2**20:.0f} MiB | "
+          f"{rate['target_tokens_per_s']:,.0f} | {100 * rate['source_eff']:.1f}% / {100 * rate['target_eff']:.1f}%",
+          flush=True)
+  src, tgt = multi30k_packing(multi30k, root, args.pipeline_batches)
+  print(f"Multi30k recipe rows of 64: packing source {100 * src:.1f}%, target {100 * tgt:.1f}%", flush=True)
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
