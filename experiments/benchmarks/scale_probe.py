@@ -87,6 +87,7 @@ def run_train(corpus: Path, workdir: Path, steps: int, tokens: int) -> dict:
   if status != 0:
     raise RuntimeError(f"experiments.train failed ({status}):\n{''.join(lines[-30:])}")
   text = "".join(lines)
+  Path(f"{workdir}.{steps}.log").write_text(text)  # the child's log, for the breakdown
   found = lambda pattern: (float(m.group(1)) if (m := re.search(pattern, text)) else float("nan"))  # noqa: E731
   return {"first_step_s": first_step, "peak_rss_gb": usage.ru_maxrss / 2**20, "wall_s": time.perf_counter() - start,
           "tokenise_s": found(r"Tokenised \d+ of the \d+ shards of \S+ into \S+ in ([\d.]+)s"),

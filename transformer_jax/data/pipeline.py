@@ -295,10 +295,9 @@ class TrainStream:
     self.share = len(range(process_index, len(kept), process_count))  # this process's pairs per epoch
     settings = (("subword_alpha", float(sampling[1]) if sampling else 0.0),
                 ("subword_from_epoch", int(sampling[2]) if sampling else 0))
-    lengths = np.ascontiguousarray(shards.lengths[kept]).astype(np.int64)
+    lengths = np.ascontiguousarray(shards.lengths[kept], np.uint32)  # 8 bytes a pair, only while hashing
     self.spec = StreamSpec(rows, row_length, process_count, len(kept),
                            hashlib.sha256(lengths.tobytes()).hexdigest(), settings)
-    self.kept_tokens = lengths.sum(axis=0)
     del lengths
     self._sampling, self._read_threads = sampling, read_threads
     self._iterator = self._dataset().__iter__()
