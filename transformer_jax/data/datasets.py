@@ -77,16 +77,6 @@ def open_tokenizer(data_config: Any, workdir: str) -> tokenizer_lib.TextTokenize
   return tokenizer
 
 
-def skip_blank(pairs, is_blank=normalize.is_blank):
-  """Pairs whose source or target has nothing visible are skipped in training; returns (kept, n).
-
-  `is_blank` is the vocabulary's (`Tokenizer.is_blank`): empty, whitespace, BOM or zero-width characters
-  only; for a vocabulary from before normalisation, whitespace only.
-  """
-  kept = [(s, t) for s, t in pairs if not is_blank(s) and not is_blank(t)]
-  return kept, len(pairs) - len(kept)
-
-
 def load_tokenizer(data_config: Any, workdir: str, train_pairs=None) -> tokenizer_lib.TextTokenizer:
   """Loads the run's vocabulary, training a SentencePiece one on both sides of the training split the first
   time; a Marian tokenizer is only ever loaded (`open_tokenizer`)."""
