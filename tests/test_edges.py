@@ -91,8 +91,8 @@ def test_a_non_finite_grad_norm_names_the_quantity_step_and_batch(monkeypatch, t
   config.model.d_model, config.model.d_ff, config.model.num_heads = 32, 64, 2
   config.num_train_steps, config.log_every_steps, config.evals.loss.every_steps = 10, 5, 0
   with pytest.raises(trainer.NonFiniteLossError,
-                     match=r"training grad_norm is inf at step 4 \(non-finite: grad_norm\); its batch is batch 3 "
-                           r"of epoch 0"):
+                     match=r"training grad_norm is inf at step 4 \(non-finite: grad_norm\); its batch was read in "
+                           r"epoch 0 of the data stream \(seed 0, process 0's position"):
     trainer.train_and_evaluate(config, str(tmp_path / "run"))
 
 

@@ -124,7 +124,10 @@ def prepare_ids(data_config: Any, workdir: str, builder, source_key: str, target
   """
   split = data_config.train_split
   read = lambda s: records.read_pairs(builder, s, source_key, target_key)  # noqa: E731
-  pairs = builder.info.splits[split].num_examples
+  try:
+    pairs = builder.info.splits[split].num_examples
+  except KeyError:  # no split metadata (tfds.testing.mock_data): count by reading
+    pairs = len(read(split))
   if not (data_config.tokenizer == MARIAN_TOKENIZER or epath.Path(vocab_path(data_config, workdir)).exists()):
     if process_index == 0:
       sample = pipeline.evenly_spaced_splits(split, pairs, -(-data_config.vocab_max_sentences // 2))

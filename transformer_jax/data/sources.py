@@ -7,8 +7,8 @@ use. `data_config.dataset` selects the source:
   * a tfds translation builder, e.g. `wmt14_translate/de-en` (the paper's), `wmt14_translate/fr-en`,
     `wmt17_translate/de-en`, `wmt_t2t_translate/de-en`, read from a prepared `data.tfds_data_dir`.
     `data.source_lang`/`data.target_lang` choose the direction (EN->DE by default, as in the paper; tfds's
-    own supervised keys are DE->EN). Nothing is downloaded unless `data.download=True` (which prepares it as
-    ArrayRecord in a local `data_dir`; data prepared as TFRecord is read through tf.data, the same pairs).
+    own supervised keys are DE->EN). Nothing is downloaded unless `data.download=True`. Prepared as ArrayRecord
+    (docs/reproducing.md) it is read by random access without TensorFlow; as TFRecord through tf.data.
 Built datasets live in `data.tfds_data_dir` (default `<workdir>/tfds`); how they are written and read back:
 `transformer_jax.data.records`.
 """
@@ -23,7 +23,7 @@ import tensorflow_datasets as tfds
 from transformer_jax.data import records
 from transformer_jax.data.number_words import NumberWords
 from transformer_jax.data.parallel_text import parallel_text_builder
-from transformer_jax.workdir import Workdir, is_local
+from transformer_jax.workdir import Workdir
 
 Pairs = records.Pairs
 
@@ -46,8 +46,6 @@ def _tfds_translation_builder(data_config: Any, data_dir: str) -> tuple[tfds.cor
     raise ValueError(f"{name} has languages {sorted(features)}; data.source_lang={source!r} / "
                      f"data.target_lang={target!r} do not match")
   if data_config.download:
-    if not builder.is_prepared() and is_local(data_dir):  # random access without TensorFlow (`records`)
-      builder = tfds.builder(name, data_dir=data_dir, file_format=tfds.core.FileFormat.ARRAY_RECORD)
     builder.download_and_prepare()
   elif not builder.is_prepared():
     raise ValueError(f"{name} is not prepared in {data_dir}: prepare it there first (see README, "
