@@ -1,20 +1,26 @@
-r"""Translate text with a trained workdir: one output line per input line.
+r"""Translate text with a trained workdir: one output line per input line (or one JSON object per input line).
 
     echo "twenty-one" | python -m experiments.translate --workdir=DIR
     python -m experiments.translate --workdir=DIR --input=FILE --output=FILE [--beam_size=4] [--alpha=0.6]
-        [--mbr_utility=chrf]
+        [--mbr_utility=chrf] [--nbest=4 --output_format=jsonl] [--sampling=sample --top_p=0.9 --seed=1]
+        [--prefix_file=FILE] [--print_alignment] [--ensemble=STEP_OR_DIR,...]
 
 Empty input lines give empty output lines. `--checkpoint` takes a step number or a checkpoint directory
-(e.g. one written by `experiments.average_checkpoints`).
+(e.g. one written by `experiments.average_checkpoints`). `--output_format=text` writes each input line's
+`--nbest` hypotheses on `--nbest` lines (empty where fewer finished), with `--print_alignment` followed by a tab
+and the Pharaoh alignment; `jsonl` writes per input line `{"line", "hypotheses": [{"text", "ids", "log_prob",
+"score", "token_log_probs", "alignment"}]}` (`log_prob`: natural log, EOS included; `score`: length-normalised,
+GNMT alpha; `token_log_probs`: one per token, then EOS's). docs/decoding.md has one example per flag.
 """
 
+import json
 import sys
 
 from absl import flags
 from tqdm import tqdm
 
-from experiments import common, launch
-from transformer_jax import inference
+from experiments import common, decoding, launch
+from transformer_jax import alignment, inference
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("workdir", None, "The training run's --workdir.")
@@ -26,21 +32,69 @@ flags.DEFINE_integer("extra_len", 50, "Maximum output length = input length + ex
 flags.DEFINE_string("mbr_utility", "", "'' = beam search's best; 'chrf' or 'bleu' = the minimum-Bayes-risk "
                     "choice from its beam_size-best list under that utility.")
 flags.DEFINE_string("checkpoint", None, "A step, or a checkpoint directory (default: the latest).")
+flags.DEFINE_enum("output_format", "text", ["text", "jsonl"], "text: the hypotheses' text; jsonl: with scores.")
+flags.DEFINE_string("prefix_file", None, "Target prefixes, one per input line ('' = none): each output starts "
+                    "with its prefix (forced), then decoding continues.")
+flags.DEFINE_bool("print_alignment", False, "Source-target token alignment from the cross-attention (Pharaoh i-j).")
+decoding.define_flags(nbest=True)
 flags.mark_flags_as_required(["workdir"])
 launch.check_flags(beam_size="decode.beam_size", alpha="decode.alpha", extra_len="decode.extra_len",
                    mbr_utility="decode.mbr_utility")
 launch.check_mbr_beam()
-launch.check_files_exist("input")
+launch.check_files_exist("input", "prefix_file")
+
+
+def _read_prefixes(count: int):
+  if not FLAGS.prefix_file:
+    return None
+  prefixes = common.read_lines(FLAGS.prefix_file)
+  if len(prefixes) != count:
+    raise ValueError(f"--prefix_file={FLAGS.prefix_file} has {len(prefixes)} lines but the input has {count}: "
+                     "one prefix per input line is needed")
+  return prefixes
+
+
+def _check_combinations() -> None:
+  if FLAGS.mbr_utility and (FLAGS.nbest > 1 or FLAGS.output_format != "text" or FLAGS.print_alignment
+                            or FLAGS.prefix_file or FLAGS.ensemble or FLAGS.sampling != "beam"):
+    raise ValueError("--mbr_utility chooses one text from the n-best list: it takes none of --nbest, "
+                     "--output_format=jsonl, --print_alignment, --prefix_file, --ensemble, --sampling")
+
+
+def _records(lines, lists, tokenizer):
+  for i, (line, hyps) in enumerate(zip(lines, lists)):
+    yield {"line": i + 1, "source": line, "hypotheses": [
+        {"text": tokenizer.decode(h.ids), "ids": h.ids, "log_prob": h.log_prob, "score": h.score,
+         "token_log_probs": h.token_log_probs,
+         **({"alignment": alignment.pharaoh(h.alignment)} if h.alignment is not None else {})} for h in hyps]}
+
+
+def _text_lines(records):
+  for record in records:
+    hyps = record["hypotheses"]
+    for k in range(FLAGS.nbest):
+      hyp = hyps[k] if k < len(hyps) else {"text": "", "alignment": ""}
+      yield hyp["text"] + ("\t" + hyp.get("alignment", "") if FLAGS.print_alignment else "")
 
 
 @common.program
 def main():
   lines = common.read_lines(FLAGS.input)
-  model_config, params, tokenizer = common.load_for_inference(FLAGS.workdir, FLAGS.checkpoint)
+  prefixes = _read_prefixes(len(lines))
+  _check_combinations()
+  options = decoding.options(FLAGS.beam_size, FLAGS.alpha, nbest=FLAGS.nbest, alignment=FLAGS.print_alignment)
+  model_config, params_list, tokenizer = decoding.load_models(FLAGS.workdir, FLAGS.checkpoint)
   with tqdm(total=len(lines), unit="sent", file=sys.stderr, disable=not FLAGS.input) as bar:
-    outputs = inference.translate_texts(params, model_config, tokenizer, lines, beam_size=FLAGS.beam_size,
-                                        alpha=FLAGS.alpha, extra_len=FLAGS.extra_len, mbr_utility=FLAGS.mbr_utility,
-                                        progress=bar.update)
+    if FLAGS.mbr_utility:
+      outputs = inference.translate_texts(params_list[0], model_config, tokenizer, lines, beam_size=FLAGS.beam_size,
+                                          alpha=FLAGS.alpha, extra_len=FLAGS.extra_len,
+                                          mbr_utility=FLAGS.mbr_utility, progress=bar.update)
+    else:
+      lists = inference.decode_texts(params_list, model_config, tokenizer, lines, options, prefixes=prefixes,
+                                     seed=FLAGS.seed, extra_len=FLAGS.extra_len, progress=bar.update)
+      records = list(_records(lines, lists, tokenizer))
+      outputs = (json.dumps(r, ensure_ascii=False) for r in records) if FLAGS.output_format == "jsonl" else (
+          _text_lines(records))
   with (open(FLAGS.output, "w", encoding="utf-8") if FLAGS.output
         else open(sys.stdout.fileno(), "w", encoding="utf-8", closefd=False)) as stream:
     stream.writelines(line + "\n" for line in outputs)

@@ -98,6 +98,10 @@ class DecodingState(NamedTuple):
 
 # (DecodingState) -> (logits [rows, vocab] float32, new cache)
 TokensToLogits = Callable[[DecodingState], "tuple[Array, Any]"]
+# (log_probs [rows, vocab] float32, DecodingState) -> log_probs [rows, vocab]: applied after the log-softmax,
+# before the choice (forced prefixes: `transformer_jax.prefix`); -inf makes a token impossible, and the
+# log-probabilities that are summed are the ones it returns (nothing is renormalised).
+LogProbsFn = Callable[[Array, DecodingState], Array]
 
 
 def repeat_rows(tree, n: int):
@@ -151,13 +155,21 @@ class _SeqState(NamedTuple):
   t: Array  # scalar int32: tokens emitted so far
   tokens: Array  # [b, L]
   log_probs: Array  # [b]
+  token_log_probs: Array  # [b, L] float32: the log-prob of each emitted token, 0 after the last
   done: Array  # [b]
   cache: Any
 
 
+class SequenceOutput(NamedTuple):
+  """What the one-hypothesis searches return with `full_output=True`."""
+  tokens: Array  # [batch, max_decode_len] int32
+  log_probs: Array  # [batch] float32: sum of the token log-probs (EOS included)
+  token_log_probs: Array  # [batch, max_decode_len] float32: each emitted token's log-prob, 0 after the last
+
+
 def _sequential_search(tokens_to_logits: TokensToLogits, cache, choose: Callable[[Array, Array], Array], *,
                        batch_size: int, max_decode_len: int, bos_id: int, eos_id: int, pad_id: int,
-                       max_lengths: Optional[Array]):
+                       max_lengths: Optional[Array], log_probs_fn: Optional[LogProbsFn] = None) -> SequenceOutput:
   """Shared loop of greedy search and sampling; `choose(log_probs [b, V], t) -> tokens [b]`."""
   _check_ids(bos_id, eos_id, pad_id)
   batch, length = batch_size, max_decode_len
@@ -167,24 +179,29 @@ def _sequential_search(tokens_to_logits: TokensToLogits, cache, choose: Callable
     return jnp.logical_and(s.t < length, jnp.logical_not(jnp.all(s.done)))
 
   def body(s: _SeqState):
-    prev = _prev_tokens(s.tokens, s.t, bos_id)
-    logits, cache = tokens_to_logits(DecodingState(s.t, s.tokens, prev, s.cache))  # [b, V]
+    state = DecodingState(s.t, s.tokens, _prev_tokens(s.tokens, s.t, bos_id), s.cache)
+    logits, cache = tokens_to_logits(state)  # [b, V]
     logp = _log_probs(logits, (pad_id, bos_id))
+    if log_probs_fn is not None:
+      logp = log_probs_fn(logp, state)
     token = jnp.where(s.done, pad_id, choose(logp, s.t)).astype(jnp.int32)
-    token_logp = jnp.take_along_axis(logp, token[:, None], axis=1)[:, 0]
-    log_probs = jnp.where(s.done, s.log_probs, s.log_probs + token_logp)
+    token_logp = jnp.where(s.done, 0.0, jnp.take_along_axis(logp, token[:, None], axis=1)[:, 0])
+    log_probs = s.log_probs + token_logp
     tokens = lax.dynamic_update_slice(s.tokens, token[:, None], (0, s.t))
+    token_log_probs = lax.dynamic_update_slice(s.token_log_probs, token_logp[:, None], (0, s.t))
     done = s.done | (token == eos_id) | (s.t + 1 >= limits)
-    return _SeqState(s.t + 1, tokens, log_probs, done, cache)
+    return _SeqState(s.t + 1, tokens, log_probs, token_log_probs, done, cache)
 
   init = _SeqState(jnp.array(0, jnp.int32), jnp.full((batch, length), pad_id, jnp.int32),
-                   jnp.zeros((batch,), jnp.float32), jnp.zeros((batch,), bool), cache)
+                   jnp.zeros((batch,), jnp.float32), jnp.zeros((batch, length), jnp.float32),
+                   jnp.zeros((batch,), bool), cache)
   final = lax.while_loop(cond, body, init)
-  return final.tokens, final.log_probs
+  return SequenceOutput(final.tokens, final.log_probs, final.token_log_probs)
 
 
 def greedy_search_over(tokens_to_logits: TokensToLogits, cache, *, batch_size: int, max_decode_len: int,
-                       bos_id: int, eos_id: int, pad_id: int, max_lengths: Optional[Array] = None):
+                       bos_id: int, eos_id: int, pad_id: int, max_lengths: Optional[Array] = None,
+                       log_probs_fn: Optional[LogProbsFn] = None, full_output: bool = False):
   """Greedy decoding over any step function: `(tokens [batch, max_decode_len] int32, log_probs [batch] f32)`.
 
   Args:
@@ -194,38 +211,66 @@ def greedy_search_over(tokens_to_logits: TokensToLogits, cache, *, batch_size: i
     bos_id, eos_id, pad_id: the first input token, the token that ends a row, the filler after it (pad and BOS
       are never emitted).
     max_lengths: optional `[batch]` int32 caps on each row's output length (EOS included).
+    log_probs_fn: optional `LogProbsFn` applied to each step's log-probs before the choice.
+    full_output: return a `SequenceOutput` (adds the per-token log-probs `[batch, max_decode_len]`).
 
   Raises ValueError if the three ids are not distinct. Trace it under `jax.jit`.
   """
-  return _sequential_search(tokens_to_logits, cache, lambda logp, t: jnp.argmax(logp, axis=-1),
-                            batch_size=batch_size, max_decode_len=max_decode_len, bos_id=bos_id,
-                            eos_id=eos_id, pad_id=pad_id, max_lengths=max_lengths)
+  out = _sequential_search(tokens_to_logits, cache, lambda logp, t: jnp.argmax(logp, axis=-1),
+                           batch_size=batch_size, max_decode_len=max_decode_len, bos_id=bos_id,
+                           eos_id=eos_id, pad_id=pad_id, max_lengths=max_lengths, log_probs_fn=log_probs_fn)
+  return out if full_output else (out.tokens, out.log_probs)
+
+
+def truncate(scaled: Array, top_k: int = 0, top_p: float = 1.0) -> Array:
+  """Top-k, then nucleus (top-p, Holtzman et al., 2020) truncation of log-weights `[rows, vocab]`: the tokens
+  outside the k largest, or outside the smallest set whose probability reaches `top_p` (the most probable
+  token is always kept), become -inf. `top_k=0` and `top_p >= 1` (static) leave `scaled` as it is."""
+  if top_k > 0:
+    kth = lax.top_k(scaled, min(top_k, scaled.shape[-1]))[0][:, -1:]
+    scaled = jnp.where(scaled < kth, NEG_INF, scaled)
+  if top_p < 1.0:
+    ordered = -jnp.sort(-scaled, axis=-1)  # descending
+    probs = jax.nn.softmax(ordered, axis=-1)
+    before = jnp.cumsum(probs, axis=-1) - probs  # probability of the tokens ranked above each one
+    kept = jnp.where(before < top_p, ordered, jnp.inf)
+    smallest = jnp.min(kept, axis=-1, keepdims=True)  # the least probable kept token (rank 0 always kept)
+    scaled = jnp.where(scaled < smallest, NEG_INF, scaled)
+  return scaled
 
 
 def sample_over(tokens_to_logits: TokensToLogits, cache, rng: Array, *, batch_size: int, max_decode_len: int,
                 bos_id: int, eos_id: int, pad_id: int, temperature: float = 1.0, top_k: int = 0,
-                max_lengths: Optional[Array] = None):
-  """Ancestral sampling over any step function from `softmax(logits / temperature)`, top-k truncated if > 0.
+                top_p: float = 1.0, max_lengths: Optional[Array] = None,
+                log_probs_fn: Optional[LogProbsFn] = None, full_output: bool = False):
+  """Ancestral sampling over any step function from `softmax(logits / temperature)`, truncated by `truncate`
+  (top-k if > 0, then nucleus if `top_p` < 1).
 
-  Same arguments and outputs as `greedy_search_over`, plus `rng` (step t uses `jax.random.fold_in(rng, t)`).
-  `log_probs` are the *model's* log-probs of the sampled tokens (untempered, untruncated); `top_k=1` is greedy
-  search. Raises ValueError for `temperature <= 0` or `top_k < 0`.
+  Same arguments and outputs as `greedy_search_over`, plus `rng`: one key (step t uses
+  `jax.random.fold_in(rng, t)`) or one key per row `[batch, 2]` (row r at step t uses `fold_in(rng[r], t)`, so
+  a row's sample does not depend on the other rows: the same outputs whatever the batching). `log_probs` are
+  the *model's* log-probs of the sampled tokens (untempered, untruncated); `top_k=1` is greedy search, as is
+  `top_p` -> 0. Raises ValueError for `temperature <= 0`, `top_k < 0` or `top_p` outside (0, 1].
   """
   if temperature <= 0.0:
     raise ValueError(f"temperature={temperature} must be > 0 (use greedy_search or top_k=1 for argmax)")
   if top_k < 0:
     raise ValueError(f"top_k={top_k} must be >= 0")
+  if not 0.0 < top_p <= 1.0:
+    raise ValueError(f"top_p={top_p} must be in (0, 1]")
+  per_row = jnp.ndim(rng) == 2
 
   def choose(logp, t):
-    scaled = logp / temperature  # = logits / T up to a per-row constant; banned tokens stay -inf
-    if top_k > 0:
-      kth = lax.top_k(scaled, min(top_k, scaled.shape[-1]))[0][:, -1:]
-      scaled = jnp.where(scaled < kth, NEG_INF, scaled)
+    scaled = truncate(logp / temperature, top_k, top_p)  # = logits / T up to a per-row constant
+    if per_row:
+      draw = lambda key, row: jax.random.categorical(jax.random.fold_in(key, t), row)  # noqa: E731
+      return jax.vmap(draw)(rng, scaled)
     return jax.random.categorical(jax.random.fold_in(rng, t), scaled, axis=-1)
 
-  return _sequential_search(tokens_to_logits, cache, choose, batch_size=batch_size,
-                            max_decode_len=max_decode_len, bos_id=bos_id, eos_id=eos_id, pad_id=pad_id,
-                            max_lengths=max_lengths)
+  out = _sequential_search(tokens_to_logits, cache, choose, batch_size=batch_size,
+                           max_decode_len=max_decode_len, bos_id=bos_id, eos_id=eos_id, pad_id=pad_id,
+                           max_lengths=max_lengths, log_probs_fn=log_probs_fn)
+  return out if full_output else (out.tokens, out.log_probs)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -236,9 +281,11 @@ class _BeamState(NamedTuple):
   t: Array  # scalar int32: tokens emitted so far by every live beam
   alive_seqs: Array  # [b, k, L]
   alive_log_probs: Array  # [b, k]; -inf = empty slot
+  alive_token_log_probs: Array  # [b, k, L]: each emitted token's log-prob, 0 after the last
   fin_seqs: Array  # [b, k, L], best first
   fin_scores: Array  # [b, k]; -inf = empty slot
   fin_log_probs: Array  # [b, k]
+  fin_token_log_probs: Array  # [b, k, L]
   done: Array  # [b]
   cache: Any  # the step function's cache, rows b * k
 
@@ -249,6 +296,7 @@ class BeamSearchOutput(NamedTuple):
   scores: Array  # [batch, beam] float32: log_probs / lp(|Y|); -inf for empty slots
   log_probs: Array  # [batch, beam] float32: sum of token log-probs (EOS included)
   steps: Array  # scalar int32: decoder steps run (< max_decode_len when every source stopped early)
+  token_log_probs: Array  # [batch, beam, max_decode_len] float32: each token's log-prob, 0 after the last
 
 
 def _gather_beams(x: Array, index: Array) -> Array:
@@ -269,9 +317,11 @@ def _beam_init(batch: int, k: int, length: int, pad_id: int, cache) -> _BeamStat
       t=jnp.array(0, jnp.int32),
       alive_seqs=jnp.full((batch, k, length), pad_id, jnp.int32),
       alive_log_probs=jnp.broadcast_to(alive_log_probs, (batch, k)).astype(jnp.float32),
+      alive_token_log_probs=jnp.zeros((batch, k, length), jnp.float32),
       fin_seqs=jnp.full((batch, k, length), pad_id, jnp.int32),
       fin_scores=jnp.full((batch, k), NEG_INF, jnp.float32),
       fin_log_probs=jnp.full((batch, k), NEG_INF, jnp.float32),
+      fin_token_log_probs=jnp.zeros((batch, k, length), jnp.float32),
       done=jnp.zeros((batch,), bool),
       cache=cache)
 
@@ -291,14 +341,18 @@ def _beam_finalize(s: _BeamState, alpha: float, pad_id: int) -> BeamSearchOutput
       jnp.concatenate([s.fin_log_probs, s.alive_log_probs], axis=1), order, axis=1)
   tokens = _gather_beams(jnp.concatenate([s.fin_seqs, s.alive_seqs], axis=1), order)
   tokens = jnp.where((scores > NEG_INF)[:, :, None], tokens, pad_id)
-  return BeamSearchOutput(tokens, scores, log_probs, s.t)
+  token_log_probs = _gather_beams(
+      jnp.concatenate([s.fin_token_log_probs, s.alive_token_log_probs], axis=1), order)
+  token_log_probs = jnp.where((scores > NEG_INF)[:, :, None], token_log_probs, 0.0)
+  return BeamSearchOutput(tokens, scores, log_probs, s.t, token_log_probs)
 
 
 def _extend_beams(s: _BeamState, seqs: Array, token: Array, top_log_probs: Array, alpha: float,
-                  eos_id: int) -> _BeamState:
+                  eos_id: int, token_logps: Array) -> _BeamState:
   """One step's `beam_size` best extensions (`seqs` [b, k, L] ending in `token` [b, k], with their log-probs
-  [b, k]): those ending in EOS join the finished list, the rest are the live beams (an EOS slot is empty for
-  this step). Sources that had stopped keep their results. `t` advances; `cache` is left to the caller."""
+  [b, k] and per-token log-probs `token_logps` [b, k, L]): those ending in EOS join the finished list, the rest
+  are the live beams (an EOS slot is empty for this step). Sources that had stopped keep their results. `t`
+  advances; `cache` is left to the caller."""
   k = token.shape[1]
   is_eos = token == eos_id
   new_len = s.t + 1
@@ -307,22 +361,26 @@ def _extend_beams(s: _BeamState, seqs: Array, token: Array, top_log_probs: Array
   fin_seqs = _gather_beams(jnp.concatenate([s.fin_seqs, seqs], axis=1), fin_index)
   fin_log_probs = _gather_beams(
       jnp.concatenate([s.fin_log_probs, jnp.where(is_eos, top_log_probs, NEG_INF)], axis=1), fin_index)
+  fin_token_logps = _gather_beams(jnp.concatenate([s.fin_token_log_probs, token_logps], axis=1), fin_index)
   alive_log_probs = jnp.where(is_eos, NEG_INF, top_log_probs)
   keep = s.done
   return _BeamState(
       t=new_len,
       alive_seqs=jnp.where(keep[:, None, None], s.alive_seqs, seqs),
       alive_log_probs=jnp.where(keep[:, None], s.alive_log_probs, alive_log_probs),
+      alive_token_log_probs=jnp.where(keep[:, None, None], s.alive_token_log_probs, token_logps),
       fin_seqs=jnp.where(keep[:, None, None], s.fin_seqs, fin_seqs),
       fin_scores=jnp.where(keep[:, None], s.fin_scores, fin_scores),
       fin_log_probs=jnp.where(keep[:, None], s.fin_log_probs, fin_log_probs),
+      fin_token_log_probs=jnp.where(keep[:, None, None], s.fin_token_log_probs, fin_token_logps),
       done=keep, cache=s.cache)
 
 
 def beam_search_over(tokens_to_logits: TokensToLogits, cache, *, batch_size: int, beam_size: int,
                      alpha: float, max_decode_len: int, bos_id: int, eos_id: int, pad_id: int,
                      max_lengths: Optional[Array] = None, early_stop: str = "best",
-                     gather_cache: Callable = gather_beams) -> BeamSearchOutput:
+                     gather_cache: Callable = gather_beams,
+                     log_probs_fn: Optional[LogProbsFn] = None) -> BeamSearchOutput:
   """Beam search with the GNMT length penalty over any step function (flax wmt / t5x `beam_search`).
 
   Args:
@@ -335,6 +393,7 @@ def beam_search_over(tokens_to_logits: TokensToLogits, cache, *, batch_size: int
     early_stop: 'best' (default), 'all' or 'none', see the module docstring.
     gather_cache: `(cache, parent [batch, beam_size]) -> cache` where row `i * beam_size + j` takes the old row
       `i * beam_size + parent[i, j]`; the default `gather_beams` reorders every non-scalar leaf.
+    log_probs_fn: optional `LogProbsFn` applied to each step's log-probs `[batch * beam_size, vocab]`.
 
   Returns a `BeamSearchOutput`. Raises ValueError for `beam_size < 1`, an unknown `early_stop` or equal ids.
   """
@@ -351,15 +410,20 @@ def beam_search_over(tokens_to_logits: TokensToLogits, cache, *, batch_size: int
   def body(s: _BeamState):
     t = s.t
     flat_seqs = s.alive_seqs.reshape(batch * k, length)
-    logits, cache = tokens_to_logits(DecodingState(t, flat_seqs, _prev_tokens(flat_seqs, t, bos_id), s.cache))
+    state = DecodingState(t, flat_seqs, _prev_tokens(flat_seqs, t, bos_id), s.cache)
+    logits, cache = tokens_to_logits(state)
     logp = _log_probs(logits, (pad_id, bos_id))
+    if log_probs_fn is not None:
+      logp = log_probs_fn(logp, state)
     vocab = logp.shape[-1]
     candidates = (s.alive_log_probs[:, :, None] + logp.reshape(batch, k, vocab)).reshape(batch, k * vocab)
     top_log_probs, top_index = lax.top_k(candidates, k)  # [b, k]
     parent, token = top_index // vocab, (top_index % vocab).astype(jnp.int32)
-    seqs = _gather_beams(s.alive_seqs, parent)
-    seqs = lax.dynamic_update_slice(seqs, token[:, :, None], (0, 0, t))
-    s = _extend_beams(s, seqs, token, top_log_probs, alpha, eos_id)._replace(
+    seqs = lax.dynamic_update_slice(_gather_beams(s.alive_seqs, parent), token[:, :, None], (0, 0, t))
+    token_logp = jnp.take_along_axis(logp.reshape(batch, k * vocab), top_index, axis=1)  # [b, k]
+    token_logps = lax.dynamic_update_slice(_gather_beams(s.alive_token_log_probs, parent),
+                                           token_logp[:, :, None], (0, 0, t))
+    s = _extend_beams(s, seqs, token, top_log_probs, alpha, eos_id, token_logps)._replace(
         cache=gather_cache(cache, parent))
 
     # Stop a source once no live beam can beat its best (or worst kept) finished hypothesis.
