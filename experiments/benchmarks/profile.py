@@ -36,6 +36,7 @@ from experiments.benchmarks import common
 from transformer_jax import inference, sharding
 from transformer_jax.config import PAD_ID
 from transformer_jax.data.batching import PackedBatches
+from transformer_jax.search import DecodeOptions
 from transformer_jax.training.steps import init_params
 
 # First match wins: the finer module paths before the blocks that contain them.
@@ -149,9 +150,11 @@ def _decode_program(args):
     inputs[r, :len(ids)] = ids
     limits[r] = min(limit, args.bucket + 50)
   beam = 4 if args.search == "beam4" else 1
-  search = inference._search_fn(cfg, beam, 0.6, args.bucket + 50)
-  compiled = search.lower(params, inputs, limits).compile()
-  run_once = lambda: jax.block_until_ready(compiled(params, inputs, limits))  # noqa: E731
+  search = inference._search_fn(cfg, DecodeOptions(beam_size=beam, alpha=0.6), args.bucket + 50)
+  extra = (np.zeros((len(prepared),), np.int32), np.int32(0), np.zeros((len(prepared), 0), np.int32),
+           np.zeros((len(prepared),), np.int32))  # indices, seed, prefix tokens and lengths (unused)
+  compiled = search.lower((params,), inputs, limits, *extra).compile()
+  run_once = lambda: jax.block_until_ready(compiled((params,), inputs, limits, *extra))  # noqa: E731
   title = (f"{args.search} {args.preset} (d={cfg.d_model}, V={cfg.vocab_size}), {len(prepared)} sources of "
            f"bucket {args.bucket} ({len(prepared) * beam} decoder rows): "
            "{wall:.3f}s per decoder step (traced)")
