@@ -281,3 +281,24 @@ def test_ensemble_of_another_architecture_is_refused(workdir, tmp_path):
   last = result.stderr.strip().splitlines()[-1]
   assert result.returncode != 0 and result.stdout == ""
   assert last.startswith(f"error: --ensemble={deeper}: another architecture") and "one architecture" in last
+
+
+# -- 7. evaluate and tune_decoding take the decoding flags --------------------------------------------------
+
+def test_tune_decoding_ensemble_row_agrees_with_evaluate_ensemble(workdir, tmp_path):
+  sources, references = ["twenty-one", "five", "seven", "one hundred one"], ["einundzwanzig", "fünf", "sieben",
+                                                                              "einhunderteins"]
+  (tmp_path / "s").write_text("\n".join(sources) + "\n")
+  (tmp_path / "r").write_text("\n".join(references) + "\n")
+  files = [f"--source={tmp_path}/s", f"--reference={tmp_path}/r"]
+  _run(["experiments.tune_decoding", f"--workdir={workdir}", *files, "--average_last=2", "--ensemble_last=2",
+        "--beam_sizes=2", "--alphas=0.6", f"--report={tmp_path}/report.json"])
+  rows = json.loads((tmp_path / "report.json").read_text())["rows"]
+  ensemble_row = [r for r in rows if r.get("ensemble_last") == 2][0]
+  assert ensemble_row["steps"] == [20, 30] and [r.get("average_last") for r in rows] == [2, None]
+  _run(["experiments.evaluate", f"--workdir={workdir}", *files, "--beam_size=2", "--alpha=0.6", "--checkpoint=20",
+        "--ensemble=30", f"--output_prefix={tmp_path}/eval"])
+  assert json.loads((tmp_path / "eval.json").read_text())["bleu"] == pytest.approx(ensemble_row["bleu"])
+  bad = _run(["experiments.tune_decoding", f"--workdir={workdir}", *files, "--ensemble_last=1"], check=False)
+  assert bad.returncode != 0 and bad.stderr.strip().splitlines()[-1] == (
+      "error: --ensemble_last=1: '1' is not an integer >= 2")

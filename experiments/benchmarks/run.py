@@ -337,6 +337,11 @@ def render(results: dict) -> str:
                    f"{e['uncached_s']:.3f}s ({_g(e['uncached_tokens_per_s'])} tok/s) | {_x(e['speedup'], 1)} | "
                    f"{d.get('cached_same_tokens', {}).get(key, 'n/a')} |")
     lines.append("")
+    if "toolkit" in d:
+      t = d["toolkit"]
+      lines += ["Decoding toolkit (`inference.decode_ids`, same file and rounds, interleaved with plain beam 4): "
+                + ", ".join(f"{name} {t['file_s'][name]:.1f}s = {_x(r)} beam 4" for name, r in t["ratios"].items())
+                + ".", ""]
 
   lines += _render_ctranslate2(results.get("ctranslate2", {}))
 
@@ -493,6 +498,10 @@ def targets(results: dict) -> list[str]:
   if "cache" in d:
     r = d["cache"]["beam4"]["speedup"]
     rows.append(("beam-4 cached >= 5x uncached (50-token outputs)", _x(r, 1), r >= 5, ""))
+  for name, limit, what in (("ensemble2", 2.2, "ensemble of 2"), ("nbest4_scores", 1.1, "4-best list + scores")):
+    r = d.get("toolkit", {}).get("ratios", {}).get(name)
+    if r is not None:
+      rows.append((f"{what} <= {limit}x plain beam 4's time", _x(r), r <= limit, ""))
   if not rows:
     return []
   out = ["**Targets**", "", "| target | measured | met | unoptimized (ablation) |",

@@ -345,6 +345,32 @@ def _encoder_batches(sources, max_tokens, max_len):
   return out
 
 
+def _toolkit_searches(params, cfg, sources, args) -> dict:
+  """The decoding toolkit's variants of beam 4 over the same file (`inference.decode_ids`), each run once here
+  to compile: the 4-best list with scores and per-token log-probs, an ensemble of two models (the second a
+  different random initialisation: each has its own cache), the 1-best alone."""
+  from flax import linen as nn
+  from transformer_jax import inference
+  from transformer_jax.search import DecodeOptions
+  from transformer_jax.training.steps import init_params
+  second = jax.device_put(nn.unbox(init_params(cfg, jax.random.key(1))))
+  run = lambda models, options: (lambda: inference.decode_ids(  # noqa: E731
+      models, cfg, sources, options, extra_len=args.extra_len, max_tokens_per_batch=args.max_tokens))
+  fns = {"nbest4_scores": run(params, DecodeOptions(beam_size=4, nbest=4)),
+         "ensemble2": run([params, second], DecodeOptions(beam_size=4))}
+  for fn in fns.values():
+    fn()
+  return fns
+
+
+def _toolkit_ratios(times: dict, beam4_times: list) -> dict:
+  """Median over rounds of each variant's time / plain beam 4's (`translate_ids`) in the same round."""
+  return {"ratios": {name: common.median([t / b for t, b in zip(ts, beam4_times)]) for name, ts in times.items()},
+          "file_s": {name: common.median(ts) for name, ts in times.items()},
+          "note": "same file, same rounds, interleaved with plain beam 4; targets: ensemble2 <= 2.2, "
+                  "nbest4_scores <= 1.1"}
+
+
 def decode(args) -> dict:
   from flax import linen as nn
   from transformer_jax import decode as decode_lib
@@ -386,9 +412,14 @@ def decode(args) -> dict:
     _log(f"[decode] beam {beam}: first pass {first_s:.1f}s, "
          f"{searches[beam]['compilations_first_pass']} compilations for {len(enc_batches)} batches")
 
+  toolkit = _toolkit_searches(params, cfg, sources, args)
+  toolkit_times = {name: [] for name in toolkit}
+
   enc_times, matmul = [], []
   for r in range(args.rounds):
     matmul.append(probe.rate(2))
+    for name, fn in toolkit.items():
+      toolkit_times[name].append(_timed(fn)[1])
     for beam, s in searches.items():
       before = inference.compilation_count()
       _, t = _timed(lambda: inference.translate_ids(params, cfg, sources, beam_size=beam,
@@ -400,6 +431,8 @@ def decode(args) -> dict:
     _log(f"[decode] round {r + 1}/{args.rounds}: greedy {searches[1]['times'][-1]:.2f}s "
          f"beam4 {searches[4]['times'][-1]:.2f}s encoder {enc_times[-1]:.3f}s")
 
+  out["toolkit"] = _toolkit_ratios(toolkit_times, searches[4]["times"])
+  _log(f"[decode] toolkit vs beam 4: {', '.join(f'{k} x{v:.2f}' for k, v in out['toolkit']['ratios'].items())}")
   enc_s = common.median(enc_times)
   out["encoder"] = {"file_s": enc_s, "sentences_per_s": len(sources) / enc_s}
   out["matmul_flops"] = common.median(matmul)
