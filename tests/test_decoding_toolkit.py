@@ -302,3 +302,28 @@ def test_tune_decoding_ensemble_row_agrees_with_evaluate_ensemble(workdir, tmp_p
   bad = _run(["experiments.tune_decoding", f"--workdir={workdir}", *files, "--ensemble_last=1"], check=False)
   assert bad.returncode != 0 and bad.stderr.strip().splitlines()[-1] == (
       "error: --ensemble_last=1: '1' is not an integer >= 2")
+
+
+# -- 6. lexical constraints through the program --------------------------------------------------------------
+
+def test_constraints_file_puts_every_phrase_in_every_output(workdir, model, tmp_path):
+  _, _, tokenizer = model
+  phrases = ["neun\tsieben", "", "", "zwanzig", "drei\tvier", "acht"]
+  (tmp_path / "c").write_text("\n".join(phrases) + "\n")
+  records = _jsonl(_translate(workdir, "--beam_size=4", "--nbest=2", f"--constraints_file={tmp_path}/c",
+                              "--output_format=jsonl"))
+  for record, line in zip(records, phrases):
+    wanted = [tokenizer.encode(p, add_eos=False, target=True) for p in line.split("\t") if p]
+    for hyp in record["hypotheses"]:
+      ids = hyp["ids"]
+      assert hyp["constraints_met"]
+      assert all(any(ids[i:i + len(w)] == w for i in range(len(ids))) for w in wanted)
+      assert hyp["log_prob"] == pytest.approx(float(_teacher_forced(model, record["source"], ids).sum()), abs=1e-4)
+
+
+def test_constraints_with_sampling_are_refused(workdir, tmp_path):
+  (tmp_path / "c").write_text("neun\n")
+  result = _run(["experiments.translate", f"--workdir={workdir}", "--sampling=sample",
+                 f"--constraints_file={tmp_path}/c"], stdin="five\n", check=False)
+  assert result.returncode != 0 and result.stdout == ""
+  assert result.stderr.strip().splitlines()[-1].startswith("error: --constraints_file needs beam search")

@@ -54,7 +54,7 @@ the baseline of the cached-vs-uncached benchmark.
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable, NamedTuple, Optional
+from typing import Any, Callable, NamedTuple, Optional, Protocol
 
 import flax.linen as nn
 import jax
@@ -288,6 +288,20 @@ class _BeamState(NamedTuple):
   fin_token_log_probs: Array  # [b, k, L]
   done: Array  # [b]
   cache: Any  # the step function's cache, rows b * k
+  selection: Any = ()  # a `BeamSelector`'s state (rows [b, k] first), () without one
+
+
+class BeamSelector(Protocol):
+  """Replaces beam search's plain top-k choice of the next beams (lexical constraints: `constraints.py`).
+
+  `init(batch, beam_size)` returns the selector's state (leaves `[batch, beam_size, ...]`); `select(alive_log_probs
+  [b, k], log_probs [b, k, vocab], state)` returns `(log_probs [b, k], parent [b, k], token [b, k], new state)`
+  of the chosen one-token extensions (-inf log-probs for empty slots), the state following its beams.
+  """
+
+  def init(self, batch: int, beam_size: int) -> Any: ...
+
+  def select(self, alive_log_probs: Array, log_probs: Array, state: Any) -> "tuple[Array, Array, Array, Any]": ...
 
 
 class BeamSearchOutput(NamedTuple):
@@ -379,8 +393,8 @@ def _extend_beams(s: _BeamState, seqs: Array, token: Array, top_log_probs: Array
 def beam_search_over(tokens_to_logits: TokensToLogits, cache, *, batch_size: int, beam_size: int,
                      alpha: float, max_decode_len: int, bos_id: int, eos_id: int, pad_id: int,
                      max_lengths: Optional[Array] = None, early_stop: str = "best",
-                     gather_cache: Callable = gather_beams,
-                     log_probs_fn: Optional[LogProbsFn] = None) -> BeamSearchOutput:
+                     gather_cache: Callable = gather_beams, log_probs_fn: Optional[LogProbsFn] = None,
+                     selector: Optional[BeamSelector] = None) -> BeamSearchOutput:
   """Beam search with the GNMT length penalty over any step function (flax wmt / t5x `beam_search`).
 
   Args:
@@ -394,6 +408,7 @@ def beam_search_over(tokens_to_logits: TokensToLogits, cache, *, batch_size: int
     gather_cache: `(cache, parent [batch, beam_size]) -> cache` where row `i * beam_size + j` takes the old row
       `i * beam_size + parent[i, j]`; the default `gather_beams` reorders every non-scalar leaf.
     log_probs_fn: optional `LogProbsFn` applied to each step's log-probs `[batch * beam_size, vocab]`.
+    selector: optional `BeamSelector` that chooses the next beams instead of the plain top-k.
 
   Returns a `BeamSearchOutput`. Raises ValueError for `beam_size < 1`, an unknown `early_stop` or equal ids.
   """
@@ -416,15 +431,21 @@ def beam_search_over(tokens_to_logits: TokensToLogits, cache, *, batch_size: int
     if log_probs_fn is not None:
       logp = log_probs_fn(logp, state)
     vocab = logp.shape[-1]
-    candidates = (s.alive_log_probs[:, :, None] + logp.reshape(batch, k, vocab)).reshape(batch, k * vocab)
-    top_log_probs, top_index = lax.top_k(candidates, k)  # [b, k]
-    parent, token = top_index // vocab, (top_index % vocab).astype(jnp.int32)
+    if selector is None:
+      candidates = (s.alive_log_probs[:, :, None] + logp.reshape(batch, k, vocab)).reshape(batch, k * vocab)
+      top_log_probs, top_index = lax.top_k(candidates, k)  # [b, k]
+      parent, token = top_index // vocab, (top_index % vocab).astype(jnp.int32)
+      selection = s.selection
+    else:
+      top_log_probs, parent, token, selection = selector.select(s.alive_log_probs, logp.reshape(batch, k, vocab),
+                                                                s.selection)
+      top_index = parent * vocab + token
     seqs = lax.dynamic_update_slice(_gather_beams(s.alive_seqs, parent), token[:, :, None], (0, 0, t))
     token_logp = jnp.take_along_axis(logp.reshape(batch, k * vocab), top_index, axis=1)  # [b, k]
     token_logps = lax.dynamic_update_slice(_gather_beams(s.alive_token_log_probs, parent),
                                            token_logp[:, :, None], (0, 0, t))
     s = _extend_beams(s, seqs, token, top_log_probs, alpha, eos_id, token_logps)._replace(
-        cache=gather_cache(cache, parent))
+        cache=gather_cache(cache, parent), selection=selection)
 
     # Stop a source once no live beam can beat its best (or worst kept) finished hypothesis.
     best_alive = jnp.max(s.alive_log_probs, axis=1)
@@ -435,7 +456,10 @@ def beam_search_over(tokens_to_logits: TokensToLogits, cache, *, batch_size: int
       done = done | (reference >= bound)
     return s._replace(done=done)
 
-  s = lax.while_loop(cond, body, _beam_init(batch, k, length, pad_id, cache))
+  init = _beam_init(batch, k, length, pad_id, cache)
+  if selector is not None:
+    init = init._replace(selection=selector.init(batch, k))
+  s = lax.while_loop(cond, body, init)
   return _beam_finalize(s, alpha, pad_id)
 
 

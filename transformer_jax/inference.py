@@ -21,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from transformer_jax import decode, mbr, scoring
+from transformer_jax import constraints as constraints_lib
 from transformer_jax import search as search_lib
 from transformer_jax.config import ModelConfig
 
@@ -65,19 +66,19 @@ def _rows_bucket(n: int, rows: int) -> int:
 
 @functools.lru_cache(maxsize=None)
 def _search_fn(config: ModelConfig, options: search_lib.DecodeOptions, max_decode_len: int, models: int = 1,
-               with_prefix: bool = False) -> Callable:
+               with_prefix: bool = False, constraint_width: int = 0) -> Callable:
   """Jitted `(params_tuple, inputs, max_lengths, indices, seed, prefix_tokens, prefix_lengths) -> Hypotheses`
   (`search.search`), one per static setting; `indices` `[rows]` are the sources' input indices, whose keys
   `fold_in(PRNGKey(seed), index)` sampling draws from (the same outputs whatever the batching)."""
-  def run(params_tuple, inputs, max_lengths, indices, seed, prefix_tokens, prefix_lengths):
-    _TRACES[(options, max_decode_len, models, with_prefix) + tuple(inputs.shape)] += 1  # only while tracing
+  def run(params_tuple, inputs, max_lengths, indices, seed, prefix_tokens, prefix_lengths, constraints=None):
+    _TRACES[(options, max_decode_len, models, with_prefix, constraint_width) + tuple(inputs.shape)] += 1
     keys = None
     if options.sampling == "sample":
       base = jax.random.PRNGKey(seed)
       keys = jax.vmap(lambda i: jax.random.fold_in(base, i))(indices)
     prefix = dict(prefix_tokens=prefix_tokens, prefix_lengths=prefix_lengths) if with_prefix else {}
     return search_lib.search(params_tuple, config, inputs, max_lengths, options, max_decode_len, keys=keys,
-                             **prefix)
+                             constraints=constraints if constraint_width else None, **prefix)
   return jax.jit(run)
 
 
@@ -152,6 +153,7 @@ def n_best_ids(params, config: ModelConfig, sources: Sequence[Sequence[int]], *,
 
 def decode_ids(params, config: ModelConfig, sources: Sequence[Sequence[int]],
                options: search_lib.DecodeOptions, *, prefixes: Optional[Sequence[Sequence[int]]] = None,
+               constraints: Optional[Sequence[Sequence[Sequence[int]]]] = None,
                seed: int = 0, extra_len: int = 50, max_tokens_per_batch: int = 4096,
                batch_size: Optional[int] = None, append_eos: bool = True,
                progress: Optional[Callable[[int], None]] = None) -> list[list[Hypothesis]]:
@@ -163,6 +165,9 @@ def decode_ids(params, config: ModelConfig, sources: Sequence[Sequence[int]],
     options: how to decode (`DecodeOptions.check` runs first).
     prefixes: optional target ids (EOS excluded) per source that each output must start with (`[]` = none);
       each must leave room for one more token within the output limit.
+    constraints: optional phrases (target ids, EOS excluded) per source that each output must contain, by
+      lexically constrained beam search (`transformer_jax.constraints`; beam search only); check the outputs
+      with `constraints.satisfied` (a phrase that cannot fit the length limit leaves the output unfinished).
     seed: sampling's seed; source i samples with `fold_in(PRNGKey(seed), i)`, whatever the batching.
     The rest as `translate_ids`.
 
@@ -173,7 +178,11 @@ def decode_ids(params, config: ModelConfig, sources: Sequence[Sequence[int]],
   params_list = [jax.device_put(nn.unbox(p)) for p in (params if isinstance(params, (list, tuple)) else [params])]
   if prefixes is not None and len(prefixes) != len(sources):
     raise ValueError(f"{len(prefixes)} prefixes for {len(sources)} sources: one per source is needed")
-  rows = _search_all(tuple(params_list), config, sources, options, prefixes, seed, extra_len=extra_len,
+  if constraints is not None and len(constraints) != len(sources):
+    raise ValueError(f"{len(constraints)} constraint lists for {len(sources)} sources: one per source is needed")
+  if constraints is not None and not options.beam:
+    raise ValueError("lexical constraints need beam search (sampling='beam', beam_size >= 2)")
+  rows = _search_all(tuple(params_list), config, sources, options, prefixes, seed, constraints, extra_len=extra_len,
                      max_tokens_per_batch=max_tokens_per_batch, batch_size=batch_size, append_eos=append_eos,
                      progress=progress)
   return [[] if row is None else _hypotheses(row, config) for row in rows]
@@ -193,7 +202,7 @@ def _hypotheses(row, config: ModelConfig) -> list[Hypothesis]:
   return out
 
 
-def _search_all(params_tuple, config: ModelConfig, sources, options, prefixes, seed, *, extra_len,
+def _search_all(params_tuple, config: ModelConfig, sources, options, prefixes, seed, constraints, *, extra_len,
                 max_tokens_per_batch, batch_size, append_eos, progress) -> list:
   """Runs the search over every non-empty source in length buckets; each source's row of the search's
   `Hypotheses` (numpy) in input order, None for an empty source."""
@@ -203,7 +212,8 @@ def _search_all(params_tuple, config: ModelConfig, sources, options, prefixes, s
     _check_prefixes(prepared, prefixes, config, extra_len)
   rows_for = lambda bucket: batch_size or max(1, max_tokens_per_batch // bucket)  # noqa: E731
   run = functools.partial(_run_batch, params_tuple, config, options=options, extra_len=extra_len,
-                          prefixes=prefixes, seed=seed)
+                          prefixes=prefixes, seed=seed, constraints=constraints,
+                          constraint_width=_constraint_width(constraints))
   # Dispatch the next batch before reading the previous one back, so host work overlaps the device.
   pending = None
   for batch in _group_by_bucket(prepared, config, rows_for) + [None]:
@@ -272,7 +282,8 @@ def _group_by_bucket(prepared: list[_Prepared], config: ModelConfig, rows_for) -
 
 
 def _run_batch(params_tuple, config: ModelConfig, batch: list[_Prepared], bucket: int, rows: int, *,
-               options: search_lib.DecodeOptions, extra_len: int, prefixes, seed: int):
+               options: search_lib.DecodeOptions, extra_len: int, prefixes, seed: int, constraints=None,
+               constraint_width: int = 0):
   """Dispatches one padded batch `[rows bucket, bucket]` to the compiled search; returns its output (async)."""
   eos, pad = config.eos_id, config.pad_id
   max_decode_len = max(1, min(bucket + extra_len, config.max_len))
@@ -292,9 +303,20 @@ def _run_batch(params_tuple, config: ModelConfig, batch: list[_Prepared], bucket
       prefix = [int(x) for x in prefixes[i]]
       prefix_tokens[r, : len(prefix)] = prefix
       prefix_lengths[r] = len(prefix)
-  fn = _search_fn(config, options, max_decode_len, len(params_tuple), prefixes is not None)
+  cons = None
+  if constraint_width:
+    phrases = [constraints[i] for i, _, _ in batch] + [[]] * (n_rows - len(batch))
+    cons = jax.tree_util.tree_map(jnp.asarray, constraints_lib.pack(phrases, constraint_width))
+  fn = _search_fn(config, options, max_decode_len, len(params_tuple), prefixes is not None, constraint_width)
   return fn(params_tuple, jnp.asarray(inputs), jnp.asarray(limits), jnp.asarray(indices), jnp.int32(seed),
-            jnp.asarray(prefix_tokens), jnp.asarray(prefix_lengths))
+            jnp.asarray(prefix_tokens), jnp.asarray(prefix_lengths), cons)
+
+
+def _constraint_width(constraints) -> int:
+  """Constraint positions per row, one static width for the whole call (a length bucket): 0 without any."""
+  if constraints is None:
+    return 0
+  return length_bucket(max([sum(len(p) for p in c) for c in constraints] + [1]))
 
 
 def translate_texts(params, config: ModelConfig, tokenizer, texts: Sequence[str], *, beam_size: int = 1,
@@ -321,16 +343,21 @@ def translate_texts(params, config: ModelConfig, tokenizer, texts: Sequence[str]
 
 
 def decode_texts(params, config: ModelConfig, tokenizer, texts: Sequence[str], options: search_lib.DecodeOptions,
-                 *, prefixes: Optional[Sequence[str]] = None, **kwargs) -> list[list[Hypothesis]]:
+                 *, prefixes: Optional[Sequence[str]] = None, constraints: Optional[Sequence[Sequence[str]]] = None,
+                 **kwargs) -> list[list[Hypothesis]]:
   """`decode_ids` of `texts` (encoded as `translate_texts` does), with optional target `prefixes` (text, one per
-  text; '' = none; encoded as targets, without EOS). Per text its `Hypothesis` list (ids: detokenise with
+  text; '' = none; encoded as targets, without EOS) and `constraints` (per text, its phrases as text). Per text its `Hypothesis` list (ids: detokenise with
   `tokenizer.decode`); `[]` for a blank line. Raises ValueError as `decode_ids`."""
   ids = [[] if tokenizer.is_blank(t) else tokenizer.encode(t) for t in texts]
   prefix_ids = None
   if prefixes is not None:
     prefix_ids = [[] if tokenizer.is_blank(p) else tokenizer.encode(p, add_eos=False, target=True)
                   for p in prefixes]
-  return decode_ids(params, config, ids, options, prefixes=prefix_ids, **kwargs)
+  constraint_ids = None
+  if constraints is not None:
+    constraint_ids = [[tokenizer.encode(p, add_eos=False, target=True) for p in phrases if not tokenizer.is_blank(p)]
+                      for phrases in constraints]
+  return decode_ids(params, config, ids, options, prefixes=prefix_ids, constraints=constraint_ids, **kwargs)
 
 
 def score_ids(params, config: ModelConfig, sources: Sequence[Sequence[int]], targets: Sequence[Sequence[int]], *,

@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 
 from transformer_jax import alignment, decode, ensemble, prefix
+from transformer_jax import constraints as constraints_lib
 from transformer_jax.config import ModelConfig
 
 Array = jax.Array
@@ -83,12 +84,14 @@ class Hypotheses(NamedTuple):
 
 def search(params_list: Sequence, config: ModelConfig, inputs: Array, max_lengths: Array, options: DecodeOptions,
            max_decode_len: int, *, keys: Optional[Array] = None, prefix_tokens: Optional[Array] = None,
-           prefix_lengths: Optional[Array] = None) -> Hypotheses:
+           prefix_lengths: Optional[Array] = None,
+           constraints: Optional[constraints_lib.Constraints] = None) -> Hypotheses:
   """Decodes `inputs` `[batch, src_len]` with one model or the ensemble of `params_list` (trace under jit).
 
   `max_lengths` `[batch]` caps each output (EOS included); `keys` `[batch, 2]` uint32 are sampling's per-source
   keys (needed for 'sample'); `prefix_tokens` `[batch, P]` int32 with `prefix_lengths` `[batch]` force each
-  output's start. Returns `Hypotheses`.
+  output's start; `constraints` (`[batch, C]` each, beam search only) are phrases every output must contain
+  (`constraints.DynamicBeamAllocation`). Returns `Hypotheses`.
   """
   copies = options.rows_per_source
   steps = [decode.transformer_step_fn(p, config, inputs, max_decode_len, copies=copies) for p in params_list]
@@ -101,12 +104,15 @@ def search(params_list: Sequence, config: ModelConfig, inputs: Array, max_length
   common = dict(batch_size=inputs.shape[0], max_decode_len=max_decode_len, max_lengths=max_lengths,
                 log_probs_fn=log_probs_fn, **ids)
   if options.beam:
+    selector = None if constraints is None else constraints_lib.DynamicBeamAllocation(constraints, config.eos_id)
     out = decode.beam_search_over(step.tokens_to_logits, step.cache, beam_size=options.beam_size,
-                                  alpha=options.alpha, gather_cache=step.gather_cache, **common)
+                                  alpha=options.alpha, gather_cache=step.gather_cache, selector=selector, **common)
     n = options.nbest
     hyps = Hypotheses(out.tokens[:, :n], out.log_probs[:, :n], out.scores[:, :n], out.token_log_probs[:, :n],
                       None)
   else:
+    if constraints is not None:
+      raise ValueError("lexical constraints need beam search (sampling='beam', beam_size >= 2)")
     if options.sampling == "sample":
       out = decode.sample_over(step.tokens_to_logits, step.cache, keys, temperature=options.temperature,
                                top_k=options.top_k, top_p=options.top_p, full_output=True, **common)
