@@ -13,8 +13,9 @@ constraints, and each beam's single best token; it drops duplicates, puts each c
 number of met constraint tokens, and gives each bank `k // banks` slots (the rest to the bank that met the
 most; slots a bank cannot fill pass to the bank below, as sockeye's `get_bank_sizes`), then fills any slot
 left with the best remaining candidates. All of it has fixed shapes and runs
-inside the compiled search. A hypothesis that cannot meet its constraints within the length limit ends
-unfinished (`satisfied` tells, on the host).
+inside the compiled search. A hypothesis that reaches the length limit ends unfinished; among unfinished
+results those that met every constraint rank first (as sockeye prefers them at the limit); one that could not
+meet them is reported by `satisfied`, on the host.
 """
 
 from __future__ import annotations
@@ -100,6 +101,10 @@ class DynamicBeamAllocation:
   def init(self, batch: int, beam_size: int) -> _State:
     width = self.cons.tokens.shape[1]
     return _State(jnp.zeros((batch, beam_size, width), bool), jnp.full((batch, beam_size), -1, jnp.int32))
+
+  def complete(self, state: _State) -> Array:
+    """`[b, k]` bool: beams that met every constraint (unfinished results rank them first)."""
+    return jnp.sum(state.met, axis=-1) >= self.needed[:, None]
 
   def select(self, alive_log_probs: Array, log_probs: Array, state: _State):
     return jax.vmap(self._select_one)(alive_log_probs, log_probs, state, self.cons, self.needed)

@@ -296,12 +296,16 @@ class BeamSelector(Protocol):
 
   `init(batch, beam_size)` returns the selector's state (leaves `[batch, beam_size, ...]`); `select(alive_log_probs
   [b, k], log_probs [b, k, vocab], state)` returns `(log_probs [b, k], parent [b, k], token [b, k], new state)`
-  of the chosen one-token extensions (-inf log-probs for empty slots), the state following its beams.
+  of the chosen one-token extensions (-inf log-probs for empty slots), the state following its beams;
+  `complete(state)` says which live beams may end, so that unfinished results rank those first.
   """
 
   def init(self, batch: int, beam_size: int) -> Any: ...
 
   def select(self, alive_log_probs: Array, log_probs: Array, state: Any) -> "tuple[Array, Array, Array, Any]": ...
+
+  def complete(self, state: Any) -> Array:
+    """`[batch, beam_size]` bool: live beams that may end (unfinished ones that may not rank after the rest)."""
 
 
 class BeamSearchOutput(NamedTuple):
@@ -340,8 +344,9 @@ def _beam_init(batch: int, k: int, length: int, pad_id: int, cache) -> _BeamStat
       cache=cache)
 
 
-def _beam_finalize(s: _BeamState, alpha: float, pad_id: int) -> BeamSearchOutput:
-  """Fills the slots no finished hypothesis took with live (unfinished) ones, ranked after every finished one."""
+def _beam_finalize(s: _BeamState, alpha: float, pad_id: int, alive_ok: Optional[Array] = None) -> BeamSearchOutput:
+  """Fills the slots no finished hypothesis took with live (unfinished) ones, ranked after every finished one
+  (and, with `alive_ok` [b, k], those that are not ok after those that are)."""
   batch, k = s.fin_scores.shape
   alive_len = jnp.sum(s.alive_seqs != pad_id, axis=-1)
   alive_scores = jnp.where(s.alive_log_probs > NEG_INF,
@@ -349,6 +354,9 @@ def _beam_finalize(s: _BeamState, alpha: float, pad_id: int) -> BeamSearchOutput
   scores = jnp.concatenate([s.fin_scores, alive_scores], axis=1)  # [b, 2k]
   unfinished = jnp.concatenate([jnp.zeros((batch, k), bool), jnp.ones((batch, k), bool)], axis=1)
   unfinished = unfinished | (scores == NEG_INF)
+  if alive_ok is not None:  # 0 finished, 1 unfinished and ok, 2 unfinished, 3 empty
+    not_ok = jnp.concatenate([jnp.zeros((batch, k), bool), ~alive_ok], axis=1)
+    unfinished = jnp.where(scores == NEG_INF, 3, unfinished.astype(jnp.int32) + not_ok)
   order = jnp.lexsort((-scores, unfinished), axis=-1)[:, :k]
   scores = jnp.take_along_axis(scores, order, axis=1)
   log_probs = jnp.take_along_axis(
@@ -460,7 +468,7 @@ def beam_search_over(tokens_to_logits: TokensToLogits, cache, *, batch_size: int
   if selector is not None:
     init = init._replace(selection=selector.init(batch, k))
   s = lax.while_loop(cond, body, init)
-  return _beam_finalize(s, alpha, pad_id)
+  return _beam_finalize(s, alpha, pad_id, None if selector is None else selector.complete(s.selection))
 
 
 # ----------------------------------------------------------------------------------------------------------
