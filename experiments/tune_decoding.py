@@ -163,7 +163,9 @@ def main():
                 f"{seconds:6.1f}s", flush=True)
   rows += _ensemble_rows(ensembles, beams, alphas, sources, references)
   best = max(rows, key=lambda r: r["bleu"])
-  print(f"best on {os.path.basename(FLAGS.source)}: average_last {best['average_last']}, beam {best['beam_size']}, "
+  weights = (f"average_last {best['average_last']}" if "average_last" in best
+             else f"ensemble of the newest {best['ensemble_last']}")
+  print(f"best on {os.path.basename(FLAGS.source)}: {weights}, beam {best['beam_size']}, "
         f"alpha {best['alpha']}, mbr {best['mbr_utility'] or 'none'} -> BLEU {best['bleu']:.2f} "
         f"({best['bleu_signature']})")
   report = FLAGS.report or os.fspath(Workdir(FLAGS.workdir).eval / "tune_decoding.json")
