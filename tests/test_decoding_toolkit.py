@@ -89,6 +89,7 @@ def test_nbest_jsonl_is_sorted_scored_and_its_first_is_todays_output(workdir, mo
       assert config.eos_id not in h["ids"]
 
 
+@pytest.mark.slow
 def test_nbest_text_writes_n_lines_per_input_line(workdir):
   out = _translate(workdir, "--beam_size=3", "--nbest=2").split("\n")[:-1]
   records = _jsonl(_translate(workdir, "--beam_size=3", "--nbest=2", "--output_format=jsonl"))
@@ -182,7 +183,7 @@ def test_bad_decoding_flags_are_one_line_errors(workdir, flags, needle):
 
 # -- 4. prefixes and alignments -----------------------------------------------------------------------------
 
-@pytest.mark.parametrize("flags", [["--beam_size=4"], ["--sampling=greedy"]])
+@pytest.mark.parametrize("flags", [["--beam_size=4"], pytest.param(["--sampling=greedy"], marks=pytest.mark.slow)])
 def test_prefix_is_the_start_of_every_output(workdir, model, tmp_path, flags):
   _, _, tokenizer = model
   prefixes = ["zwei", "", "", "drei hundert", "eins", "sieben"]
@@ -272,6 +273,7 @@ def test_ensemble_of_one_step_is_that_step(model):
   assert ensemble.ensemble_step([step]) is step
 
 
+@pytest.mark.slow
 def test_ensemble_of_another_architecture_is_refused(workdir, tmp_path):
   deeper = tmp_path / "deeper"
   _run(["experiments.train", f"--workdir={deeper}", *TINY, "--config.model.num_decoder_layers=2",
@@ -285,6 +287,7 @@ def test_ensemble_of_another_architecture_is_refused(workdir, tmp_path):
 
 # -- 7. evaluate and tune_decoding take the decoding flags --------------------------------------------------
 
+@pytest.mark.slow
 def test_tune_decoding_ensemble_row_agrees_with_evaluate_ensemble(workdir, tmp_path):
   sources, references = ["twenty-one", "five", "seven", "one hundred one"], ["einundzwanzig", "fünf", "sieben",
                                                                               "einhunderteins"]
