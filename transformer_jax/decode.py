@@ -398,6 +398,22 @@ def _extend_beams(s: _BeamState, seqs: Array, token: Array, top_log_probs: Array
       done=keep, cache=s.cache)
 
 
+def _append(rows: Array, parent: Array, values: Array, t: Array) -> Array:
+  """rows [b, k, L] reordered by `parent` [b, k], then `values` [b, k] written at position t."""
+  return lax.dynamic_update_slice(_gather_beams(rows, parent), values[:, :, None].astype(rows.dtype), (0, 0, t))
+
+
+def _select(selector: Optional[BeamSelector], alive_log_probs: Array, logp: Array, selection):
+  """The next beams `(log_probs, parent, token [b, k], selection)`: plain top-k over `alive + logp [b, k, V]`,
+  or the selector's choice."""
+  if selector is not None:
+    return selector.select(alive_log_probs, logp, selection)
+  batch, k, vocab = logp.shape
+  candidates = (alive_log_probs[:, :, None] + logp).reshape(batch, k * vocab)
+  top_log_probs, top_index = lax.top_k(candidates, k)  # [b, k]
+  return top_log_probs, top_index // vocab, (top_index % vocab).astype(jnp.int32), selection
+
+
 def beam_search_over(tokens_to_logits: TokensToLogits, cache, *, batch_size: int, beam_size: int,
                      alpha: float, max_decode_len: int, bos_id: int, eos_id: int, pad_id: int,
                      max_lengths: Optional[Array] = None, early_stop: str = "best",
@@ -439,19 +455,12 @@ def beam_search_over(tokens_to_logits: TokensToLogits, cache, *, batch_size: int
     if log_probs_fn is not None:
       logp = log_probs_fn(logp, state)
     vocab = logp.shape[-1]
-    if selector is None:
-      candidates = (s.alive_log_probs[:, :, None] + logp.reshape(batch, k, vocab)).reshape(batch, k * vocab)
-      top_log_probs, top_index = lax.top_k(candidates, k)  # [b, k]
-      parent, token = top_index // vocab, (top_index % vocab).astype(jnp.int32)
-      selection = s.selection
-    else:
-      top_log_probs, parent, token, selection = selector.select(s.alive_log_probs, logp.reshape(batch, k, vocab),
-                                                                s.selection)
-      top_index = parent * vocab + token
-    seqs = lax.dynamic_update_slice(_gather_beams(s.alive_seqs, parent), token[:, :, None], (0, 0, t))
-    token_logp = jnp.take_along_axis(logp.reshape(batch, k * vocab), top_index, axis=1)  # [b, k]
-    token_logps = lax.dynamic_update_slice(_gather_beams(s.alive_token_log_probs, parent),
-                                           token_logp[:, :, None], (0, 0, t))
+    top_log_probs, parent, token, selection = _select(selector, s.alive_log_probs, logp.reshape(batch, k, vocab),
+                                                      s.selection)
+    top_index = parent * vocab + token
+    seqs = _append(s.alive_seqs, parent, token, t)
+    token_logps = _append(s.alive_token_log_probs, parent,
+                          jnp.take_along_axis(logp.reshape(batch, k * vocab), top_index, axis=1), t)
     s = _extend_beams(s, seqs, token, top_log_probs, alpha, eos_id, token_logps)._replace(
         cache=gather_cache(cache, parent), selection=selection)
 
@@ -464,9 +473,7 @@ def beam_search_over(tokens_to_logits: TokensToLogits, cache, *, batch_size: int
       done = done | (reference >= bound)
     return s._replace(done=done)
 
-  init = _beam_init(batch, k, length, pad_id, cache)
-  if selector is not None:
-    init = init._replace(selection=selector.init(batch, k))
+  init = _beam_init(batch, k, length, pad_id, cache)._replace(selection=selector.init(batch, k) if selector else ())
   s = lax.while_loop(cond, body, init)
   return _beam_finalize(s, alpha, pad_id, None if selector is None else selector.complete(s.selection))
 
