@@ -10,10 +10,11 @@ evaluate through `--checkpoint`.
 import os
 
 from absl import flags
+from etils import epath
 
 from experiments import common, launch
 from transformer_jax import checkpoint as checkpoint_lib
-from transformer_jax.workdir import Workdir
+from transformer_jax.workdir import Workdir, absolute
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("workdir", None, "The training run's --workdir.")
@@ -29,9 +30,9 @@ launch.check_flags(last="decode.average_last")
 def main():
   source = os.fspath(Workdir(FLAGS.workdir).checkpoints)
   output = FLAGS.output or os.fspath(Workdir(FLAGS.workdir).averaged)
-  if not os.path.isdir(source):
+  if not epath.Path(source).is_dir():
     raise FileNotFoundError(f"{source} not found: is {FLAGS.workdir} the --workdir of a training run?")
-  if os.path.abspath(output) == os.path.abspath(source):
+  if absolute(output) == absolute(source):
     raise ValueError("--output must not be the run's own checkpoint directory")
   steps = [int(s) for s in FLAGS.steps] if FLAGS.steps else None
   last = FLAGS.last or common.load_workdir_config(FLAGS.workdir).decode.average_last

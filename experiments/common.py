@@ -10,6 +10,7 @@ import time
 from typing import Any, Callable
 
 import ml_collections
+from etils import epath
 import tensorflow_datasets as tfds
 from absl import app
 from absl import logging as absl_logging
@@ -113,7 +114,7 @@ def load_for_inference(workdir: str, checkpoint: str | None = None, ema: bool | 
       step = int(checkpoint)
     else:
       directory = checkpoint
-  if not os.path.isdir(directory):
+  if not epath.Path(directory).is_dir():
     raise FileNotFoundError(f"--checkpoint: {directory} is not a checkpoint directory")
   with checkpoint_lib.Checkpointer(directory, read_only=True) as checkpointer:
     saved = checkpointer.all_steps()
@@ -143,17 +144,23 @@ def report_final_eval(config, workdir: str, result: trainer.TrainResult) -> dict
   seconds = time.time() - start
   lowercase = result.datasets.tokenizer.lowercase  # a case-folded vocabulary writes lowercase
   exact = metrics.exact_match(hyps, [t for _, t in pairs], lowercase=lowercase)  # both sides normalised, as BLEU's
-  scores = metrics.sacrebleu_scores(hyps, [t for _, t in pairs], lowercase=lowercase)
+  scores = metrics.sacrebleu_scores(hyps, [t for _, t in pairs], lowercase=lowercase,
+                                    target_lang=config.data.target_lang)
   for (src, ref), hyp in list(zip(pairs, hyps))[:5]:
     correct = metrics.exact_match([hyp], [ref], lowercase=lowercase) == 1.0  # as the score counts it
     print(f"  {src}\n    -> {hyp}   [{'ok' if correct else 'reference: ' + ref}]")
   report = {"split": final.split, "examples": len(pairs), "exact_match": exact, "bleu": scores["bleu"],
             "bleu_signature": scores["bleu_signature"], "translate_seconds": seconds,
-            "train_minutes": result.train_minutes}
+            "train_minutes": result.train_minutes, "final_step": result.final_step}
+  if result.early_stopping:
+    report["early_stopping"] = result.early_stopping
   # BLEU needs 4-grams: with one-word references (the built-in task) it is 0 whatever the output.
   bleu = (f"; BLEU {scores['bleu']:.2f} ({scores['bleu_signature']})"
           if any(" " in t for _, t in pairs) else "")
   print(f"Exact match on {len(pairs)} {final.split} examples: {100 * exact:.2f}%{bleu} "
         f"(translated in {seconds:.1f}s; training took {result.train_minutes:.1f} min)")
+  if result.early_stopping.get("stopped_at_step"):
+    print(f"Early stopping ended training at step {result.final_step}: {result.early_stopping['metric']} best "
+          f"{result.early_stopping['best']:.4g} at step {result.early_stopping['best_step']}")
   write_json_atomically(Workdir(workdir).final_eval_json, report)
   return report

@@ -8,9 +8,8 @@ model, or every model of `--ensemble` (refusing another architecture or vocabula
 
 from __future__ import annotations
 
-import os
-
 from absl import flags
+from etils import epath
 
 from experiments import common
 from transformer_jax import search
@@ -65,7 +64,7 @@ def load_models(workdir: str, checkpoint: str | None):
   model_config, params, tokenizer = common.load_for_inference(workdir, checkpoint)
   params_list = [params]
   for entry in FLAGS.ensemble:
-    if os.path.isfile(os.path.join(entry, "config.json")):
+    if (epath.Path(entry) / "config.json").is_file():
       other_config, other_params, other_tokenizer = common.load_for_inference(entry, None)
     else:
       other_config, other_params, other_tokenizer = common.load_for_inference(workdir, entry)

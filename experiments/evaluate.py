@@ -15,6 +15,7 @@ import sys
 import time
 
 from absl import flags
+from etils import epath
 from tqdm import tqdm
 
 from experiments import common, decoding, launch
@@ -32,7 +33,8 @@ flags.DEFINE_string("mbr_utility", "", "'' = beam search's best; 'chrf' or 'bleu
                     "choice from its beam_size-best list under that utility.")
 flags.DEFINE_string("checkpoint", None, "A step, or a checkpoint directory (default: the latest).")
 flags.DEFINE_bool("tokenized_bleu", False, "Also report tokenised, compound-split BLEU (paper style).")
-flags.DEFINE_string("target_lang", None, "Target language for Moses tokenisation (default: from config).")
+flags.DEFINE_string("target_lang", None, "Target language: BLEU's tokenizer as sacreBLEU picks it (zh, ja-mecab, "
+                    "ko-mecab, else 13a) and Moses tokenisation (default: the run's data.target_lang).")
 flags.DEFINE_string("lc_tok_reference", None,
                     "Lowercased, normalised, tokenised reference (Multi30k style) for an extra score.")
 flags.DEFINE_string("output_prefix", None, "Where to write .hyp and .json (default: <workdir>/eval/<source>).")
@@ -55,7 +57,7 @@ def _read_inputs():
 
 
 def _scores(hypotheses, references, lc_refs, target_lang: str, lowercase: bool) -> dict:
-  scores = metrics.sacrebleu_scores(hypotheses, references, lowercase=lowercase)
+  scores = metrics.sacrebleu_scores(hypotheses, references, lowercase=lowercase, target_lang=target_lang)
   if FLAGS.tokenized_bleu:
     # Compound splitting is tensor2tensor's German-specific step (get_ende_bleu.sh).
     scores["tokenized_bleu"] = metrics.tokenized_bleu(hypotheses, references, lang=target_lang,
@@ -72,6 +74,7 @@ def _evaluate() -> None:
     raise ValueError("--mbr_utility chooses from one model's beam: it takes neither --ensemble nor --sampling")
   model_config, params_list, tokenizer = decoding.load_models(FLAGS.workdir, FLAGS.checkpoint)
   target_lang = FLAGS.target_lang or common.load_workdir_config(FLAGS.workdir).data.target_lang
+  metrics.bleu_metric(target_lang)  # its tokenizer loads, before anything is translated
   start = time.time()
   with tqdm(total=len(sources), unit="sent", file=sys.stderr) as bar:
     if FLAGS.mbr_utility:
@@ -87,12 +90,10 @@ def _evaluate() -> None:
   scores.update(sentences=len(sources), seconds=seconds, beam_size=FLAGS.beam_size, alpha=FLAGS.alpha,
                 mbr_utility=FLAGS.mbr_utility, sampling=FLAGS.sampling, ensemble=FLAGS.ensemble,
                 checkpoint=FLAGS.checkpoint or "latest")
-  prefix = FLAGS.output_prefix or os.path.join(Workdir(FLAGS.workdir).eval, os.path.basename(FLAGS.source))
-  os.makedirs(os.path.dirname(os.path.abspath(prefix)), exist_ok=True)
-  with open(prefix + ".hyp", "w", encoding="utf-8") as f:
-    f.writelines(h + "\n" for h in hypotheses)
-  with open(prefix + ".json", "w", encoding="utf-8") as f:
-    json.dump(scores, f, indent=2)
+  prefix = FLAGS.output_prefix or os.fspath(Workdir(FLAGS.workdir).eval / epath.Path(FLAGS.source).name)
+  epath.Path(prefix + ".hyp").parent.mkdir(parents=True, exist_ok=True)
+  epath.Path(prefix + ".hyp").write_text("".join(h + "\n" for h in hypotheses), encoding="utf-8")
+  epath.Path(prefix + ".json").write_text(json.dumps(scores, indent=2), encoding="utf-8")
   print(f"BLEU {scores['bleu']:.2f}  ({scores['bleu_signature']})")
   print(f"chrF {scores['chrf']:.2f}  ({scores['chrf_signature']})")
   if "tokenized_bleu" in scores:

@@ -12,6 +12,7 @@ from absl import flags
 
 from experiments import common, launch
 from transformer_jax.interop import marian
+from transformer_jax.workdir import is_local
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("model_dir", None, "A save_pretrained MarianMTModel directory.")
@@ -21,6 +22,10 @@ flags.mark_flags_as_required(["model_dir", "workdir"])
 
 @common.program
 def main():
+  if not is_local(FLAGS.workdir) or not is_local(FLAGS.model_dir):
+    raise ValueError(f"--workdir={FLAGS.workdir} / --model_dir={FLAGS.model_dir}: the import reads and writes "
+                     "local directories only (it renames a finished directory into place); import locally, then "
+                     "copy the workdir up, e.g. gcloud storage cp -r")
   value = marian.import_to_workdir(FLAGS.model_dir, FLAGS.workdir)
   model = value["model"]
   print(f"Imported {FLAGS.model_dir} -> {FLAGS.workdir}: {model['num_encoder_layers']}+"

@@ -5,12 +5,12 @@ and the host devices a config asks for (`set_cpu_devices`). The restart with gli
 buffers happens earlier, when Python imports the package to run the program (`experiments/huge_pages.py`).
 """
 
-import os
 import sys
 from typing import Any, Callable
 
 import jax
 from absl import app, flags
+from etils import epath
 from ml_collections import config_flags
 
 from experiments import huge_pages
@@ -103,7 +103,7 @@ def check_mbr_beam(utility_flag: str = "mbr_utility", beam_flag: str = "beam_siz
 def check_files_exist(*flag_names: str) -> None:
   """Registers absl validators: each named flag, when set, must name an existing file."""
   for name in flag_names:
-    flags.register_validator(name, lambda path: path is None or os.path.isfile(path),
+    flags.register_validator(name, lambda path: path is None or epath.Path(path).is_file(),
                              message=f"--{name} must name an existing file")
 
 

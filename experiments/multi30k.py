@@ -19,11 +19,11 @@ around it are hand-written and kept).
 import dataclasses
 import json
 import os
-import shutil
 import time
 
 import jax
 from absl import flags
+from etils import epath
 
 from experiments import common, docblock, launch
 from experiments.benchmarks import common as bench_common
@@ -31,7 +31,7 @@ from transformer_jax import checkpoint as checkpoint_lib
 from transformer_jax import inference, metrics, trainer, visualize
 from transformer_jax.data.parallel_text import read_lines
 from transformer_jax.training import budget as budget_lib
-from transformer_jax.workdir import Workdir
+from transformer_jax.workdir import Workdir, write_json_atomically
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("workdir", None, "Run directory.")
@@ -48,21 +48,18 @@ flags.mark_flags_as_required(["workdir"])
 
 def _wall_clock_start(workdir: str) -> float:
   """When this recipe first started in `workdir` (kept across resumed/re-scored runs), as a Unix time."""
-  path = os.path.join(workdir, "wall_clock_start.json")
-  if os.path.exists(path):
-    with open(path, encoding="utf-8") as f:
-      return float(json.load(f)["start"])
-  os.makedirs(workdir, exist_ok=True)
+  path = epath.Path(workdir) / "wall_clock_start.json"
+  if path.exists():
+    return float(json.loads(path.read_text(encoding="utf-8"))["start"])
   start = time.time()
-  with open(path, "w", encoding="utf-8") as f:
-    json.dump({"start": start}, f)
+  write_json_atomically(path, {"start": start})
   return start
 
 
 def _logged(metrics_jsonl: str) -> list[dict]:
   """Every row of the run's `metrics.jsonl` ({"step", "time", name: value, ...}), in logging order."""
-  with open(metrics_jsonl, encoding="utf-8") as f:
-    return [json.loads(line) for line in f if line.strip()]
+  text = epath.Path(metrics_jsonl).read_text(encoding="utf-8")
+  return [json.loads(line) for line in text.split("\n") if line.strip()]
 
 
 def _last_logged(logged: list[dict], prefix: str) -> dict:
@@ -78,7 +75,7 @@ def score(params, model_config, tokenizer, sources, references, lc_references, d
   hyps = inference.translate_texts(params, model_config, tokenizer, sources, beam_size=decode_cfg.beam_size,
                                    alpha=decode_cfg.alpha, extra_len=decode_cfg.extra_len,
                                    mbr_utility=decode_cfg.get("mbr_utility", ""))
-  out = metrics.sacrebleu_scores(hyps, references, lowercase=tokenizer.lowercase)
+  out = metrics.sacrebleu_scores(hyps, references, lowercase=tokenizer.lowercase, target_lang="de")
   out["lc_tok_bleu"] = metrics.lowercased_tokenized_bleu(hyps, lc_references, lang="de")
   out["decode_seconds"] = time.time() - start
   return out, hyps
@@ -122,16 +119,15 @@ def main():
         trainer.inference_params(config, result.state), model_config, tokenizer, test_src, test_ref, test_lc,
         config.decode)
   elif n > 1:
-    if os.path.isdir(averaged_dir):
-      shutil.rmtree(averaged_dir)
+    if epath.Path(averaged_dir).is_dir():
+      epath.Path(averaged_dir).rmtree()
     checkpoint_lib.average_checkpoints(ckpt_dir, last_n=n, output_directory=averaged_dir)
     params = checkpoint_lib.restore_params(averaged_dir, model_config)
     rows[f"average of last {n}"], hyps = score(params, model_config, tokenizer, test_src, test_ref, test_lc,
                                                config.decode)
   total_minutes = (time.time() - wall_start) / 60
 
-  with open(os.path.join(FLAGS.workdir, "test2016.hyp"), "w", encoding="utf-8") as f:
-    f.writelines(h + "\n" for h in hyps)
+  (epath.Path(FLAGS.workdir) / "test2016.hyp").write_text("".join(h + "\n" for h in hyps), encoding="utf-8")
   visualize.plot_learning_curves(os.fspath(run_dir.metrics_jsonl), FLAGS.curve)
   logged = _logged(os.fspath(run_dir.metrics_jsonl))
   summary = {"train_minutes": train_minutes, "total_minutes": total_minutes, "rows": rows,
@@ -143,8 +139,8 @@ def main():
              "machine": bench_common.machine_info(),
              "test_sentences": len(test_src), "model": model_config.__dict__,
              "lowercase": tokenizer.lowercase}  # a case-folded vocabulary: sacreBLEU and chrF lowercased
-  with open(os.path.join(FLAGS.workdir, "results.json"), "w", encoding="utf-8") as f:
-    json.dump(summary, f, indent=2, default=str)
+  (epath.Path(FLAGS.workdir) / "results.json").write_text(json.dumps(summary, indent=2, default=str),
+                                                        encoding="utf-8")
   docblock.replace_block(FLAGS.results, RESULTS_BLOCK,
                          run_markdown(FLAGS.results, FLAGS.curve, config, model_config, rows, summary))
   for name, r in rows.items():

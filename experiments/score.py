@@ -15,6 +15,7 @@ import math
 import sys
 
 from absl import flags
+from etils import epath
 
 from experiments import common, launch
 from transformer_jax import inference
@@ -57,7 +58,7 @@ def main():
   tgt_ids = [[] if b else tokenizer.encode(t, target=True) for t, b in zip(targets, blank)]
   scores = inference.score_ids(params, model_config, src_ids, tgt_ids)
   records = [dict(line=i + 1, **_record(s)) for i, s in enumerate(scores)]
-  with (open(FLAGS.output, "w", encoding="utf-8") if FLAGS.output
+  with (epath.Path(FLAGS.output).open("w", encoding="utf-8") if FLAGS.output
         else open(sys.stdout.fileno(), "w", encoding="utf-8", closefd=False)) as stream:
     stream.writelines(_line(r) + "\n" for r in records)
 

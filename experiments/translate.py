@@ -20,6 +20,7 @@ import logging
 import sys
 
 from absl import flags
+from etils import epath
 from tqdm import tqdm
 
 from experiments import common, decoding, launch
@@ -128,7 +129,7 @@ def main():
       records = list(_records(lines, lists, tokenizer, phrases))
       outputs = (json.dumps(r, ensure_ascii=False) for r in records) if FLAGS.output_format == "jsonl" else (
           _text_lines(records))
-  with (open(FLAGS.output, "w", encoding="utf-8") if FLAGS.output
+  with (epath.Path(FLAGS.output).open("w", encoding="utf-8") if FLAGS.output
         else open(sys.stdout.fileno(), "w", encoding="utf-8", closefd=False)) as stream:
     stream.writelines(line + "\n" for line in outputs)
 

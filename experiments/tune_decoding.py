@@ -106,7 +106,7 @@ def _ensemble_counts() -> list[int]:
   return [int(v) for v in FLAGS.ensemble_last]
 
 
-def _ensemble_rows(counts, beams, alphas, sources, references) -> list[dict]:
+def _ensemble_rows(counts, beams, alphas, sources, references, target_lang: str) -> list[dict]:
   """One row per `--ensemble_last` N and (beam, alpha): the ensemble of the newest N checkpoints."""
   with checkpoint_lib.Checkpointer(os.fspath(Workdir(FLAGS.workdir).checkpoints), read_only=True) as checkpointer:
     steps = checkpointer.all_steps()
@@ -120,7 +120,8 @@ def _ensemble_rows(counts, beams, alphas, sources, references) -> list[dict]:
                                      search.DecodeOptions(beam_size=beam, alpha=alpha), extra_len=FLAGS.extra_len)
       seconds = time.perf_counter() - start
       hypotheses = [tokenizer.decode(hyps[0].ids) if hyps else "" for hyps in lists]
-      scores = metrics.sacrebleu_scores(hypotheses, references, lowercase=tokenizer.lowercase)
+      scores = metrics.sacrebleu_scores(hypotheses, references, lowercase=tokenizer.lowercase,
+                                        target_lang=target_lang)
       rows.append({"ensemble_last": n, "steps": steps[-n:], "beam_size": beam, "alpha": alpha if beam > 1 else None,
                    "mbr_utility": "", "bleu": scores["bleu"], "chrf": scores["chrf"], "seconds": seconds,
                    "bleu_signature": scores["bleu_signature"]})
@@ -136,6 +137,8 @@ def main():
     raise ValueError(f"{FLAGS.source} has {len(sources)} lines but {FLAGS.reference} has {len(references)}")
   averages, beams, alphas, utilities = _grid()
   ensembles = _ensemble_counts()
+  target_lang = common.load_workdir_config(FLAGS.workdir).data.target_lang
+  metrics.bleu_metric(target_lang)  # BLEU's tokenizer for the target language loads, before any decoding
   if "ema" in averages and not common.load_workdir_config(FLAGS.workdir).ema_decay:
     raise ValueError(f"--average_last={','.join(FLAGS.average_last)}: {FLAGS.workdir} was trained without a moving "
                      "average of the parameters (config.ema_decay 0)")
@@ -154,14 +157,15 @@ def main():
           outputs = {utility: inference.choose(n_best, utility) for utility in utilities}
         seconds = time.perf_counter() - start
         for utility, hypotheses in outputs.items():
-          scores = metrics.sacrebleu_scores(hypotheses, references, lowercase=tokenizer.lowercase)
+          scores = metrics.sacrebleu_scores(hypotheses, references, lowercase=tokenizer.lowercase,
+                                            target_lang=target_lang)
           rows.append({"average_last": n, "beam_size": beam, "alpha": alpha if beam > 1 else None,
                        "mbr_utility": utility, "bleu": scores["bleu"], "chrf": scores["chrf"],
                        "seconds": seconds, "bleu_signature": scores["bleu_signature"]})
           print(f"average_last {n:>3} | beam {beam:>2} | alpha {alpha if beam > 1 else '-':>4} | "
                 f"mbr {utility or '-':>4} | BLEU {scores['bleu']:6.2f} | chrF {scores['chrf']:6.2f} | "
                 f"{seconds:6.1f}s", flush=True)
-  rows += _ensemble_rows(ensembles, beams, alphas, sources, references)
+  rows += _ensemble_rows(ensembles, beams, alphas, sources, references, target_lang)
   best = max(rows, key=lambda r: r["bleu"])
   weights = (f"average_last {best['average_last']}" if "average_last" in best
              else f"ensemble of the newest {best['ensemble_last']}")

@@ -187,7 +187,7 @@ def test_the_position_after_an_epochs_last_batch_is_the_next_epochs_start():
   first = make()
   for _ in range(epoch_batches):
     next(first)
-  assert first.get_state() == {"epoch": 1, "index": 0, "seed": 7}
+  assert {k: v for k, v in first.get_state().items() if k != "plan"} == {"epoch": 1, "index": 0, "seed": 7}
   for state in (first.get_state(), {"epoch": 0, "index": epoch_batches, "seed": 7}):
     planned.clear()
     resumed = make()

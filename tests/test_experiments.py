@@ -7,9 +7,10 @@ import struct
 import subprocess
 import sys
 
-import numpy as np
 import pytest
 import sacrebleu
+
+import helpers
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -183,19 +184,7 @@ def test_nan_loss_stops_with_the_step(monkeypatch, tmp_path):
   from experiments.configs import number_words
   from transformer_jax import trainer
 
-  real = trainer.make_train_step
-
-  def poisoned(*args, **kwargs):
-    step_fn = real(*args, **kwargs)
-
-    def run(state, batch, rng):
-      new_state, metrics = step_fn(state, batch, rng)
-      if int(new_state.step) == 7:
-        metrics = dict(metrics, loss=np.float32("nan"))
-      return new_state, metrics
-    return run
-
-  monkeypatch.setattr(trainer, "make_train_step", poisoned)
+  helpers.poison_train_step(monkeypatch, 7, loss=float("nan"))
   config = number_words.get_config()
   config.data.builder_config = "tiny"
   config.data.vocab_size = 128

@@ -1,7 +1,7 @@
 """The library's layers: no module imports one above it; project imports sit at the top of the file.
 
     trainer / interop -> checkpoint -> sharding / data / inference -> training / decode -> model
-            -> attention / mbr -> dropout / config / workdir / metrics
+            -> early_stopping -> attention / mbr / trackers / metrics -> dropout / config / workdir / profiling
 """
 
 import ast
@@ -18,6 +18,9 @@ RANKS = {
     "transformer_jax.mbr": 1,  # n-best selection by a sentence metric: sacreBLEU, no model code
     "transformer_jax.dropout": 0, "transformer_jax.data.normalize": 0,  # text normalisation: a leaf
     "transformer_jax.attention": 1,
+    "transformer_jax.profiling": 0,  # jax.profiler around chosen steps: a leaf
+    "transformer_jax.trackers": 1,   # metrics.jsonl, TensorBoard, W&B: writers that know only the workdir
+    "transformer_jax.early_stopping": 2,  # the rule over a metric's values (metrics' direction table)
     "transformer_jax.model": 2,
     "transformer_jax.training": 3, "transformer_jax.decode": 3, "transformer_jax.visualize": 3,
     "transformer_jax.diagnostics": 3,

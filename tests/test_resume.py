@@ -10,12 +10,12 @@ import random
 import signal
 import subprocess
 import sys
-import time
 
 import jax
 import numpy as np
 import pytest
 
+import helpers
 from transformer_jax import checkpoint as checkpoint_lib
 from transformer_jax.workdir import Workdir
 
@@ -67,18 +67,6 @@ def _final_params(workdir):
   return step, params
 
 
-def _wait_for(predicate, proc, timeout=240):
-  deadline = time.time() + timeout
-  while time.time() < deadline:
-    if predicate():
-      return
-    if proc.poll() is not None:
-      raise AssertionError(f"training exited early: {proc.stderr.read()[-3000:]}")
-    time.sleep(0.05)
-  proc.kill()
-  raise AssertionError("timed out waiting for training progress")
-
-
 def _complete_checkpoints(workdir):
   directory = str(Workdir(workdir).checkpoints)
   return sorted(int(d) for d in os.listdir(directory) if d.isdigit()) if os.path.isdir(directory) else []
@@ -106,8 +94,8 @@ def test_sigkill_then_resume_is_bitwise_identical(uninterrupted, tmp_path):
   proc = subprocess.Popen(_command(tmp_path, shared), cwd=REPO, env=_env(), stdout=subprocess.DEVNULL,
                           stderr=subprocess.PIPE, text=True)
   # Kill a random number of steps after the first complete checkpoint.
-  _wait_for(lambda: _complete_checkpoints(tmp_path) and max(_logged_steps(tmp_path), default=0)
-            >= _complete_checkpoints(tmp_path)[0] + extra_steps, proc)
+  helpers.wait_for(lambda: _complete_checkpoints(tmp_path) and max(_logged_steps(tmp_path), default=0)
+            >= _complete_checkpoints(tmp_path)[0] + extra_steps, proc, timeout=240, poll=0.05)
   proc.send_signal(signal.SIGKILL)
   proc.wait()
   killed_at = max(_logged_steps(tmp_path))
@@ -134,7 +122,7 @@ def test_sigterm_saves_the_current_step_and_resume_continues(uninterrupted, tmp_
   shared, reference = uninterrupted
   proc = subprocess.Popen(_command(tmp_path, shared, num_steps=10_000), cwd=REPO, env=_env(),
                           stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-  _wait_for(lambda: any(s >= 6 for s in _logged_steps(tmp_path)), proc)
+  helpers.wait_for(lambda: any(s >= 6 for s in _logged_steps(tmp_path)), proc, timeout=240, poll=0.05)
   proc.send_signal(signal.SIGTERM)
   _, stderr = proc.communicate(timeout=120)
   assert proc.returncode == 0, stderr[-3000:]

@@ -10,6 +10,7 @@ import pytest
 from tensorboard.backend.event_processing import event_accumulator
 from tensorboard.util import tensor_util
 
+import helpers
 from experiments import common
 from experiments.configs import number_words
 from transformer_jax import checkpoint as checkpoint_lib
@@ -45,17 +46,11 @@ def test_optimizer_cools_down_over_the_last_steps_when_asked():
 
 
 def _tiny_config(tmp_path):
-  config = number_words.get_config()
-  config.data.builder_config = "tiny"
-  config.data.vocab_size = 128
-  config.data.tfds_data_dir = str(tmp_path / "tfds")
-  config.data.tokens_per_batch = 512
-  config.model.update(num_encoder_layers=1, num_decoder_layers=1, d_model=32, d_ff=64, num_heads=2)
+  config = helpers.tiny_number_words_config(tmp_path)
   config.num_train_steps, config.warmup_steps, config.log_every_steps = 6, 2, 2
   config.evals.loss.every_steps = 3
   config.evals.bleu.update(every_steps=6, max_examples=8)
   config.checkpoint_every_steps = 4
-  config.async_checkpointing = False
   return config
 
 

@@ -39,7 +39,7 @@ from orbax.checkpoint import checkpoint_managers as ocp_policies
 from transformer_jax.config import ModelConfig
 from transformer_jax.training.schedule import EMA_KEY
 from transformer_jax.training.steps import init_params
-from transformer_jax.workdir import to_jsonable
+from transformer_jax.workdir import absolute, to_jsonable
 
 logger = logging.getLogger(__name__)
 
@@ -176,7 +176,7 @@ def _typed_key(key_data: jax.Array) -> jax.Array:
 
 
 def _step_dir(directory: str, step: int) -> str:
-  return os.path.join(directory, str(step))
+  return os.fspath(epath.Path(directory) / str(step))
 
 
 def _item_tree_metadata(directory: str, step: int, item: str) -> PyTree:
@@ -303,7 +303,7 @@ class Checkpointer:
       raise ValueError(f"keep_best={keep_best} must be >= 1")
     if max_to_keep is not None and max_to_keep < 1:
       raise ValueError(f"max_to_keep={max_to_keep} must be >= 1 or None")
-    self.directory = os.path.abspath(os.fspath(directory))
+    self.directory = os.fspath(absolute(directory))
     self.best_metric = best_metric
     self.best_mode = best_mode
     policies: list = [ocp_policies.LatestN(n=max_to_keep)]
@@ -402,7 +402,7 @@ class Checkpointer:
   # -- restore -------------------------------------------------------------------------------------------
 
   def _has_item(self, step: int, item: str) -> bool:
-    return os.path.isdir(os.path.join(_step_dir(self.directory, step), item))
+    return (epath.Path(_step_dir(self.directory, step)) / item).is_dir()
 
   def restore(self, step: int | None = None, abstract_state: PyTree | None = None, *,
               abstract_rng: jax.ShapeDtypeStruct | None = None) -> Restored:
@@ -478,7 +478,7 @@ class Checkpointer:
 def _read_only_manager(directory: str, state_handler: str = "standard") -> ocp.CheckpointManager:
   options = ocp.CheckpointManagerOptions(read_only=True, create=False, enable_async_checkpointing=False,
                                          save_interval_steps=0)
-  return _Manager(os.path.abspath(os.fspath(directory)), options=options,
+  return _Manager(os.fspath(absolute(directory)), options=options,
                   handler_registry=_handler_registry(state_handler))
 
 
@@ -530,7 +530,7 @@ def restore_params(directory: str | os.PathLike, model_config: ModelConfig | Non
   try:
     step = manager.latest_step() if step is None else int(step)
     if step is None:
-      raise FileNotFoundError(f"No checkpoints in {os.path.abspath(os.fspath(directory))}.")
+      raise FileNotFoundError(f"No checkpoints in {absolute(directory)}.")
     where = f"checkpoint {_step_dir(os.fspath(manager.directory), step)}"
     if model_config is not None:
       abstract = abstract_params(model_config)
@@ -604,6 +604,18 @@ def average_trees(trees: Sequence[PyTree]) -> PyTree:
   return _cast_like(mean, trees[0])
 
 
+class CheckpointWriteError(OSError):
+  """A checkpoint save that orbax refused or skipped (`CheckpointManager.save` returned False)."""
+
+
+def require_saved(saved: bool, directory: str | os.PathLike, step: int) -> None:
+  """Raises CheckpointWriteError unless `saved` (what `Checkpointer.save` returned) says step `step` was
+  written to `directory`: a refused write is an error, never a silent success."""
+  if not saved:
+    raise CheckpointWriteError(f"{directory}: the checkpoint of step {step} was not written (orbax refused the "
+                               "save: the step exists already, or the save interval skipped it)")
+
+
 def _select_steps(all_steps: Sequence[int], steps: Iterable[int] | None, last_n: int | None) -> list[int]:
   all_steps = sorted(all_steps)
   if (steps is None) == (last_n is None):
@@ -635,16 +647,19 @@ def average_checkpoints(directory: str | os.PathLike, steps: Iterable[int] | Non
   Everything is read onto `sharding` (default: the first device) whatever topology wrote it.
   Returns the output step.
   """
-  directory = os.path.abspath(os.fspath(directory))  # orbax wants absolute paths
+  directory = os.fspath(absolute(directory))  # orbax wants absolute paths
   manager = _read_only_manager(directory)
   try:
     chosen = _select_steps(manager.all_steps(), steps, last_n)
     newest = chosen[-1]
+    if (epath.Path(os.fspath(output_directory)) / str(newest)).exists():
+      raise FileExistsError(f"{output_directory} already holds step {newest} (an earlier average?); nothing "
+                            "written: choose another output directory or remove that step")
     sharding = sharding or jax.sharding.SingleDeviceSharding(jax.devices()[0])
     state_target = _abstract_from_metadata(_item_tree_metadata(directory, newest, STATE), sharding)
     items = {STATE: ocp.args.StandardRestore(state_target), DATA: ocp.args.JsonRestore(),
              CONFIG: ocp.args.JsonRestore()}
-    if os.path.isdir(os.path.join(_step_dir(directory, newest), RNG)):
+    if (epath.Path(_step_dir(directory, newest)) / RNG).is_dir():
       items[RNG] = ocp.args.StandardRestore(
           _abstract_from_metadata(_item_tree_metadata(directory, newest, RNG), sharding))
     newest_items = manager.restore(newest, args=ocp.args.Composite(**items))
@@ -664,8 +679,9 @@ def average_checkpoints(directory: str | os.PathLike, steps: Iterable[int] | Non
   state["params"] = averaged
   rng = newest_items[RNG][_RNG_KEY] if RNG in items else None
   with Checkpointer(output_directory, max_to_keep=None, enable_async_checkpointing=False) as out:
-    out.save(newest, state, rng, newest_items[DATA], newest_items[CONFIG], force=True,
-             custom_metadata={"averaged_steps": chosen, "source_directory": os.path.abspath(directory)})
+    saved = out.save(newest, state, rng, newest_items[DATA], newest_items[CONFIG], force=True,
+                     custom_metadata={"averaged_steps": chosen, "source_directory": directory})
+  require_saved(saved, output_directory, newest)
   logger.info("Averaged the params of steps %s of %s into %s (step %d).", chosen, directory,
               output_directory, newest)
   return newest

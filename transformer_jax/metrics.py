@@ -22,13 +22,64 @@ from transformer_jax.data.normalize import normalize
 
 _COMPOUND = re.compile(r"(\S)-(\S)")
 
+# Which way each evaluator metric improves (True: higher is better), the one table that checkpoint selection
+# (`checkpoint_best_metric`) and early stopping read; a metric not listed has no direction and cannot be a target.
+METRIC_DIRECTIONS = {
+    "loss": False,        # label-smoothed cross-entropy per target token (LossEvaluator)
+    "nll": False,         # negative log-likelihood per target token
+    "perplexity": False,  # exp(nll)
+    "accuracy": True,     # teacher-forced next-token accuracy
+    "bleu": True,         # sacreBLEU (BleuEvaluator)
+    "chrf": True,         # chrF
+    "exact_match": True,  # share of outputs equal to their reference
+}
 
-def sacrebleu_scores(hypotheses: Sequence[str], references: Sequence[str], *, lowercase: bool = False) -> dict:
+
+def higher_is_better(name: str) -> bool:
+  """Whether metric `name` (`"bleu"`, or `"<split>/<metric>"` as logged, e.g. `"validation/perplexity"`)
+  improves upwards, from `METRIC_DIRECTIONS`, never from the spelling of the name.
+
+  Raises:
+    ValueError: a metric with no known direction (one line naming the known ones).
+  """
+  metric = name.rsplit("/", 1)[-1]
+  if metric not in METRIC_DIRECTIONS:
+    raise ValueError(f"metric {name!r} has no known direction; known: {', '.join(sorted(METRIC_DIRECTIONS))}")
+  return METRIC_DIRECTIONS[metric]
+
+
+def metric_direction(name: str) -> str:
+  """"max" or "min": `higher_is_better(name)` as the words early stopping logs (same ValueError)."""
+  return "max" if higher_is_better(name) else "min"
+
+
+def bleu_metric(target_lang: str = "", *, lowercase: bool = False) -> sacrebleu.metrics.BLEU:
+  """sacreBLEU's BLEU with the tokenizer sacreBLEU itself picks for the target language (`trg_lang`, as its
+  command line does from `-l src-trg`): `zh` for Chinese, `ja-mecab` for Japanese, `ko-mecab` for Korean,
+  `13a` otherwise. `target_lang`: a language code (`data.target_lang`); a region or script subtag is ignored
+  ("zh-Hans" -> "zh"); "" = unknown (13a).
+
+  Raises:
+    ValueError: the tokenizer of that language cannot be loaded (ja-mecab / ko-mecab need the `sacrebleu[ja]` /
+      `sacrebleu[ko]` extras).
+  """
+  language = target_lang.replace("_", "-").split("-")[0].lower()
+  try:
+    return sacrebleu.metrics.BLEU(lowercase=lowercase, trg_lang=language)
+  except (ImportError, RuntimeError, OSError) as error:
+    tokenizer = sacrebleu.metrics.BLEU._TOKENIZER_MAP.get(language, "13a")
+    raise ValueError(f"target language {target_lang!r}: sacreBLEU's {tokenizer} tokenizer for it cannot load "
+                     f"({error}); install sacrebleu[{language}]") from None
+
+
+def sacrebleu_scores(hypotheses: Sequence[str], references: Sequence[str], *, lowercase: bool = False,
+                     target_lang: str = "") -> dict:
   """Detokenised corpus BLEU and chrF (sacreBLEU defaults) with their signatures, on normalised text; cased
   unless `lowercase` (sacreBLEU's own `lowercase`, `case:lc` in the signature), which the outputs of a
-  case-folded vocabulary need (`tokenizer.lowercase`, `data.lowercase`)."""
+  case-folded vocabulary need (`tokenizer.lowercase`, `data.lowercase`). BLEU's tokenizer follows
+  `target_lang` as sacreBLEU's own choice does (`bleu_metric`: `tok:zh` for Chinese ...); chrF needs none."""
   hypotheses, references = _normalized(hypotheses, references)
-  bleu = sacrebleu.metrics.BLEU(lowercase=lowercase)
+  bleu = bleu_metric(target_lang, lowercase=lowercase)
   chrf = sacrebleu.metrics.CHRF(lowercase=lowercase)
   bleu_score = bleu.corpus_score(list(hypotheses), [list(references)])
   chrf_score = chrf.corpus_score(list(hypotheses), [list(references)])

@@ -16,6 +16,9 @@ named steps, each small enough to read at once:
    `config.train_budget_minutes`, the run's length is planned after the warm-up from its measured rate and
    revised before and during the cool-down (`fit_to_budget`, `training/budget.py`). With
    `config.dropout_schedule`, the step is recompiled at each stage with its dropout rate (`compile_train_step`).
+   Scalars, the config (HParams) and BLEU's sample translations go to `metrics.jsonl` and `config.trackers`
+   (`trackers.py`); `config.profile_steps` traces chosen steps (`profiling.py`); `config.early_stopping` stops
+   on a validation metric that no longer improves (`early_stopping.py`).
 
 Fine-tuning an imported model (`experiments.import_marian`): the workdir's `config.json` fixes the model's
 architecture and tokenizer; `config_for_workdir(config, workdir, explicit)` takes them from there (and refuses
@@ -29,7 +32,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import json
 import logging
 import math
 import signal
@@ -41,17 +43,19 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from jax.experimental import multihost_utils
-from tensorboard.summary import Writer as TensorBoardWriter
 
 from transformer_jax import checkpoint as checkpoint_lib
-from transformer_jax import diagnostics, inference, metrics as metrics_lib, sharding
+from transformer_jax import diagnostics, early_stopping as early_stopping_lib, inference, metrics as metrics_lib
+from transformer_jax import profiling, sharding
 from transformer_jax.config import RUNTIME_FIELDS, ModelConfig
 from transformer_jax.data import batching, datasets as datasets_lib, tokenizer as tokenizer_lib
 from transformer_jax.data.marian_vocab import TOKENIZER_NAME as MARIAN_TOKENIZER
 from transformer_jax.training import budget as budget_lib
 from transformer_jax.training import schedule as schedule_lib
 from transformer_jax.training import steps
-from transformer_jax.workdir import IMPORTED_DATASET, Workdir, config_diff, to_jsonable, write_json_atomically
+from transformer_jax.trackers import MetricWriter
+from transformer_jax.workdir import (IMPORTED_DATASET, OwnerLock, Workdir, config_diff, to_jsonable,
+                                    write_json_atomically)
 
 # Keys of the saved config that must match to reuse a workdir: the data and vocabulary first (checked
 # before the datasets are built), then the model (checked once the vocabulary fixes its size). A config
@@ -66,7 +70,33 @@ IMPORT_MODEL_KEYS = tuple(f"model.{f.name}" for f in dataclasses.fields(ModelCon
 
 
 class NonFiniteLossError(FloatingPointError):
-  """The training loss became NaN or Inf."""
+  """The training loss (or another training quantity) became NaN or Inf; the message names the first one,
+  the step and the data position of its batch."""
+
+
+class BatchOutOfTableError(ValueError):
+  """A training batch holds a token id or a position outside the model's tables (the message names the step,
+  the row and the offending values): a gather past a table reads NaN in JAX, so it is refused before the step."""
+
+
+def check_batch_in_tables(batch: Mapping[str, np.ndarray], model_config: ModelConfig, step: int) -> None:
+  """Raises BatchOutOfTableError unless every id of `inputs`/`targets` is in `[0, model.vocab_size)` and, for a
+  model with a position table, every `*_position` is below `model.max_len`. Arrays `[rows, length]` or
+  `[accum, rows, length]` (rows are numbered through the micro-batches); host NumPy, a few maxima per step."""
+  limits = [("inputs", model_config.vocab_size, "token id", "model.vocab_size"),
+            ("targets", model_config.vocab_size, "token id", "model.vocab_size")]
+  if model_config.position_embedding != "none":
+    limits += [("inputs_position", model_config.max_len, "position", "model.max_len"),
+               ("targets_position", model_config.max_len, "position", "model.max_len")]
+  for key, limit, what, name in limits:
+    values = np.asarray(batch[key]).reshape(-1, np.shape(batch[key])[-1])
+    bad = (values >= limit) | (values < 0)
+    if bad.any():
+      row = int(np.argmax(bad.any(axis=1)))
+      offending = sorted({int(v) for v in values[row][bad[row]]})[:8]
+      raise BatchOutOfTableError(
+          f"training batch of step {step}, row {row}: {key} holds {what}s {offending} outside [0, {limit}) "
+          f"({name}={limit}); refused before the step (it would read past the table and give NaN)")
 
 
 def model_config_from(config: Any, vocab_size: int) -> ModelConfig:
@@ -205,37 +235,8 @@ def next_batch(batches: Iterator[dict], accum: int) -> dict:
 
 
 # ------------------------------------------------------------------------------------------------------------
-# Writers, signals and evaluators
+# Signals and evaluators (the writer: `transformer_jax.trackers.MetricWriter`)
 # ------------------------------------------------------------------------------------------------------------
-
-class MetricWriter:
-  """Scalars to TensorBoard event files and `metrics.jsonl` in the workdir (process 0 only).
-
-  The events are written by TensorBoard's own `tensorboard.summary.Writer` (scalars of the `scalars` plugin).
-  It imports TensorFlow when it opens its file (5-9 s on 2 cores, once per training run), where tensorboardX,
-  used before, imported torch whenever torch is installed (the `interop` extra): 2.5-4 s of every program's
-  start, translating and evaluating included, which now import neither.
-  """
-
-  def __init__(self, workdir: Workdir, enabled: bool = True):
-    self.enabled = enabled
-    if enabled:
-      self._tb = TensorBoardWriter(str(workdir.tensorboard))
-      self._jsonl = workdir.metrics_jsonl.open("a", encoding="utf-8")
-
-  def write(self, step: int, scalars: dict[str, float]) -> None:
-    if not self.enabled:
-      return
-    for name, value in scalars.items():
-      self._tb.add_scalar(name, value, step)
-    self._jsonl.write(json.dumps({"step": step, "time": time.time(), **scalars}) + "\n")
-    self._jsonl.flush()
-
-  def close(self) -> None:
-    if self.enabled:
-      self._tb.close()
-      self._jsonl.close()
-
 
 class StopSignal:
   """SIGTERM/SIGINT set a flag; the loop finishes the current step, saves a checkpoint and stops.
@@ -281,6 +282,20 @@ class Evaluator(Protocol):
     ...
 
 
+def within_position_table(eval_set: datasets_lib.EvalSet, model_config: ModelConfig,
+                          split: str) -> tuple[list[np.ndarray], list[np.ndarray]]:
+  """The eval pairs' (sources, targets) that fit the model's position table (`model.max_len` tokens a side,
+  EOS included; all of them for a model without one); a warning counts the rest, which teacher forcing
+  could not score (their positions would read past the table and give NaN)."""
+  if model_config.position_embedding == "none":
+    return eval_set.sources, eval_set.targets
+  keep = batching.within_length(eval_set.sources, eval_set.targets, model_config.max_len)
+  if len(keep) < len(eval_set.sources):
+    logging.warning("eval %s: %d of %d pairs are longer than model.max_len=%d tokens and are not scored",
+                    split, len(eval_set.sources) - len(keep), len(eval_set.sources), model_config.max_len)
+  return [eval_set.sources[i] for i in keep], [eval_set.targets[i] for i in keep]
+
+
 @dataclasses.dataclass
 class LossEvaluator:
   """Token-weighted loss, NLL, perplexity and accuracy over a whole eval split (teacher forcing)."""
@@ -292,7 +307,10 @@ class LossEvaluator:
   def __call__(self, run: "Run", params: Any, split: str, eval_set: datasets_lib.EvalSet) -> dict[str, float]:
     totals = None
     pad_id = run.model_config.pad_id
-    for batch in batching.eval_batches(eval_set.sources, eval_set.targets, self.tokens_per_batch, pad_id=pad_id):
+    sources, targets = within_position_table(eval_set, run.model_config, split)
+    if not sources:
+      return {}
+    for batch in batching.eval_batches(sources, targets, self.tokens_per_batch, pad_id=pad_id):
       sums = run.eval_step(params, sharding.shard_batch(batch, run.mesh, run.rules, process_local=False,
                                                         pad_rows=True, pad_id=pad_id))
       totals = sums if totals is None else jax.tree_util.tree_map(jnp.add, totals, sums)
@@ -305,20 +323,26 @@ class LossEvaluator:
 
 @dataclasses.dataclass
 class BleuEvaluator:
-  """sacreBLEU and chrF of translations of the first `max_examples` pairs of an eval split."""
+  """sacreBLEU and chrF of translations of the first `max_examples` pairs of an eval split; the first `samples`
+  (source, reference, hypothesis) of each split wait in `samples_by_split` for the trackers."""
 
   every_steps: int
   max_examples: int
   beam_size: int
   alpha: float
+  samples: int = 0
+  target_lang: str = ""  # BLEU's tokenizer follows it as sacreBLEU's does (`metrics.bleu_metric`)
   name: str = "bleu"
+  samples_by_split: dict = dataclasses.field(default_factory=dict)
 
   def __call__(self, run: "Run", params: Any, split: str, eval_set: datasets_lib.EvalSet) -> dict[str, float]:
     pairs = eval_set.pairs[: self.max_examples or None]
     hyps = inference.translate_texts(params, run.model_config, run.data.tokenizer, [s for s, _ in pairs],
                                      beam_size=self.beam_size, alpha=self.alpha)
-    scores = metrics_lib.sacrebleu_scores(hyps, [t for _, t in pairs], lowercase=run.data.tokenizer.lowercase)
+    scores = metrics_lib.sacrebleu_scores(hyps, [t for _, t in pairs], lowercase=run.data.tokenizer.lowercase,
+                                           target_lang=self.target_lang)
     logging.info("BLEU %s: %.2f (chrF %.2f) %s", split, scores["bleu"], scores["chrf"], scores["bleu_signature"])
+    self.samples_by_split[split] = [(s, t, h) for (s, t), h in zip(pairs[:self.samples], hyps)]
     return {"bleu": scores["bleu"], "chrf": scores["chrf"]}
 
 
@@ -335,9 +359,10 @@ class AttentionEvaluator:
   name: str = "attention"
 
   def __call__(self, run: "Run", params: Any, split: str, eval_set: datasets_lib.EvalSet) -> dict[str, float]:
-    if not self.rows or not eval_set.sources:
+    sources, targets = within_position_table(eval_set, run.model_config, split)
+    if not self.rows or not sources:
       return {}
-    batch = next(batching.eval_batches(eval_set.sources[:self.rows], eval_set.targets[:self.rows],
+    batch = next(batching.eval_batches(sources[:self.rows], targets[:self.rows],
                                        max_tokens=1 << 30, pad_id=run.model_config.pad_id))
     statistics = _attention_statistics(params, run.model_config, jnp.asarray(batch["inputs"]),
                                        jnp.asarray(batch["targets"]))
@@ -352,7 +377,15 @@ def make_evaluators(config: Any) -> list[Evaluator]:
   return [LossEvaluator(config.evals.loss.every_steps, config.evals.loss.tokens_per_batch),
           AttentionEvaluator(config.evals.attention.every_steps, config.evals.attention.rows),
           BleuEvaluator(config.evals.bleu.every_steps, config.evals.bleu.max_examples,
-                        config.evals.bleu.beam_size, config.decode.alpha)]
+                        config.evals.bleu.beam_size, config.decode.alpha, config.evals.bleu.samples,
+                        config.data.target_lang)]
+
+
+def logged_eval_metrics(config: Any) -> list[str]:
+  """The `<split>/<metric>` tags the evaluators of `config` log (the HParams tab's metrics)."""
+  names = (["loss", "nll", "perplexity", "accuracy"] if config.evals.loss.every_steps else []) + (
+      ["bleu", "chrf"] if config.evals.bleu.every_steps else [])
+  return [f"{split}/{name}" for split in config.data.eval_splits for name in names]
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -377,6 +410,7 @@ class Run:
   train_dropout_rate: float | None = None  # the residual dropout rate `train_step` was compiled with
   eval_step: sharding.PartitionedFunction | None = None
   checkpointer: checkpoint_lib.Checkpointer | None = None
+  writer: MetricWriter | None = None  # metrics.jsonl and the trackers (`config.trackers`), opened by `prepare`
 
   @property
   def is_chief(self) -> bool:
@@ -396,13 +430,16 @@ class TrainResult:
   stopped_early: bool              # a signal stopped the run before `num_train_steps`
   train_metrics: dict[str, float]  # the last logged training scalars (loss, accuracy, tokens/s, ...)
   eval_metrics: dict[str, float]   # the last value of every `<split>/<metric>` the evaluators produced
+  early_stopping: dict = dataclasses.field(default_factory=dict)  # `EarlyStopping.summary`; {} when off
 
 
 def prepare(config: Any, workdir: str) -> Run:
-  """Checks the workdir, builds the datasets and the model config, writes `config.json` (process 0).
+  """Checks the workdir and the config, builds the datasets and the model config. `config.json` is written by
+  `write_run_config` once the checkpoint restored (`init_or_restore`): a refused resume rewrites nothing.
 
   A workdir holding an imported model needs `config` from `config_for_workdir` (ValueError otherwise). The
-  model's pad/EOS ids must be the tokenizer's (`tokenizer.check_model_ids`, VocabularyError).
+  model's pad/EOS ids must be the tokenizer's (`tokenizer.check_model_ids`, VocabularyError). The trackers
+  of `config.trackers` start before anything is written (`trackers.TrackerError` if one cannot).
   """
   sharding.maybe_initialize_distributed(config.distributed)
   run_dir = Workdir(workdir)
@@ -415,9 +452,23 @@ def prepare(config: Any, workdir: str) -> Run:
   # Before anything in the workdir is touched:
   run_dir.check_compatible(config.to_dict(), keys=IMPORT_DATA_KEYS if untrained_import else DATA_KEYS,
                            defaults=DATA_DEFAULTS)
+  check_position_table(config)
+  check_best_metric(config)
   mesh = sharding.mesh_from_config(config.mesh)
   check_batch_rows(config.data, mesh)
-  run_dir.root.mkdir(parents=True, exist_ok=True)
+  # A tracker that cannot start is refused (trackers.TrackerError) before we write anything.
+  writer = MetricWriter.open(config.trackers, run_dir, config.wandb, enabled=jax.process_index() == 0)
+  try:
+    return _prepare_run(config, run_dir, saved, untrained_import, mesh, writer)
+  except BaseException:
+    writer.close()
+    raise
+
+
+def _prepare_run(config: Any, run_dir: Workdir, saved: dict | None, untrained_import: bool,
+                 mesh: jax.sharding.Mesh, writer: MetricWriter) -> Run:
+  """`prepare` once the workdir is accepted and the trackers run: datasets, model config, config.json."""
+  run_dir.create()
   data = datasets_lib.build_datasets(config.data, str(run_dir.root), seed=config.seed,
                                      process_index=jax.process_index(), process_count=jax.process_count(),
                                      share_across_processes=sharding.ragged_from_first_process)
@@ -429,12 +480,29 @@ def prepare(config: Any, workdir: str) -> Run:
     resolved["imported_from"] = saved["imported_from"]
   run_dir.check_compatible(resolved, keys=IMPORT_MODEL_KEYS if untrained_import else MODEL_KEYS,
                            defaults={"model": ModelConfig()})
-  if jax.process_index() == 0:
-    write_json_atomically(run_dir.config_json, resolved)
   rules = sharding.validate_model_for_mesh(model_config, mesh)
   logging.info("Model: %s", model_config)
   return Run(config=config, workdir=run_dir, resolved_config=resolved, model_config=model_config, data=data,
-             mesh=mesh, rules=rules)
+             mesh=mesh, rules=rules, writer=writer)
+
+
+def check_position_table(config: Any) -> None:
+  """Raises ValueError (one line, naming both keys) unless every position training indexes is in the model's
+  position table: a packed row holds examples of up to `data.max_len` tokens (positions 0 .. data.max_len - 1),
+  the sinusoid or learned table has `model.max_len` rows, and a position past it would gather NaN (JAX fills
+  out-of-bounds gathers with NaN). A model without absolute positions (`position_embedding='none'`, clipped
+  relative distances only) has no such table. Checked after `config_for_workdir`, so an imported model's table
+  is the one compared."""
+  if config.model.position_embedding != "none" and config.data.max_len > config.model.max_len:
+    raise ValueError(f"--config.data.max_len={config.data.max_len} exceeds --config.model.max_len="
+                     f"{config.model.max_len}, the positions the model's table holds (a longer example would "
+                     f"read positions past it); lower data.max_len or raise model.max_len")
+
+
+def write_run_config(run: Run) -> None:
+  """Writes `config.json` (process 0): the resolved config of the run that now owns the workdir."""
+  if run.is_chief:
+    write_json_atomically(run.workdir.config_json, run.resolved_config)
 
 
 def check_batch_rows(data_config: Any, mesh: jax.sharding.Mesh) -> None:
@@ -491,11 +559,36 @@ def fit_to_budget(run: Run, previous: budget_lib.BudgetDecision | None, step: in
   return decision
 
 
+# The evaluator (a `config.evals` section) that computes each metric of `metrics_lib.METRIC_DIRECTIONS`.
+METRIC_EVALUATORS = {"loss": "loss", "nll": "loss", "perplexity": "loss", "accuracy": "loss", "bleu": "bleu",
+                     "chrf": "bleu"}
+
+
+def check_best_metric(config: Any) -> None:
+  """Raises ValueError (one line) unless `checkpoint_best_metric` ('' or '<split>/<metric>') is computed by
+  this run: the split is one of `data.eval_splits`, the metric has a known direction (`metrics.METRIC_DIRECTIONS`)
+  and its evaluator is on (`evals.<evaluator>.every_steps > 0`)."""
+  name = config.checkpoint_best_metric
+  if not name:
+    return
+  split, metric = name.split("/", 1)
+  flag = f"--config.checkpoint_best_metric={name!r}"
+  if split not in config.data.eval_splits:
+    raise ValueError(f"{flag}: split {split!r} is not evaluated (data.eval_splits={tuple(config.data.eval_splits)})")
+  if metric not in METRIC_EVALUATORS:
+    raise ValueError(f"{flag}: no evaluator computes {metric!r} with a known direction; one of "
+                     f"{', '.join(sorted(METRIC_EVALUATORS))}")
+  evaluator = METRIC_EVALUATORS[metric]
+  if not config.evals[evaluator].every_steps:
+    raise ValueError(f"{flag}: computed by the {evaluator} evaluator, which is off "
+                     f"(evals.{evaluator}.every_steps=0); set evals.{evaluator}.every_steps > 0")
+
+
 def _checkpointer(config: Any, workdir: Workdir) -> checkpoint_lib.Checkpointer:
   best_metric = config.checkpoint_best_metric or None
+  higher = best_metric is not None and metrics_lib.higher_is_better(best_metric)
   return checkpoint_lib.Checkpointer(workdir.checkpoints, max_to_keep=config.checkpoint_keep,
-                                     best_metric=best_metric,
-                                     best_mode="min" if best_metric and best_metric.endswith("loss") else "max",
+                                     best_metric=best_metric, best_mode="max" if higher else "min",
                                      enable_async_checkpointing=config.async_checkpointing)
 
 
@@ -560,18 +653,25 @@ class _TrainLog:
   """Collects the step metrics between logging steps and turns them into scalars (one host sync per log)."""
 
   def __init__(self, start_step: int):
-    self.pending: list[tuple[int, dict]] = []
+    self.pending: list[tuple[int, dict, Mapping | None]] = []  # (step, metrics, data position)
     self.last_time, self.last_step = time.time(), start_step
 
-  def add(self, step: int, metrics: dict) -> None:
-    self.pending.append((step, metrics))
+  def add(self, step: int, metrics: dict, position: Mapping | None = None) -> None:
+    """`position`: the data position its batch was read from (`PackedBatches.get_state()` before it)."""
+    self.pending.append((step, metrics, position))
 
   def flush(self, step: int, total_steps: int) -> dict[str, float]:
-    """Scalars since the last flush; raises NonFiniteLossError at the first NaN/Inf loss."""
-    fetched = jax.device_get([m for _, m in self.pending])
-    for (s, _), m in zip(self.pending, fetched):
-      if not np.isfinite(m["loss"]):
-        raise NonFiniteLossError(f"training loss is {m['loss']} at step {s}; stopping")
+    """Scalars since the last flush; raises NonFiniteLossError at the first NaN/Inf training quantity."""
+    fetched = jax.device_get([m for _, m, _ in self.pending])
+    for (s, _, position), m in zip(self.pending, fetched):
+      bad = [k for k in ("nll", "loss", "grad_norm") if k in m and not np.isfinite(m[k])]  # computation order
+      if bad:
+        where = (f"; its batch is batch {position['index']} of epoch {position['epoch']} of the data plan "
+                 f"(seed {position['seed']})") if position else ""
+        raise NonFiniteLossError(
+            f"training {bad[0]} is {m[bad[0]]} at step {s} (non-finite: {', '.join(bad)}){where}; every token id "
+            "and position of it was within the model's tables (checked before each step), so the cause is "
+            "numerical (learning rate, warm-up, dtype); stopping")
     now = time.time()
     steps_per_s = (step - self.last_step) / max(now - self.last_time, 1e-9)
     scalars = {k: float(np.mean([m[k] for m in fetched])) for k in ("loss", "nll", "accuracy", "grad_norm")}
@@ -608,14 +708,16 @@ def _checkpoint_due(run: Run, step: int, last_save_time: float) -> bool:
 def save(run: Run, step: int, eval_metrics: dict[str, float]) -> None:
   """Writes the checkpoint of `step` (state, rng, data position, resolved config, and the best metric's value)."""
   best = run.config.checkpoint_best_metric
-  run.checkpointer.save(step, run.state, run.rng, run.data.train.get_state(), run.resolved_config,
-                        metrics=eval_metrics if best and best in eval_metrics else None)
+  saved = run.checkpointer.save(step, run.state, run.rng, run.data.train.get_state(), run.resolved_config,
+                                metrics=eval_metrics if best and best in eval_metrics else None)
+  checkpoint_lib.require_saved(saved, run.checkpointer.directory, step)
 
 
-def train(run: Run, writer: MetricWriter, stop: StopSignal) -> TrainResult:
+def train(run: Run, stop: StopSignal, profiler: profiling.StepProfiler) -> TrainResult:
   """The step loop from `run.start_step` to `num_train_steps`, with its periodic actions."""
-  config, total = run.config, run.config.num_train_steps
+  config, total, writer = run.config, run.config.num_train_steps, run.writer
   evaluators = make_evaluators(config)
+  early = early_stopping_lib.resume(config.early_stopping, run.workdir.early_stopping_json, run.start_step)
   log = _TrainLog(run.start_step)
   train_metrics: dict[str, float] = {}
   eval_metrics: dict[str, float] = {}
@@ -628,14 +730,19 @@ def train(run: Run, writer: MetricWriter, stop: StopSignal) -> TrainResult:
   logging.info("Training %d parameters for %d steps (from step %d)%s",
                sum(x.size for x in jax.tree_util.tree_leaves(run.state.params)), total, run.start_step,
                f"; the time budget plans the length after step {fit_at}" if fit_at else "")
-  while step < total:
+  early_stop = bool(early and early.state.stop)
+  while step < total and not early_stop:
     step += 1
-    batch = sharding.shard_batch(next_batch(run.data.train, config.grad_accum_steps), run.mesh, run.rules)
+    position = run.data.train.get_state()
+    host_batch = next_batch(run.data.train, config.grad_accum_steps)
+    check_batch_in_tables(host_batch, run.model_config, step)
+    batch = sharding.shard_batch(host_batch, run.mesh, run.rules)
     if (step in stage_starts and
         train_model_config(config, run.model_config, step).dropout_rate != run.train_dropout_rate):
       compile_train_step(run, step)
       logging.info("Dropout %g from step %d (config.dropout_schedule)", run.train_dropout_rate, step)
-    run.state, metrics = run.train_step(run.state, batch, run.rng)
+    with profiler.step(step, outputs=lambda: run.state):
+      run.state, metrics = run.train_step(run.state, batch, run.rng)
     if step == run.start_step + 1:
       first_step_seconds = time.time() - train_start
     if step == fit_at:
@@ -643,25 +750,40 @@ def train(run: Run, writer: MetricWriter, stop: StopSignal) -> TrainResult:
       decision = fit_to_budget(run, decision, step, time.time() - train_start, first_step_seconds)
       fit_at = budget_lib.revision_step(decision, run.start_step)
       config, total = run.config, run.config.num_train_steps
-    log.add(step, metrics)
+    log.add(step, metrics, position)
     if itstime(step, config.log_every_steps, total):
       train_metrics = log.flush(step, total)
       writer.write(step, {f"train/{k}": v for k, v in train_metrics.items()})
     new_eval = evaluate(run, evaluators, step)
     if new_eval:
       writer.write(step, new_eval)
+      write_samples(writer, evaluators, step)
       eval_metrics.update(new_eval)
+      early_stop = bool(early) and early.update(step, new_eval, run.workdir.early_stopping_json if run.is_chief
+                                                else None)
     stopped = stop.requested(step)
-    if stopped or step == total or _checkpoint_due(run, step, last_save_time):
+    if stopped or early_stop or step == total or _checkpoint_due(run, step, last_save_time):
       save(run, step, new_eval)
       last_save_time = time.time()
     if stopped:
       logging.warning("Received %s: saved the checkpoint of step %d; stopping. Re-run to resume.",
                       stop.signal_name, step)
       break
+  if early_stop:
+    logging.warning("%s; the checkpoint of step %d is saved", early.describe(step), step)
   return TrainResult(state=run.state, model_config=run.model_config, datasets=run.data, config=run.config,
                      final_step=step, train_minutes=(time.time() - train_start) / 60, stopped_early=stopped,
-                     train_metrics=train_metrics, eval_metrics=eval_metrics)
+                     train_metrics=train_metrics, eval_metrics=eval_metrics,
+                     early_stopping=early.summary(step if early_stop else None) if early else {})
+
+
+def write_samples(writer: MetricWriter, evaluators: list[Evaluator], step: int) -> None:
+  """Sends the sample translations the BLEU evaluator kept at `step` to the trackers."""
+  for evaluator in evaluators:
+    for split, rows in getattr(evaluator, "samples_by_split", {}).items():
+      if rows:
+        writer.write_samples(step, split, rows)
+    getattr(evaluator, "samples_by_split", {}).clear()
 
 
 def train_and_evaluate(config: Any, workdir: str) -> TrainResult:
@@ -670,18 +792,33 @@ def train_and_evaluate(config: Any, workdir: str) -> TrainResult:
   For a workdir holding an imported model, pass `config_for_workdir(config, workdir)`: the run then
   fine-tunes it (`start_from_import`) with its own tokenizer and special ids.
 
-  Raises ValueError for a workdir holding an incompatible run or an invalid config (nothing written then),
+  Only one training process owns a workdir at a time (`workdir.OwnerLock`, `<workdir>/train.lock`):
+  `WorkdirInUseError` (an OSError) when another live one holds it.
+  Raises ValueError for a workdir holding an incompatible run or an invalid config, or a checkpoint whose
+  data position indexes another batch plan (nothing written then: `config.json` is written after the restore),
   `checkpoint.CheckpointMismatchError` for a checkpoint of another architecture, NonFiniteLossError when
-  the loss becomes NaN/Inf. SIGTERM/SIGINT finish the current step, save, and return (`stopped_early`).
+  the loss becomes NaN/Inf, `trackers.TrackerError` for a tracker that cannot start (before anything is
+  written). SIGTERM/SIGINT finish the current step, save, and return (`stopped_early`). An early-stopping rule
+  that fires saves and returns with `early_stopping["stopped_at_step"]` set.
   """
-  run = prepare(config, workdir)
-  init_or_restore(run)
-  writer = MetricWriter(run.workdir, enabled=run.is_chief)
-  stop = StopSignal()
-  try:
-    return train(run, writer, stop)
-  finally:
-    stop.restore()
-    run.checkpointer.wait()
-    run.checkpointer.close()
-    writer.close()
+  sharding.maybe_initialize_distributed(config.distributed)
+  with OwnerLock(workdir, enabled=jax.process_index() == 0):  # one trainer per workdir (process 0 holds it)
+    run = prepare(config, workdir)
+    stop, profiler = None, None
+    try:
+      init_or_restore(run)
+      write_run_config(run)  # only now: a refused resume leaves config.json, events and metrics untouched
+      run.writer.start(run.resolved_config, logged_eval_metrics(run.config))
+      stop = StopSignal()
+      profiler = profiling.StepProfiler(run.config.profile_steps, run.workdir.profile,
+                                        first_step=run.start_step + 1)
+      return train(run, stop, profiler)
+    finally:
+      if stop:
+        stop.restore()
+      if profiler:
+        profiler.close()
+      if run.checkpointer:
+        run.checkpointer.wait()
+        run.checkpointer.close()
+      run.writer.close()

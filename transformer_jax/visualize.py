@@ -8,6 +8,7 @@ from typing import Sequence
 import jax.numpy as jnp
 import matplotlib.pyplot as plt
 import numpy as np
+from etils import epath
 
 from transformer_jax.config import ModelConfig
 from transformer_jax.model import Transformer
@@ -64,13 +65,21 @@ def plot_attention(maps: dict[str, np.ndarray], source_tokens: Sequence[str], ta
         ax.set_ylabel(f"{kind}\nlayer {layer}", fontsize=7)
   fig.tight_layout()
   if path is not None:
-    fig.savefig(path, dpi=110)
+    save_figure(fig, path)
   return fig
+
+
+def save_figure(fig, path: str) -> None:
+  """`fig` as an image file at `path` (local or gs://; the format from its suffix, e.g. .png, .pdf), 110 dpi."""
+  path = epath.Path(path)
+  with path.open("wb") as f:
+    fig.savefig(f, format=path.suffix[1:] or None, dpi=110)
 
 
 def plot_learning_curves(metrics_jsonl: str, path: str | None = None):
   """Train loss, validation loss and (when logged) validation BLEU against minutes since the first log."""
-  rows = [json.loads(line) for line in open(metrics_jsonl, encoding="utf-8") if line.strip()]
+  text = epath.Path(metrics_jsonl).read_text(encoding="utf-8")
+  rows = [json.loads(line) for line in text.split("\n") if line.strip()]
   if not rows:
     raise ValueError(f"{metrics_jsonl} has no logged metrics")
   t0 = rows[0]["time"]
@@ -98,5 +107,5 @@ def plot_learning_curves(metrics_jsonl: str, path: str | None = None):
     axes[0][1].legend()
   fig.tight_layout()
   if path is not None:
-    fig.savefig(path, dpi=110)
+    save_figure(fig, path)
   return fig

@@ -8,19 +8,27 @@
       vocab/spm.normalization.json  the text normalisation it was trained with (`data.tokenizer.stamp_path`);
       vocab/source.spm, target.spm, vocab.json  instead, for an imported Marian model (`data.tokenizer` "marian")
       data/<split>.ids.npz    the training split's token ids (`data.token_cache`), so restarts skip the text
-      tfds/                   tfds-prepared datasets (unless `data.tfds_data_dir` names another)
+      tfds/                   tfds-prepared datasets (unless `data.tfds_data_dir` names another; TFRecord on gs://)
       metrics.jsonl           one JSON object per logged step: {"step", "time", "train/loss", ...}
-      tensorboard/            TensorBoard event files of the same scalars
+      tensorboard/            TensorBoard event files: the same scalars, the config as HParams, sample translations
+      wandb/                  the Weights & Biases run (`config.trackers` with "wandb"): run_id, offline-run-*/
+      profile/plugins/profile/<time>/<host>.xplane.pb  the `jax.profiler` trace of `config.profile_steps`
+                              (`tensorboard --logdir=<workdir>` shows it in the profile plugin)
+      early_stopping.json     the early-stopping metric's value at every evaluation (`config.early_stopping`)
       averaged/<step>/        averaged checkpoint (`experiments.average_checkpoints`)
       eval/                   hypotheses and scores of `experiments.evaluate`
       final_eval.json         the test-split report of `experiments.train`
+      train.lock              while a training run owns the workdir: its pid and host (`OwnerLock`)
 
 A workdir written by an importer (`experiments.import_marian`) has the same layout: `config.json` names the
 model and its tokenizer, `data.dataset` is `IMPORTED_DATASET` (no training data yet) and checkpoint 0 holds
 the imported parameters; `experiments.train` fine-tunes it from there (`trainer.config_for_workdir`).
 
-Paths go through `etils.epath`, the path type orbax and tfds use, so a `gs://bucket/run` workdir works the
-same way for TPU users (tested here on local paths only).
+Every path goes through `etils.epath`, the path type orbax and tfds use, so a `gs://bucket/run` workdir works
+as a local one: epath hands `gs://` to TensorFlow's GCS filesystem (`tf.io.gfile`), orbax's arrays go through
+tensorstore's `gcs` driver. Tested against a local GCS API server (`tests/test_gcs.py`). `is_local` tells the
+two kinds apart where a library opens local files only (ArrayRecord, zip writing, SentencePiece's trainer);
+`absolute` is epath's `absolute()` without its bug on `gs://` URIs.
 """
 
 from __future__ import annotations
@@ -28,6 +36,9 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import socket
+import time
+import uuid
 from typing import Any, Mapping, Sequence
 
 import numpy as np
@@ -87,6 +98,18 @@ class Workdir:
     return self.root / "tensorboard"
 
   @property
+  def wandb(self) -> epath.Path:
+    return self.root / "wandb"
+
+  @property
+  def profile(self) -> epath.Path:
+    return self.root / "profile"
+
+  @property
+  def early_stopping_json(self) -> epath.Path:
+    return self.root / "early_stopping.json"
+
+  @property
   def averaged(self) -> epath.Path:
     return self.root / "averaged"
 
@@ -98,9 +121,36 @@ class Workdir:
   def final_eval_json(self) -> epath.Path:
     return self.root / "final_eval.json"
 
+  def create(self) -> None:
+    """Makes the run directory (and its parents).
+
+    Raises FileNotFoundError naming the bucket when the root is in a Cloud Storage bucket that does not exist
+    (or cannot be read): TensorFlow's `makedirs` would otherwise walk up to the missing bucket without end.
+    """
+    if not is_local(self.root):
+      scheme, rest = os.fspath(self.root).split("://", 1)
+      bucket = epath.Path(f"{scheme}://{rest.split('/')[0]}")
+      if not bucket.exists():
+        raise FileNotFoundError(f"{bucket} does not exist or cannot be read (workdir {self.root}): create the "
+                                f"bucket first, e.g. gcloud storage buckets create {bucket}")
+    self.root.mkdir(parents=True, exist_ok=True)
+
   def read_config(self) -> dict | None:
-    """The saved `config.json`, or None when this is not (yet) a run directory."""
-    return read_json(self.config_json)
+    """The saved `config.json`, or None when this is not (yet) a run directory.
+
+    Raises ValueError (one line naming the file) for a `config.json` that is not JSON or not a run's (no
+    "model" section: e.g. a CTranslate2 or Hugging Face model directory given as a workdir).
+    """
+    try:
+      saved = read_json(self.config_json)
+    except (ValueError, UnicodeDecodeError) as error:
+      raise ValueError(f"{self.config_json} is not valid JSON ({error}): is {self.root} a transformer_jax "
+                       "workdir?") from None
+    if saved is not None and not (isinstance(saved, dict) and isinstance(saved.get("model"), dict)):
+      raise ValueError(f"{self.config_json} is not a transformer_jax run's config (no 'model' section): "
+                       f"{self.root} looks like another kind of directory (a CTranslate2 or Hugging Face model?), "
+                       "not a --workdir")
+    return saved
 
   def require_config(self) -> dict:
     """The saved `config.json`; FileNotFoundError naming the path when the workdir holds no run."""
@@ -143,13 +193,31 @@ def read_json(path: PathLike) -> Any:
   return json.loads(path.read_text(encoding="utf-8"))
 
 
-def write_json_atomically(path: PathLike, value: Any) -> None:
-  """Writes `value` as indented JSON through a temporary file and a rename: readers never see half a file."""
+def is_local(path: PathLike) -> bool:
+  """True for a path of the local filesystem, False for a URI such as `gs://bucket/run`."""
+  return "://" not in os.fspath(path)
+
+
+def absolute(path: PathLike) -> epath.Path:
+  """`path` made absolute against the current directory when local; a `gs://` URI as it is (epath's own
+  `absolute()` would prefix it with the current directory)."""
+  path = epath.Path(path)
+  return path.absolute() if is_local(path) else path
+
+
+def write_bytes_atomically(path: PathLike, data: bytes) -> None:
+  """Writes `data` to `path` through a temporary file (one per writer) and a rename: readers never see half a
+  file. On Cloud Storage, where a rename is a copy, each object still appears whole or not at all."""
   path = epath.Path(path)
   path.parent.mkdir(parents=True, exist_ok=True)
-  tmp = path.parent / (path.name + ".tmp")
-  tmp.write_text(json.dumps(to_jsonable(value), indent=2, sort_keys=True), encoding="utf-8")
+  tmp = path.parent / f"{path.name}.{uuid.uuid4().hex}.tmp"
+  tmp.write_bytes(data)
   tmp.replace(path)
+
+
+def write_json_atomically(path: PathLike, value: Any) -> None:
+  """Writes `value` as indented JSON through a temporary file and a rename: readers never see half a file."""
+  write_bytes_atomically(path, json.dumps(to_jsonable(value), indent=2, sort_keys=True).encode("utf-8"))
 
 
 def to_jsonable(value: Any) -> Any:
@@ -222,3 +290,113 @@ def config_diff(saved: Mapping, requested: Mapping, keys: Sequence[str] | None =
     if a is _MISSING or b is _MISSING or not _same(a, b):
       messages.append(f"{name}: saved {_format(a)}, requested {_format(b)}")
   return messages
+
+
+# ------------------------------------------------------------------------------------------------------------
+# One owner at a time: the training run's lock
+# ------------------------------------------------------------------------------------------------------------
+
+LOCK_FILENAME = "train.lock"
+
+
+class WorkdirInUseError(OSError):
+  """Another live training process owns the workdir (its `train.lock`)."""
+
+
+def _alive(pid: int) -> bool:
+  """Whether process `pid` of this host runs (a zombie, killed but not yet reaped by its parent, does not)."""
+  try:
+    os.kill(pid, 0)
+  except ProcessLookupError:
+    return False
+  except PermissionError:  # another user's live process
+    return True
+  try:
+    with open(f"/proc/{pid}/stat", encoding="utf-8") as f:
+      return f.read().rsplit(")", 1)[-1].split()[0] != "Z"
+  except OSError:  # no /proc (macOS): trust the signal test
+    return True
+
+
+class OwnerLock:
+  """`<workdir>/train.lock`: the one training process that writes a workdir (checkpoints, metrics, config).
+
+  `acquire()` creates the lock file atomically (`O_CREAT | O_EXCL`) holding `{"pid", "host", "started"}`.
+  A lock of a live process, or of a process on another host (whose liveness cannot be checked here), raises
+  `WorkdirInUseError` in one line naming it. A lock left by a dead process of this host (killed with SIGKILL,
+  a crashed machine restarted) is stale: it is renamed away atomically (so of two processes taking it over,
+  one wins) and the lock retaken. `release()` removes the lock, and the workdir too when `acquire` created it
+  and nothing else was written. Readers (translate, evaluate, export) take no lock. Multi-host runs: only
+  process 0 takes it (`enabled`). A workdir that is not a local path (`gs://...`) has no atomic exclusive
+  create through `epath`: it is not locked (a warning says so).
+  """
+
+  def __init__(self, root: PathLike, enabled: bool = True):
+    self.root = os.fspath(root)
+    self.path = os.path.join(self.root, LOCK_FILENAME)
+    self.enabled = enabled and "://" not in self.root
+    self._created_root = False
+    self._held = False
+
+  def _describe(self, owner: Mapping) -> str:
+    return f"pid {owner.get('pid')} on host {owner.get('host')!r} since {owner.get('started')}"
+
+  def _read(self) -> dict:
+    try:
+      with open(self.path, encoding="utf-8") as f:
+        return json.load(f)
+    except (OSError, ValueError):
+      return {}
+
+  def acquire(self) -> "OwnerLock":
+    if not self.enabled:
+      return self
+    if os.path.exists(self.root) and not os.path.isdir(self.root):
+      raise NotADirectoryError(f"--workdir={self.root} is a file; a workdir is a directory (new or a run's)")
+    self._created_root = not os.path.isdir(self.root)
+    os.makedirs(self.root, exist_ok=True)
+    me = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+    for _ in range(3):
+      try:
+        fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+      except FileExistsError:
+        owner = self._read()
+        if owner.get("host") == me["host"] and isinstance(owner.get("pid"), int) and not _alive(owner["pid"]):
+          try:  # stale: of the processes that saw it, the one whose rename succeeds retakes the lock
+            os.rename(self.path, f"{self.path}.stale-{os.getpid()}")
+            os.remove(f"{self.path}.stale-{os.getpid()}")
+          except FileNotFoundError:
+            pass
+          continue
+        self._forget_root()
+        raise WorkdirInUseError(
+            f"{self.root} is in use by another training run ({self._describe(owner)}; {self.path}): one "
+            "trainer per workdir; wait for it to finish, or use another --workdir (remove the lock only if "
+            "that process is gone)") from None
+      with os.fdopen(fd, "w", encoding="utf-8") as f:
+        json.dump(me, f)
+      self._held = True
+      return self
+    raise WorkdirInUseError(f"{self.path}: could not take over a stale lock (another process keeps taking it)")
+
+  def _forget_root(self) -> None:
+    if self._created_root:
+      try:
+        os.rmdir(self.root)
+      except OSError:
+        pass
+
+  def release(self) -> None:
+    if self._held:
+      try:
+        os.remove(self.path)
+      except FileNotFoundError:
+        pass
+      self._held = False
+      self._forget_root()
+
+  def __enter__(self) -> "OwnerLock":
+    return self.acquire()
+
+  def __exit__(self, *exc) -> None:
+    self.release()

@@ -17,7 +17,8 @@ import math
 
 import ml_collections
 
-from transformer_jax import mbr
+from transformer_jax import mbr, trackers
+from transformer_jax import metrics as metrics_lib
 from transformer_jax.config import ModelConfig
 from transformer_jax.training.schedule import COOLDOWN_SHAPES, check_cooldown, check_dropout_schedule
 
@@ -85,7 +86,18 @@ def get_config() -> ml_collections.ConfigDict:
                                               # default (one, or XLA_FLAGS' count). The mesh's data axis spans them.
   config.distributed = False                  # initialise jax.distributed (multi-host: TPU pods, SLURM)
 
-  config.log_every_steps = 100                # training metrics to the log, metrics.jsonl and TensorBoard
+  config.log_every_steps = 100                # training metrics to the log, metrics.jsonl and the trackers
+  config.trackers = ("tensorboard",)          # where scalars, the config (HParams) and sample translations go,
+                                              # besides metrics.jsonl: tensorboard | wandb (transformer_jax.trackers)
+  config.wandb = ml_collections.ConfigDict()
+  config.wandb.project = "transformer_jax"    # W&B project (WANDB_MODE=offline keeps the run on disk)
+  config.wandb.entity = ""                    # W&B entity (team or user); "" = the logged-in user's default
+  config.wandb.name = ""                      # W&B run name; "" = W&B's generated one
+  config.profile_steps = ()                   # (start, stop): a jax.profiler trace of these steps (both included)
+                                              # in <workdir>/profile (transformer_jax.profiling; () = off)
+  config.early_stopping = ()                  # (metric, patience, min_delta), e.g. ("validation/loss", 3, 0.0):
+                                              # stop after `patience` evaluations of the metric without an
+                                              # improvement > min_delta (transformer_jax.early_stopping; () = off)
 
   # Evaluators run on every `data.eval_splits` split; every_steps = 0 turns one off.
   config.evals = ml_collections.ConfigDict()
@@ -99,6 +111,7 @@ def get_config() -> ml_collections.ConfigDict:
   config.evals.bleu.every_steps = 0           # sacreBLEU/chrF of translations (a progress signal; alpha: decode.alpha)
   config.evals.bleu.max_examples = 1000       # the first examples of each split; 0 = all
   config.evals.bleu.beam_size = 1             # 1 = greedy
+  config.evals.bleu.samples = 5               # translations (source, reference, hypothesis) sent to the trackers
 
   config.checkpoint_every_steps = 0           # save every N steps (0 = off)
   config.checkpoint_every_minutes = 10.0      # save every N minutes of wall time (section 6.1; 0 = off)
@@ -180,6 +193,29 @@ def _metric_name(value):
   return ok, "'' or '<eval split>/<metric>', e.g. 'validation/bleu' or 'validation/loss'"
 
 
+def _trackers(value):
+  ok = isinstance(value, (tuple, list)) and len(set(value)) == len(value) and all(
+      v in trackers.TRACKERS for v in value)
+  return ok, f"a tuple of distinct tracker names from {trackers.TRACKERS}, e.g. \"('tensorboard', 'wandb')\""
+
+
+def _profile_steps(value):
+  ok = value in ((), []) or (isinstance(value, (tuple, list)) and len(value) == 2 and all(
+      isinstance(v, int) and not isinstance(v, bool) for v in value) and 1 <= value[0] <= value[1])
+  return ok, "() or (start, stop) steps with 1 <= start <= stop, e.g. '(5, 8)'"
+
+
+def _early_stopping(value):
+  ok = value in ((), []) or (
+      isinstance(value, (tuple, list)) and len(value) == 3 and isinstance(value[0], str)
+      and value[0].count("/") == 1 and value[0].split("/")[1] in metrics_lib.METRIC_DIRECTIONS
+      and isinstance(value[1], int) and not isinstance(value[1], bool) and value[1] >= 1
+      and isinstance(value[2], (int, float)) and not isinstance(value[2], bool) and math.isfinite(value[2])
+      and value[2] >= 0)
+  return ok, ("() or (metric, patience >= 1, min_delta >= 0) with metric '<eval split>/<name>', name one of "
+              f"{', '.join(sorted(metrics_lib.METRIC_DIRECTIONS))}, e.g. \"('validation/loss', 3, 0.0)\"")
+
+
 RULES = {
     "seed": _integer(0),
     "data.dataset": _text(),
@@ -219,6 +255,12 @@ RULES = {
     "num_cpu_devices": _integer(0),
     "distributed": _one_of(False, True),
     "log_every_steps": _integer(1),
+    "trackers": _trackers,
+    "wandb.project": _text(nonempty=False),
+    "wandb.entity": _text(nonempty=False),
+    "wandb.name": _text(nonempty=False),
+    "profile_steps": _profile_steps,
+    "early_stopping": _early_stopping,
     "evals.loss.every_steps": _integer(0),
     "evals.loss.tokens_per_batch": _integer(1),
     "evals.attention.every_steps": _integer(0),
@@ -226,6 +268,7 @@ RULES = {
     "evals.bleu.every_steps": _integer(0),
     "evals.bleu.max_examples": _integer(0),
     "evals.bleu.beam_size": _integer(1),
+    "evals.bleu.samples": _integer(0),
     "checkpoint_every_steps": _integer(0),
     "checkpoint_every_minutes": _number(0.0),
     "checkpoint_keep": _integer(1),
@@ -284,6 +327,11 @@ def validate(config: ml_collections.ConfigDict) -> None:
     check_dropout_schedule(config.dropout_schedule)
   except ValueError as error:
     raise ConfigError(f"--config.dropout_schedule={config.dropout_schedule!r}: {error}") from None
+  _check_early_stopping(config)
+  try:
+    trackers.check_trackers(config.trackers)
+  except trackers.TrackerError as error:
+    raise ConfigError(str(error)) from None
   if config.decode.mbr_utility and config.decode.beam_size < 2:
     raise ConfigError(f"--config.decode.mbr_utility={config.decode.mbr_utility!r}: needs decode.beam_size >= 2 "
                       f"(MBR chooses from beam search's n-best list), got {config.decode.beam_size}")
@@ -291,3 +339,24 @@ def validate(config: ml_collections.ConfigDict) -> None:
     ModelConfig(**config.model.to_dict())
   except (TypeError, ValueError) as error:
     raise ConfigError(f"--config.model: {error}") from None
+
+
+# The evaluator (its `every_steps` key) that logs each metric the early-stopping rule may watch.
+_EVALUATOR_OF = {"loss": "loss", "nll": "loss", "perplexity": "loss", "accuracy": "loss", "bleu": "bleu",
+                 "chrf": "bleu"}
+
+
+def _check_early_stopping(config: ml_collections.ConfigDict) -> None:
+  """The early-stopping metric must be logged during training: its split evaluated, its evaluator on."""
+  if not config.early_stopping:
+    return
+  metric = config.early_stopping[0]
+  split, name = metric.split("/")
+  evaluator = _EVALUATOR_OF.get(name)
+  if split not in config.data.eval_splits:
+    raise ConfigError(f"--config.early_stopping={tuple(config.early_stopping)!r}: split {split!r} is not "
+                      f"evaluated during training (data.eval_splits={tuple(config.data.eval_splits)!r})")
+  if evaluator is None or not config.evals[evaluator].every_steps:
+    raise ConfigError(f"--config.early_stopping={tuple(config.early_stopping)!r}: {name!r} is not logged during "
+                      f"training" + (f"; set evals.{evaluator}.every_steps > 0" if evaluator else
+                                     f"; one of {', '.join(sorted(_EVALUATOR_OF))}"))

@@ -17,8 +17,9 @@ subword regularisation, `subword_sampling`, the same pairs in the same order, se
 
 from __future__ import annotations
 
+import hashlib
 import logging
-from typing import Callable, Iterator, Sequence
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import numpy as np
 
@@ -102,6 +103,8 @@ class PackedBatches:
     process_index, process_count: each host yields its own contiguous slice of every batch's rows.
     segmentations: None (every epoch uses `sources`/`targets`), or `epoch -> (sources, targets)`: the same
       pairs' ids for that epoch, in the same order (`subword_sampling.SampledSegmentations`).
+    plan_settings: JSON values the epochs' plans also depend on (e.g. `{"subword_alpha": 0.1}`): saved with the
+      position, and a position saved under other values is refused (`set_state`).
 
   Raises:
     ValueError: no examples, an example longer than `row_length`, or rows not divisible among the processes.
@@ -109,7 +112,8 @@ class PackedBatches:
 
   def __init__(self, sources: Sequence[np.ndarray], targets: Sequence[np.ndarray], *, tokens_per_batch: int,
                row_length: int, pad_id: int, seed: int = 0, process_index: int = 0, process_count: int = 1,
-               segmentations: Callable[[int], tuple[Sequence[np.ndarray], Sequence[np.ndarray]]] | None = None):
+               segmentations: Callable[[int], tuple[Sequence[np.ndarray], Sequence[np.ndarray]]] | None = None,
+               plan_settings: Mapping[str, Any] | None = None):
     if not sources:
       raise ValueError("no training examples left to batch")
     rows = tokens_per_batch // row_length
@@ -119,7 +123,9 @@ class PackedBatches:
     self.row_length, self.rows_per_batch, self.seed, self.pad_id = row_length, rows, seed, int(pad_id)
     self.process_index, self.process_count = process_index, process_count
     self.segmentations = segmentations
+    self.plan_settings = dict(plan_settings or {})
     self._set_ids(sources, targets)
+    self._epoch0_fingerprint = self.plan_fingerprint()  # before a sampled epoch replaces the ids
     self.epoch, self.index = 0, 0
     self._plan_epoch: int | None = None
     self._plan: list[list[list[int]]] = []
@@ -132,13 +138,37 @@ class PackedBatches:
       raise ValueError(f"examples longer than row_length={self.row_length}; filter them first")
 
   # -- position ------------------------------------------------------------------------------------------
+  def plan_fingerprint(self) -> dict:
+    """What the batch plan of every epoch depends on besides the seed: rows per batch and slots per row
+    (`data.tokens_per_batch // data.max_len`, `data.max_len`), and the examples (how many, and a SHA-256 of
+    their lengths in order: another dataset, vocabulary or length filter changes it), and `plan_settings` (what
+    else the caller's plans depend on, e.g. the subword sampling settings). A position means the same batch only
+    under the same."""
+    lengths = np.stack([self.source_lengths, self.target_lengths]).astype(np.int64)
+    return {"rows_per_batch": int(self.rows_per_batch), "row_length": int(self.row_length),
+            "examples": len(self.source_lengths), "lengths_sha256": hashlib.sha256(lengths.tobytes()).hexdigest(),
+            **self.plan_settings}
+
   def get_state(self) -> dict:
-    """The position of the next batch: JSON-serialisable."""
-    return {"epoch": int(self.epoch), "index": int(self.index), "seed": int(self.seed)}
+    """The position of the next batch, and the plan it indexes (`plan_fingerprint`): JSON-serialisable."""
+    return {"epoch": int(self.epoch), "index": int(self.index), "seed": int(self.seed),
+            "plan": self._epoch0_fingerprint}
 
   def set_state(self, state: dict) -> None:
+    """Moves to a saved position. Raises ValueError (one line) when the position was saved under another seed
+    or another batch plan (it would name other batches: training would replay some pairs and skip others).
+    A state saved before plans were recorded (no "plan") is taken as it is."""
     if int(state.get("seed", self.seed)) != self.seed:
-      raise ValueError(f"data iterator state was saved with seed {state['seed']}, this run uses {self.seed}")
+      raise ValueError(f"data iterator state was saved with seed {state['seed']}, this run uses {self.seed} "
+                       "(--config.seed): resuming would replay another batch order; keep the run's seed")
+    saved, mine = state.get("plan"), self._epoch0_fingerprint
+    if saved is not None:
+      changed = [f"{key} {saved.get(key)!r} -> {mine[key]!r}" for key in mine if saved.get(key) != mine[key]]
+      if changed:
+        raise ValueError(f"the checkpoint's data position (epoch {state['epoch']}, batch {state['index']}) indexes "
+                         f"another batch plan than this run's ({'; '.join(changed)}): resuming would replay some "
+                         f"training pairs and skip others; keep the run's data.tokens_per_batch, data.max_len, "
+                         f"data and subword settings, or train in a new --workdir")
     self.epoch, self.index = int(state["epoch"]), int(state["index"])
 
   # -- iteration -----------------------------------------------------------------------------------------

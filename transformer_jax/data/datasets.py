@@ -19,6 +19,7 @@ import time
 from typing import Any, Callable
 
 import numpy as np
+from etils import epath
 
 from transformer_jax.data import batching, normalize, records, sources, subword_sampling, token_cache
 from transformer_jax.data import tokenizer as tokenizer_lib
@@ -88,7 +89,7 @@ def load_tokenizer(data_config: Any, workdir: str, train_pairs=None) -> tokenize
   """Loads the run's vocabulary, training a SentencePiece one on both sides of the training split the first
   time; a Marian tokenizer is only ever loaded (`open_tokenizer`)."""
   path = vocab_path(data_config, workdir)
-  if data_config.tokenizer == MARIAN_TOKENIZER or os.path.exists(path):
+  if data_config.tokenizer == MARIAN_TOKENIZER or epath.Path(path).exists():
     return open_tokenizer(data_config, workdir)
 
   def texts():
@@ -125,7 +126,7 @@ def build_datasets(data_config: Any, workdir: str, *, seed: int, process_index: 
                                       vocab_path(data_config, workdir),
                                       normalize.signature(tok.normalization, tok.lowercase))
   cached, tok = None, None
-  if data_config.tokenizer == MARIAN_TOKENIZER or os.path.exists(vocab_path(data_config, workdir)):
+  if data_config.tokenizer == MARIAN_TOKENIZER or epath.Path(vocab_path(data_config, workdir)).exists():
     tok = open_tokenizer(data_config, workdir)
     start = time.perf_counter()
     cached = token_cache.load(cache_file, key())
@@ -169,7 +170,9 @@ def build_datasets(data_config: Any, workdir: str, *, seed: int, process_index: 
   train = batching.PackedBatches(srcs, tgts, tokens_per_batch=data_config.tokens_per_batch,
                                  row_length=data_config.max_len, pad_id=tok.pad_id, seed=seed,
                                  process_index=process_index, process_count=process_count,
-                                 segmentations=segmentations)
+                                 segmentations=segmentations,
+                                 plan_settings={"subword_alpha": alpha,
+                                                "subword_from_epoch": int(data_config.subword_from_epoch)})
   eval_sets = {}
   for name in eval_names:
     eval_sets[name] = build_eval_set(tok, records.read_pairs(builder, name, source_key, target_key))

@@ -17,10 +17,10 @@ id (e.g. 58100), and the model starts decoding from `<pad>`. Text is not normali
 from __future__ import annotations
 
 import json
-import os
 from typing import Iterable, Sequence
 
 import sentencepiece as spm
+from etils import epath
 
 from transformer_jax.data import normalize as normalize_lib
 from transformer_jax.data.tokenizer import VocabularyError, ids_until_eos
@@ -34,8 +34,7 @@ PAD_PIECE, UNK_PIECE, EOS_PIECE = "<pad>", "<unk>", "</s>"
 def _load_spm(path: str) -> spm.SentencePieceProcessor:
   processor = spm.SentencePieceProcessor()
   try:
-    with open(path, "rb") as f:
-      processor.LoadFromSerializedProto(f.read())
+    processor.LoadFromSerializedProto(epath.Path(path).read_bytes())
   except (OSError, RuntimeError) as e:
     raise VocabularyError(f"{path}: not a readable SentencePiece model ({e})") from None
   return processor
@@ -44,8 +43,7 @@ def _load_spm(path: str) -> spm.SentencePieceProcessor:
 def read_vocab_json(path: str) -> dict[str, int]:
   """`vocab.json` as {piece: id}; raises `VocabularyError` (naming the file) when unreadable or not a map."""
   try:
-    with open(path, encoding="utf-8") as f:
-      vocab = json.load(f)
+    vocab = json.loads(epath.Path(path).read_text(encoding="utf-8"))
   except (OSError, ValueError) as e:
     raise VocabularyError(f"{path}: not a readable JSON vocabulary ({e})") from None
   if not isinstance(vocab, dict) or not all(isinstance(v, int) for v in vocab.values()):
@@ -69,16 +67,16 @@ class MarianVocabulary:
   def __init__(self, directory: str):
     self.path = directory
     for name in MARIAN_TOKENIZER_FILES:
-      if not os.path.isfile(os.path.join(directory, name)):
+      if not (epath.Path(directory) / name).is_file():
         raise VocabularyError(f"{directory}: missing {name} (a Marian tokenizer needs "
                               f"{', '.join(MARIAN_TOKENIZER_FILES)})")
-    self._source = _load_spm(os.path.join(directory, SOURCE_SPM))
-    self._target = _load_spm(os.path.join(directory, TARGET_SPM))
-    self.encoder = read_vocab_json(os.path.join(directory, VOCAB_JSON))
+    self._source = _load_spm(str(epath.Path(directory) / SOURCE_SPM))
+    self._target = _load_spm(str(epath.Path(directory) / TARGET_SPM))
+    self.encoder = read_vocab_json(str(epath.Path(directory) / VOCAB_JSON))
     self.decoder = {i: piece for piece, i in self.encoder.items()}
     for piece in (UNK_PIECE, EOS_PIECE, PAD_PIECE):
       if piece not in self.encoder:
-        raise VocabularyError(f"{os.path.join(directory, VOCAB_JSON)}: no {piece!r} entry")
+        raise VocabularyError(f"{epath.Path(directory) / VOCAB_JSON}: no {piece!r} entry")
     self.pad_id, self.unk_id, self.eos_id = (self.encoder[p] for p in (PAD_PIECE, UNK_PIECE, EOS_PIECE))
     self.normalization = normalize_lib.LEGACY_VERSION  # none of ours; source.spm has its own rules
     self.lowercase = False  # Marian models write cased text

@@ -1,4 +1,4 @@
-"""Local parallel text as a tensorflow-datasets builder: a directory of `{split}.{lang}` files.
+"""Parallel text as a tensorflow-datasets builder: a directory of `{split}.{lang}` files.
 
     data/train.en  data/train.de  data/val.en  data/val.de  data/test2016.en  data/test2016.de
 
@@ -14,13 +14,14 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import os
 import re
 from typing import Iterable
 
 import tensorflow_datasets as tfds
+from etils import epath
 
 from transformer_jax.data import normalize, records
+from transformer_jax.workdir import absolute
 
 _SPLIT_FILE = re.compile(r"^(\w+)\.([A-Za-z_-]+)$")
 _UTF16_BOMS = (b"\xff\xfe", b"\xfe\xff")  # little- and big-endian (UTF-32 LE starts like UTF-16 LE)
@@ -31,12 +32,12 @@ class ParallelTextError(ValueError):
 
 
 def discover_splits(directory: str, source_lang: str, target_lang: str) -> list[str]:
-  """Split names that have both a `.{source_lang}` and a `.{target_lang}` file in `directory`."""
-  if not os.path.isdir(directory):
+  """Split names that have both a `.{source_lang}` and a `.{target_lang}` file in `directory` (local or gs://)."""
+  if not epath.Path(directory).is_dir():
     raise ParallelTextError(f"data directory {directory} does not exist")
   names: dict[str, set[str]] = {}
-  for filename in os.listdir(directory):
-    match = _SPLIT_FILE.match(filename)
+  for child in epath.Path(directory).iterdir():
+    match = _SPLIT_FILE.match(child.name)
     if match:
       names.setdefault(match.group(1), set()).add(match.group(2))
   return sorted(s for s, langs in names.items() if {source_lang, target_lang} <= langs)
@@ -44,9 +45,9 @@ def discover_splits(directory: str, source_lang: str, target_lang: str) -> list[
 
 def split_files(directory: str, split: str, source_lang: str, target_lang: str) -> tuple[str, str]:
   """The two files of `split`; a missing one is named in the error."""
-  paths = tuple(os.path.join(directory, f"{split}.{lang}") for lang in (source_lang, target_lang))
+  paths = tuple(str(epath.Path(directory) / f"{split}.{lang}") for lang in (source_lang, target_lang))
   for path in paths:
-    if not os.path.isfile(path):
+    if not epath.Path(path).is_file():
       available = ", ".join(discover_splits(directory, source_lang, target_lang)) or "none"
       raise ParallelTextError(f"missing split file {path} (splits with both languages: {available})")
   return paths
@@ -76,8 +77,8 @@ def decode_lines(stream: Iterable[bytes], name: str) -> list[str]:
 
 
 def read_lines(path: str) -> list[str]:
-  """Lines of a UTF-8 file without line endings; invalid UTF-8 names the file and line."""
-  with open(path, "rb") as f:
+  """Lines of a UTF-8 file (local or gs://) without line endings; invalid UTF-8 names the file and line."""
+  with epath.Path(path).open("rb") as f:
     return decode_lines(f, path)
 
 
@@ -97,9 +98,11 @@ def fingerprint(directory: str, splits: list[str], langs: tuple[str, str]) -> st
   digest = hashlib.sha256()
   for split in splits:
     for lang in langs:
-      with open(os.path.join(directory, f"{split}.{lang}"), "rb") as f:
-        file_digest = hashlib.file_digest(f, "sha256").hexdigest()
-      digest.update(f"{split}.{lang}:{file_digest}\n".encode())
+      file_digest = hashlib.sha256()
+      with (epath.Path(directory) / f"{split}.{lang}").open("rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+          file_digest.update(block)
+      digest.update(f"{split}.{lang}:{file_digest.hexdigest()}\n".encode())
   return digest.hexdigest()[:16]
 
 
@@ -146,10 +149,10 @@ def parallel_text_builder(directory: str, source_lang: str, target_lang: str, da
     if split == required_splits[0] and not any(not normalize.is_blank(s) and not normalize.is_blank(t)
                                                for s, t in pairs):
       raise ParallelTextError(
-          f"training files {os.path.join(directory, split)}.{{{source_lang},{target_lang}}} hold no "
+          f"training files {epath.Path(directory) / split}.{{{source_lang},{target_lang}}} hold no "
           f"non-blank pairs")
   name = f"{source_lang}_{target_lang}_{fingerprint(directory, splits, (source_lang, target_lang))}"
-  config = ParallelTextConfig(name=name, version="1.0.0", directory=os.path.abspath(directory),
+  config = ParallelTextConfig(name=name, version="1.0.0", directory=str(absolute(directory)),
                               source_lang=source_lang, target_lang=target_lang, splits=tuple(splits),
                               description=f"{directory} ({source_lang}->{target_lang})")
   return records.prepare(ParallelText, config=config, data_dir=data_dir)

@@ -8,6 +8,8 @@ with tfds' random-access `as_data_source`: neither imports TensorFlow, whose imp
 reading) cost every training program 5-9 s of its start on 2 cores. Data prepared before in tfds' default
 TFRecord format, and tfds' own datasets (WMT) as tfds prepares them, are read as they were written, through
 tf.data (tfds cannot reopen TFRecord data as ArrayRecord). Both paths give the same pairs in the same order.
+A `data_dir` on Cloud Storage (`gs://`, e.g. a workdir's `tfds/` there) gets TFRecord files: ArrayRecord's
+reader and writer open local files only (riegeli's file descriptors), TFRecord goes through `tf.io.gfile`.
 """
 
 from __future__ import annotations
@@ -16,13 +18,16 @@ from typing import Any, Callable
 
 import tensorflow_datasets as tfds
 
+from transformer_jax.workdir import is_local
+
 Pairs = list[tuple[str, str]]
 
 
 def prepare(builder_class: Callable[..., tfds.core.DatasetBuilder], **kwargs: Any) -> tfds.core.DatasetBuilder:
-  """`builder_class(**kwargs)`, prepared: as ArrayRecord when it writes now, in its format when on disk already."""
+  """`builder_class(**kwargs)`, prepared: when it writes now, as ArrayRecord in a local `data_dir` and TFRecord
+  in a remote one; in its format when on disk already."""
   builder = builder_class(**kwargs)
-  if not builder.is_prepared():
+  if not builder.is_prepared() and is_local(kwargs["data_dir"]):
     builder = builder_class(file_format=tfds.core.FileFormat.ARRAY_RECORD, **kwargs)
   builder.download_and_prepare()
   return builder

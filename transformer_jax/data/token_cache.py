@@ -17,22 +17,28 @@ import hashlib
 import json
 import logging
 import os
+import tempfile
+import uuid
 from typing import Optional, Sequence
 
 import numpy as np
+from etils import epath
+
+from transformer_jax.workdir import is_local
 
 FORMAT = 1
 
 
-def file_sha256(path: str) -> str:
+def file_sha256(path: str | epath.Path) -> str:
   """SHA-256 (hex) of a file; of a directory, of its files' names and SHA-256s in name order."""
   digest = hashlib.sha256()
-  if os.path.isdir(path):
-    for name in sorted(os.listdir(path)):
-      if os.path.isfile(os.path.join(path, name)):
-        digest.update(f"{name}:{file_sha256(os.path.join(path, name))}\n".encode())
+  path = epath.Path(path)
+  if path.is_dir():
+    for child in sorted(path.iterdir(), key=lambda p: p.name):
+      if child.is_file():
+        digest.update(f"{child.name}:{file_sha256(child)}\n".encode())
     return digest.hexdigest()
-  with open(path, "rb") as f:
+  with path.open("rb") as f:
     for block in iter(lambda: f.read(1 << 20), b""):
       digest.update(block)
   return digest.hexdigest()
@@ -60,33 +66,41 @@ def _split(flat: np.ndarray, offsets: np.ndarray) -> list[np.ndarray]:
 
 def save(path: str, key: dict, sources: Sequence[np.ndarray], targets: Sequence[np.ndarray],
          skipped_blank: int) -> None:
-  """Writes the ids atomically (a temporary file renamed into place)."""
+  """Writes the ids atomically (a temporary file renamed into place; local or `gs://`)."""
   top = max((int(s.max()) for s in [*sources, *targets] if len(s)), default=0)
   dtype = np.uint16 if top < 2 ** 16 else np.int32
   src_flat, src_offsets = _flatten(sources, dtype)
   tgt_flat, tgt_offsets = _flatten(targets, dtype)
   meta = dict(key, skipped_blank=int(skipped_blank), pairs=len(sources))
-  os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-  tmp = f"{path}.tmp.npz"
-  np.savez(tmp, key=np.asarray(json.dumps(meta, sort_keys=True)), src=src_flat, src_offsets=src_offsets,
-           tgt=tgt_flat, tgt_offsets=tgt_offsets)
-  os.replace(tmp, path)
+  arrays = dict(key=np.asarray(json.dumps(meta, sort_keys=True)), src=src_flat, src_offsets=src_offsets,
+                tgt=tgt_flat, tgt_offsets=tgt_offsets)
+  path = epath.Path(path)
+  path.parent.mkdir(parents=True, exist_ok=True)
+  tmp = path.parent / f"{path.name}.{uuid.uuid4().hex}.tmp.npz"  # np.savez adds .npz to other names
+  if is_local(path):
+    np.savez(tmp, **arrays)
+  else:  # zip writing seeks, which a file being uploaded to Cloud Storage cannot: write locally, then copy
+    with tempfile.TemporaryDirectory() as scratch:
+      local = os.path.join(scratch, "ids.npz")
+      np.savez(local, **arrays)
+      epath.Path(local).copy(tmp)
+  tmp.replace(path)
 
 
 def read(path: str) -> tuple[list[np.ndarray], list[np.ndarray]]:
   """(sources, targets) stored at `path`, int32, whatever they were written for (no key check).
 
   Raises OSError/KeyError on a missing or foreign file."""
-  with np.load(path) as data:
+  with epath.Path(path).open("rb") as f, np.load(f) as data:
     return _split(data["src"], data["src_offsets"]), _split(data["tgt"], data["tgt_offsets"])
 
 
 def load(path: str, key: dict) -> Optional[tuple[list[np.ndarray], list[np.ndarray], int]]:
   """(sources, targets, skipped_blank) saved under `key` at `path`, or None (reason logged)."""
-  if not os.path.exists(path):
+  if not epath.Path(path).exists():
     return None
   try:
-    with np.load(path) as data:
+    with epath.Path(path).open("rb") as f, np.load(f) as data:
       meta = json.loads(str(data["key"]))
       stored = {k: meta.get(k) for k in key}
       if stored != key:

@@ -32,17 +32,17 @@ import json
 import logging
 import os
 import random
-import shutil
 import tempfile
 import threading
-import uuid
 from typing import Iterable, Protocol, Sequence
 
 import numpy as np
 import sentencepiece as spm
+from etils import epath
 
 from transformer_jax.config import BOS_ID, EOS_ID, PAD_ID, UNK_ID, ModelConfig
 from transformer_jax.data import normalize as normalize_lib
+from transformer_jax.workdir import write_bytes_atomically
 
 VOCAB_FILENAME = "spm.model"
 STAMP_SUFFIX = ".normalization.json"
@@ -111,6 +111,15 @@ def stamp_path(model_path: str) -> str:
   return (root if ext == ".model" else model_path) + STAMP_SUFFIX
 
 
+def _read_bytes(path: str) -> bytes:
+  """The bytes of a local or `gs://` file; FileNotFoundError when it is missing (TensorFlow's GCS filesystem,
+  which reads `gs://`, raises its own `tf.errors.NotFoundError`, not an OSError)."""
+  path = epath.Path(path)
+  if not path.is_file():
+    raise FileNotFoundError(f"no such file: {path}")
+  return path.read_bytes()
+
+
 def _sha256(data: bytes) -> str:
   return hashlib.sha256(data).hexdigest()
 
@@ -120,11 +129,8 @@ def write_normalization_stamp(model_path: str, model_bytes: bytes, lowercase: bo
   lowercased when `lowercase`."""
   stamp = {"normalization": normalize_lib.VERSION, "lowercase": bool(lowercase),
            "signature": normalize_lib.signature(lowercase=lowercase), "model_sha256": _sha256(model_bytes)}
-  target = stamp_path(model_path)
-  tmp = f"{target}.{uuid.uuid4().hex}.tmp"  # one per writer: the processes of a run may write it at once
-  with open(tmp, "w", encoding="utf-8") as f:
-    json.dump(stamp, f, indent=2)
-  os.replace(tmp, target)
+  # One temporary file per writer: the processes of a run may write it at once.
+  write_bytes_atomically(stamp_path(model_path), json.dumps(stamp, indent=2).encode("utf-8"))
 
 
 def read_normalization(model_path: str, model_bytes: bytes) -> tuple[int, bool]:
@@ -136,11 +142,10 @@ def read_normalization(model_path: str, model_bytes: bytes) -> tuple[int, bool]:
       belongs to another model file.
   """
   path = stamp_path(model_path)
-  if not os.path.exists(path):
+  if not epath.Path(path).exists():
     return normalize_lib.LEGACY_VERSION, False
   try:
-    with open(path, encoding="utf-8") as f:
-      stamp = json.load(f)
+    stamp = json.loads(epath.Path(path).read_text(encoding="utf-8"))
     version = stamp["normalization"]
     normalize_lib.normalizer(version)
     lowercase = stamp.get("lowercase", False)
@@ -168,8 +173,7 @@ class Tokenizer:
     self.path = model_path
     self._sp = spm.SentencePieceProcessor()
     try:
-      with open(model_path, "rb") as f:
-        model_bytes = f.read()
+      model_bytes = _read_bytes(model_path)
       self._sp.LoadFromSerializedProto(model_bytes)
     except (OSError, RuntimeError) as e:
       raise VocabularyError(f"{model_path}: not a readable SentencePiece model ({e})") from None
@@ -272,8 +276,7 @@ def train_tokenizer(texts: Iterable[str], output_path: str, vocab_size: int, *, 
   if not sample:
     raise ValueError(f"cannot train a vocabulary for {output_path}: no non-empty training sentences")
 
-  os.makedirs(os.path.dirname(os.path.abspath(output_path)), exist_ok=True)
-  with tempfile.TemporaryDirectory(dir=os.path.dirname(os.path.abspath(output_path))) as tmp:
+  with tempfile.TemporaryDirectory() as tmp:  # SentencePiece's trainer reads and writes local files only
     corpus = os.path.join(tmp, "corpus.txt")
     with open(corpus, "w", encoding="utf-8") as f:
       for text in sample:  # normalised: no line breaks inside
@@ -286,8 +289,9 @@ def train_tokenizer(texts: Iterable[str], output_path: str, vocab_size: int, *, 
         byte_fallback=byte_fallback, hard_vocab_limit=False, input_sentence_size=0,
         shuffle_input_sentence=False, num_threads=TRAINING_THREADS, minloglevel=2)
     with open(prefix + ".model", "rb") as f:
-      write_normalization_stamp(output_path, f.read(), lowercase)
-    shutil.move(prefix + ".model", output_path)
+      model_bytes = f.read()
+  write_normalization_stamp(output_path, model_bytes, lowercase)
+  write_bytes_atomically(output_path, model_bytes)
   tokenizer = Tokenizer(output_path)
   logging.info("Trained a %s%s vocabulary of %d pieces on %d sentences -> %s", "lowercased " if lowercase else "",
                model_type, tokenizer.vocab_size, len(sample), output_path)
@@ -296,7 +300,7 @@ def train_tokenizer(texts: Iterable[str], output_path: str, vocab_size: int, *, 
 
 def load_or_train_tokenizer(path: str, texts_fn, vocab_size: int, **train_kwargs) -> Tokenizer:
   """Loads the vocabulary at `path` if present (resume, translate), else trains it from `texts_fn()`."""
-  if os.path.exists(path):
+  if epath.Path(path).exists():
     return Tokenizer(path)
   return train_tokenizer(texts_fn(), path, vocab_size, **train_kwargs)
 

@@ -32,17 +32,19 @@ import logging
 import os
 import shutil
 import tempfile
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 import flax.linen as nn
 import jax
 import numpy as np
 import sentencepiece as spm
 import torch
+import transformers
 from safetensors.numpy import load_file, save_file
 
 from transformer_jax import checkpoint as checkpoint_lib
 from transformer_jax.config import ModelConfig
+from transformer_jax.data import spm_export
 from transformer_jax.data.tokenizer import Tokenizer, VocabularyError
 from transformer_jax.data.marian_vocab import (EOS_PIECE, MARIAN_TOKENIZER_FILES, PAD_PIECE, SOURCE_SPM,
                                               TARGET_SPM, TOKENIZER_NAME, VOCAB_JSON, MarianVocabulary)
@@ -136,11 +138,19 @@ def marian_config_from_model(config: ModelConfig) -> dict:
   """The `config.json` of a `MarianMTModel` computing what `Transformer(config)` computes.
 
   Raises:
-    UnsupportedModelError: learned positions, pre-LN, separate embeddings or a gated FFN (MarianMTModel has none
-      of them).
+    UnsupportedModelError: learned or no absolute positions, relative positions, a local attention window,
+      pre-LN, separate embeddings or a gated FFN (MarianMTModel has none of them).
   """
   if config.position_embedding != "sinusoidal":
-    raise UnsupportedModelError("cannot export learned position embeddings: MarianMTModel has sinusoids only")
+    raise UnsupportedModelError(f"cannot export position_embedding={config.position_embedding!r}: MarianMTModel "
+                                "has sinusoids only")
+  if config.max_relative_position:
+    raise UnsupportedModelError(f"cannot export relative positions (max_relative_position="
+                                f"{config.max_relative_position}) to Marian: MarianMTModel has none (the CTranslate2 "
+                                "export holds them with position_embedding='none'); train with max_relative_position=0")
+  if config.attention_window:
+    raise UnsupportedModelError(f"cannot export local attention (attention_window={config.attention_window}): "
+                                "MarianMTModel attends to every position")
   if config.pre_ln:
     raise UnsupportedModelError("cannot export a pre-LN model: MarianMTModel is post-LN")
   if not config.share_embeddings:
@@ -156,7 +166,7 @@ def marian_config_from_model(config: ModelConfig) -> dict:
       "activation_function": config.activation, "max_position_embeddings": config.max_len,
       "scale_embedding": config.scale_embeddings, "dropout": config.dropout_rate,
       "attention_dropout": config.attention_dropout_rate, "activation_dropout": config.relu_dropout_rate,
-      "pad_token_id": config.pad_id, "eos_token_id": config.eos_id, "forced_eos_token_id": config.eos_id,
+      "pad_token_id": config.pad_id, "eos_token_id": config.eos_id, "forced_eos_token_id": None,
       "decoder_start_token_id": config.bos_id, "share_encoder_decoder_embeddings": True,
       "tie_word_embeddings": True, "static_position_embeddings": True, "normalize_before": False,
       "dtype": "float32",
@@ -164,11 +174,19 @@ def marian_config_from_model(config: ModelConfig) -> dict:
 
 
 def generation_config(config: ModelConfig, max_length: int | None = None) -> dict:
-  """`generation_config.json`: our search's start/stop ids, and like ours it never emits pad or BOS."""
+  """`generation_config.json`: what `generate` must do by itself to search as ours does.
+
+  Our search's start/stop ids; pad and BOS never emitted (`bad_words_ids`); no EOS forced at the cap (ours
+  stops there without one); at most `config.max_len` output tokens (`max_length` counts the decoder start
+  too), so no default run reads a position past the table; beam search without a length penalty that stops
+  only when no live beam can beat the best finished one (`length_penalty` 0, `early_stopping` "never"): ours
+  at alpha 0. Greedy by default (`num_beams` 1), as `experiments.translate`.
+  """
   banned = sorted({config.pad_id, config.bos_id})
   return {"decoder_start_token_id": config.bos_id, "eos_token_id": config.eos_id, "pad_token_id": config.pad_id,
-          "forced_eos_token_id": config.eos_id, "bad_words_ids": [[i] for i in banned],
-          "max_length": max_length or config.max_len, "num_beams": 1}
+          "forced_eos_token_id": None, "bad_words_ids": [[i] for i in banned],
+          "max_length": (max_length or config.max_len) + 1, "num_beams": 1, "length_penalty": 0.0,
+          "early_stopping": "never"}
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -378,12 +396,16 @@ def load_marian(model_dir: str) -> tuple[ModelConfig, dict, MarianVocabulary]:
 
 
 def shared_spm_tokenizer_files(spm_path: str, directory: str) -> None:
-  """Marian tokenizer files for our one shared SentencePiece model: source.spm = target.spm = it, and
-  `vocab.json` = its own piece ids (so model ids are unchanged)."""
+  """Marian tokenizer files for our one shared SentencePiece model: source.spm = target.spm = it, with our
+  text normalisation (and lowercasing, for a case-folded vocabulary) as its own normaliser
+  (`spm_export.with_normalization`), so a runtime that feeds raw text to it (`MarianTokenizer`, CTranslate2
+  users) gets the pieces our `Tokenizer` gives; `vocab.json` = its own piece ids (model ids unchanged)."""
+  ours = Tokenizer(spm_path)
   processor = spm.SentencePieceProcessor(model_file=spm_path)
   vocab = {processor.id_to_piece(i): i for i in range(processor.get_piece_size())}
   for name in (SOURCE_SPM, TARGET_SPM):
-    shutil.copyfile(spm_path, os.path.join(directory, name))
+    spm_export.with_normalization(spm_path, os.path.join(directory, name), version=ours.normalization,
+                                  lowercase=ours.lowercase)
   with open(os.path.join(directory, VOCAB_JSON), "w", encoding="utf-8") as f:
     json.dump(vocab, f, ensure_ascii=False, indent=1)
 
@@ -402,15 +424,11 @@ def save_marian(params: Mapping, config: ModelConfig, output_dir: str, *, tokeni
 
   Raises:
     UnsupportedModelError: what Marian cannot represent (learned positions, pre-LN, separate embeddings, a
-      gated FFN, a lowercased vocabulary: Marian's tokenizer would not lowercase its input).
+      gated FFN). A lowercased vocabulary is exported with lowercasing in its SentencePiece normaliser.
     FileExistsError: `output_dir` exists and is not empty.
   """
   if os.path.isdir(output_dir) and os.listdir(output_dir):
     raise FileExistsError(f"{output_dir} exists and is not empty; choose a new --output")
-  if not os.path.isdir(tokenizer_path) and Tokenizer(tokenizer_path).lowercase:
-    raise UnsupportedModelError(f"{tokenizer_path} is a lowercased vocabulary (data.lowercase): Marian's and "
-                                "CTranslate2's tokenizers do not lowercase their input, so capitals would become "
-                                "unknown pieces; export a model trained with data.lowercase=False")
   hf_config = marian_config_from_model(config)
   if config.layer_norm_epsilon != MARIAN_LAYER_NORM_EPSILON:
     logging.info("layer_norm_epsilon=%g; MarianMTModel's LayerNorm uses %g (logits differ by ~1e-5; the "
@@ -484,7 +502,8 @@ def import_to_workdir(model_dir: str, workdir: str) -> dict:
                                     tx=schedule.adam_with_schedule(config.d_model))
     with checkpoint_lib.Checkpointer(os.path.join(tmp, "checkpoints"),
                                      enable_async_checkpointing=False) as ckpt:
-      ckpt.save(0, state, jax.random.key(0), None, value, force=True)
+      saved = ckpt.save(0, state, jax.random.key(0), None, value, force=True)
+    checkpoint_lib.require_saved(saved, os.path.join(tmp, "checkpoints"), 0)
     if os.path.isdir(workdir):
       os.rmdir(workdir)
     os.replace(tmp, workdir)
@@ -492,3 +511,29 @@ def import_to_workdir(model_dir: str, workdir: str) -> dict:
     shutil.rmtree(tmp, ignore_errors=True)
     raise
   return value
+
+
+def generate_ids(model_dir: str, lines: Sequence[str], *, beam_size: int = 1, extra_len: int = 50,
+                 max_len: int | None = None, batch_size: int = 32) -> list[list[int]]:
+  """Output ids (without the decoder start and EOS) of an exported directory used as Hugging Face documents a
+  Marian model: `MarianTokenizer(lines)` (raw text; it appends `</s>`), then `MarianMTModel.generate` with the
+  directory's generation config and `num_beams=beam_size`. Each output is capped at `min(len(source) + extra_len,
+  max_len)` new tokens like `inference.translate_ids` (`len(source)` without EOS; `max_len` None: no such cap).
+  Lines are grouped by cap and padded into batches of `batch_size`."""
+  tokenizer = transformers.MarianTokenizer.from_pretrained(model_dir)
+  model = transformers.MarianMTModel.from_pretrained(model_dir).eval()
+  lengths = [len(tokenizer(line)["input_ids"]) - 1 for line in lines]
+  caps = [n + extra_len if max_len is None else min(n + extra_len, max_len) for n in lengths]
+  out: list[list[int]] = [[] for _ in lines]
+  eos, pad = model.generation_config.eos_token_id, model.generation_config.pad_token_id
+  for cap in sorted(set(caps)):
+    idx = [i for i, c in enumerate(caps) if c == cap]
+    for start in range(0, len(idx), batch_size):
+      chunk = idx[start:start + batch_size]
+      batch = tokenizer([lines[i] for i in chunk], return_tensors="pt", padding=True)
+      with torch.no_grad():
+        generated = model.generate(**batch, num_beams=beam_size, max_length=max(cap, 1) + 1)  # + the start
+      for i, row in zip(chunk, generated[:, 1:].tolist()):
+        row = row[: row.index(eos)] if eos in row else row
+        out[i] = [t for t in row if t != pad]
+  return out

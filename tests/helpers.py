@@ -1,0 +1,52 @@
+"""Helpers several test files share: a tiny number-words config, a poisoned train step, waiting on a process."""
+
+import time
+
+import numpy as np
+
+from experiments.configs import number_words
+from transformer_jax import trainer
+
+
+def tiny_number_words_config(tmp_path):
+  """The built-in task's tiny split with a 1+1-layer d_model 32 model and synchronous checkpoints: a run that
+  trains in seconds. Callers set the steps and evaluations they need."""
+  config = number_words.get_config()
+  config.data.builder_config = "tiny"
+  config.data.vocab_size = 128
+  config.data.tfds_data_dir = str(tmp_path / "tfds")
+  config.data.tokens_per_batch = 512
+  config.model.update(num_encoder_layers=1, num_decoder_layers=1, d_model=32, d_ff=64, num_heads=2)
+  config.async_checkpointing = False
+  return config
+
+
+def poison_train_step(monkeypatch, at_step: int, **metrics) -> None:
+  """Makes the trainer's compiled step report `metrics` (e.g. `loss=nan`) after update `at_step`."""
+  real = trainer.make_train_step
+
+  def poisoned(*args, **kwargs):
+    step_fn = real(*args, **kwargs)
+
+    def run(state, batch, rng):
+      new_state, reported = step_fn(state, batch, rng)
+      if int(new_state.step) == at_step:
+        reported = dict(reported, **{k: np.float32(v) for k, v in metrics.items()})
+      return new_state, reported
+    return run
+
+  monkeypatch.setattr(trainer, "make_train_step", poisoned)
+
+
+def wait_for(predicate, proc, timeout: float, poll: float = 0.1) -> None:
+  """Waits until `predicate()` holds; AssertionError (with the process's stderr tail) if `proc` exits first
+  or `timeout` seconds pass (then `proc` is killed)."""
+  deadline = time.time() + timeout
+  while time.time() < deadline:
+    if predicate():
+      return
+    if proc.poll() is not None:
+      raise AssertionError(f"training exited early: {proc.stderr.read()[-3000:]}")
+    time.sleep(poll)
+  proc.kill()
+  raise AssertionError("timed out waiting for training progress")

@@ -1,0 +1,280 @@
+"""Issue 54: no wrong answers at the edges, through the real programs.
+
+Positions and ids past the model's tables are refused by name; a workdir has one training owner at a time; a
+metric's direction comes from one table; a refused checkpoint write is an error; a resume that would replay
+another batch plan is refused before anything is rewritten; BLEU tokenises the target language as sacreBLEU does.
+"""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+import sacrebleu
+
+import helpers
+from tests.test_experiments import REPO, TINY_OVERRIDES, _env, _one_line_error, _run, _tree
+from transformer_jax import config as config_lib
+from transformer_jax import metrics, trainer
+from transformer_jax.workdir import LOCK_FILENAME, OwnerLock, WorkdirInUseError
+
+QUICK = [*TINY_OVERRIDES, "--config.num_train_steps=10", "--config.final_eval.split="]
+
+
+@pytest.fixture(scope="module")
+def run10(tmp_path_factory):
+  """A tiny number-words run of 10 steps (checkpoints 10)."""
+  wd = tmp_path_factory.mktemp("run10") / "w"
+  _run(["experiments.train", f"--workdir={wd}", *QUICK])
+  return wd
+
+
+# -- positions and ids past the tables ----------------------------------------------------------------------
+
+@pytest.mark.parametrize("flags", [
+    ["--config.data.max_len=128", "--config.model.max_len=64"],
+    ["--config.data.max_len=65", "--config.model.max_len=64", "--config.model.position_embedding=learned"],
+], ids=["sinusoidal", "learned"])
+def test_data_rows_longer_than_the_position_table_are_refused_naming_both_keys(tmp_path, flags):
+  result = _run(["experiments.train", f"--workdir={tmp_path}/w", *TINY_OVERRIDES, *flags], check=False)
+  _one_line_error(result, "--config.data.max_len=", "--config.model.max_len=64")
+  assert not os.path.exists(tmp_path / "w")
+
+
+def test_a_model_without_a_position_table_may_take_longer_rows():
+  from experiments.configs import number_words
+  cfg = number_words.get_config()
+  cfg.data.max_len, cfg.model.max_len = 128, 64
+  cfg.model.position_embedding, cfg.model.max_relative_position = "none", 8
+  trainer.check_position_table(cfg)  # relative distances are clipped: no table to run past
+  cfg.model.position_embedding = "sinusoidal"
+  with pytest.raises(ValueError, match="data.max_len=128 exceeds --config.model.max_len=64"):
+    trainer.check_position_table(cfg)
+
+
+@pytest.mark.parametrize("key, value, needle", [
+    ("inputs", 300, "token ids [300] outside [0, 256)"), ("targets", -1, "token ids [-1] outside [0, 256)"),
+    ("inputs_position", 64, "positions [64] outside [0, 64)"),
+    ("targets_position", 70, "positions [70] outside [0, 64)")])
+def test_a_batch_past_the_tables_is_refused_with_step_row_and_values(key, value, needle):
+  model = config_lib.ModelConfig(vocab_size=256, max_len=64, d_model=32, d_ff=64, num_heads=2)
+  batch = {k: np.zeros((2, 3, 8), np.int32) for k in ("inputs", "targets", "inputs_position", "targets_position")}
+  trainer.check_batch_in_tables(batch, model, step=5)
+  batch[key][1, 2, 4] = value  # micro-batch 1, row 2: row 5 of the 6
+  with pytest.raises(trainer.BatchOutOfTableError, match=r"step 5, row 5: " + key) as error:
+    trainer.check_batch_in_tables(batch, model, step=5)
+  assert needle in str(error.value)
+
+
+def test_relative_distances_past_the_clip_stay_in_the_table():
+  """Shaw et al.'s distances are clipped to +-k: any distance reads a row of the `[2k+1]` table."""
+  import jax.numpy as jnp
+  from transformer_jax.attention import RelativePositions
+  rel = RelativePositions(jnp.zeros((9, 2)), jnp.zeros((9, 2)), max_distance=4)
+  distances = np.asarray([-10_000, -5, -4, -1, 0, 3, 4, 5, 10_000])
+  np.testing.assert_array_equal(np.asarray(rel.index(jnp.asarray(distances))),
+                                np.clip(distances, -4, 4) + 4)
+
+
+def test_a_non_finite_grad_norm_names_the_quantity_step_and_batch(monkeypatch, tmp_path):
+  from experiments.configs import number_words
+
+  helpers.poison_train_step(monkeypatch, 4, grad_norm=float("inf"))
+  config = number_words.get_config()
+  config.data.builder_config, config.data.vocab_size = "tiny", 128
+  config.data.tfds_data_dir = str(tmp_path / "tfds")
+  config.model.d_model, config.model.d_ff, config.model.num_heads = 32, 64, 2
+  config.num_train_steps, config.log_every_steps, config.evals.loss.every_steps = 10, 5, 0
+  with pytest.raises(trainer.NonFiniteLossError,
+                     match=r"training grad_norm is inf at step 4 \(non-finite: grad_norm\); its batch is batch 3 "
+                           r"of epoch 0"):
+    trainer.train_and_evaluate(config, str(tmp_path / "run"))
+
+
+# -- one owner per workdir --------------------------------------------------------------------------------
+
+def _lock(path, pid, host=None):
+  with open(os.path.join(path, LOCK_FILENAME), "w") as f:
+    json.dump({"pid": pid, "host": host or socket.gethostname(), "started": "then"}, f)
+
+
+def test_a_live_lock_refuses_a_second_trainer_in_one_line_and_readers_still_work(run10, tmp_path):
+  _lock(run10, os.getpid())
+  try:
+    before = _tree(run10)
+    result = _run(["experiments.train", f"--workdir={run10}", *QUICK, "--config.num_train_steps=20"], check=False)
+    _one_line_error(result, "is in use by another training run", f"pid {os.getpid()}")
+    assert _tree(run10) == before
+    out = _run(["experiments.translate", f"--workdir={run10}"], stdin="twelve\n")  # a reader takes no lock
+    assert len(out.stdout.split("\n")) == 2
+    _lock(run10, 1, host="another-host")  # another host's lock: its process cannot be checked, so it holds
+    _one_line_error(_run(["experiments.train", f"--workdir={run10}", *QUICK], check=False),
+                    "another-host")
+  finally:
+    os.remove(os.path.join(run10, LOCK_FILENAME))
+
+
+def test_a_stale_lock_of_a_dead_process_is_taken_over(tmp_path):
+  dead = subprocess.Popen([sys.executable, "-c", "pass"])
+  dead.wait()
+  lock = OwnerLock(tmp_path)
+  _lock(tmp_path, dead.pid)
+  with lock:
+    assert json.load(open(tmp_path / LOCK_FILENAME))["pid"] == os.getpid()
+    with pytest.raises(WorkdirInUseError, match=f"pid {os.getpid()}"):
+      OwnerLock(tmp_path).acquire()
+  assert not (tmp_path / LOCK_FILENAME).exists()
+
+
+def test_two_trainers_on_one_workdir_the_second_is_refused(tmp_path):
+  workdir = tmp_path / "w"
+  first = subprocess.Popen([sys.executable, "-m", "experiments.train", f"--workdir={workdir}", *TINY_OVERRIDES,
+                            "--config.num_train_steps=100000", "--config.final_eval.split="],
+                           cwd=REPO, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+  try:
+    deadline = time.time() + 240  # until it trains (its SIGTERM handler is installed then)
+    while not (workdir / "metrics.jsonl").exists() and time.time() < deadline and first.poll() is None:
+      time.sleep(0.5)
+    assert (workdir / LOCK_FILENAME).exists(), first.stderr.read()[-2000:] if first.poll() is not None else ""
+    second = _run(["experiments.train", f"--workdir={workdir}", *QUICK], check=False)
+    _one_line_error(second, "is in use by another training run", f"pid {first.pid}")
+  finally:
+    first.send_signal(signal.SIGTERM)  # saves and stops; the lock goes with it
+    first.wait(timeout=240)
+  assert first.returncode == 0 and not (workdir / LOCK_FILENAME).exists()
+
+
+# -- a metric's direction is known ----------------------------------------------------------------------
+
+def test_metric_directions_come_from_one_table():
+  assert not metrics.higher_is_better("validation/perplexity") and not metrics.higher_is_better("nll")
+  assert metrics.higher_is_better("validation/bleu") and metrics.higher_is_better("chrf")
+  with pytest.raises(ValueError, match="no known direction"):
+    metrics.higher_is_better("validation/attention/encoder/near_uniform_share")
+
+
+def test_best_checkpoint_by_perplexity_keeps_the_lowest(tmp_path):
+  workdir = tmp_path / "w"
+  _run(["experiments.train", f"--workdir={workdir}", *TINY_OVERRIDES, "--config.num_train_steps=40",
+        "--config.evals.loss.every_steps=10", "--config.checkpoint_keep=1", "--config.warmup_steps=5",
+        "--config.learning_rate=8.0",  # a schedule that overshoots: perplexity is not monotone here
+        "--config.checkpoint_best_metric=validation/perplexity", "--config.final_eval.split="])
+  logged = [json.loads(line) for line in open(workdir / "metrics.jsonl")]
+  perplexity = {row["step"]: row["validation/perplexity"] for row in logged if "validation/perplexity" in row}
+  best = min(perplexity, key=perplexity.get)
+  kept = {int(d) for d in os.listdir(workdir / "checkpoints") if d.isdigit()}
+  assert best in kept and kept <= {best, 40}, (perplexity, kept)
+
+
+@pytest.mark.parametrize("flags, needle", [
+    (["--config.checkpoint_best_metric=validation/bleu"], "bleu evaluator, which is off"),
+    (["--config.checkpoint_best_metric=test/loss"], "split 'test' is not evaluated"),
+    (["--config.checkpoint_best_metric=validation/entropy", "--config.evals.loss.every_steps=5"],
+     "no evaluator computes 'entropy'"),
+    (["--config.checkpoint_best_metric=validation/perplexity"], "loss evaluator, which is off"),
+])
+def test_a_best_metric_that_is_never_computed_is_refused_at_start(tmp_path, flags, needle):
+  result = _run(["experiments.train", f"--workdir={tmp_path}/w", *TINY_OVERRIDES, *flags], check=False)
+  _one_line_error(result, needle)
+  assert not os.path.exists(tmp_path / "w")
+
+
+# -- a refused write is an error --------------------------------------------------------------------------
+
+def test_averaging_into_an_output_holding_that_step_is_an_error_and_keeps_it(run10, tmp_path):
+  out = tmp_path / "avg"
+  _run(["experiments.average_checkpoints", f"--workdir={run10}", "--last=1", f"--output={out}"])
+  before = _tree(out)
+  result = _run(["experiments.average_checkpoints", f"--workdir={run10}", "--last=1", f"--output={out}"],
+                check=False)
+  _one_line_error(result, "already holds step 10")
+  assert _tree(out) == before and "wrote the average" not in result.stdout
+
+
+def test_a_save_orbax_refuses_raises(tmp_path):
+  from transformer_jax import checkpoint
+  with pytest.raises(checkpoint.CheckpointWriteError, match="step 7 was not written"):
+    checkpoint.require_saved(False, tmp_path, 7)
+  checkpoint.require_saved(True, tmp_path, 7)
+
+
+# -- a resume that would replay another batch plan ------------------------------------------------------
+
+@pytest.mark.parametrize("flag, needle", [
+    ("--config.data.tokens_per_batch=512", "rows_per_batch"),
+    ("--config.seed=3", "saved with seed 0"),
+    ("--config.data.max_len=32", "row_length"),
+])
+def test_a_resume_on_another_batch_plan_is_refused_and_rewrites_nothing(run10, flag, needle):
+  before = _tree(run10)
+  result = _run(["experiments.train", f"--workdir={run10}", *QUICK, "--config.num_train_steps=20", flag],
+                check=False)
+  _one_line_error(result, needle)
+  assert _tree(run10) == before  # config.json included
+
+
+# -- BLEU follows the target language -----------------------------------------------------------------
+
+def test_bleu_tokenises_chinese_as_sacrebleu_does():
+  hyps, refs = ["猫坐在垫子上。", "今天天气很好"], ["猫坐在垫子上。", "今天天气不错"]
+  scores = metrics.sacrebleu_scores(hyps, refs, target_lang="zh")
+  assert scores["bleu"] == pytest.approx(sacrebleu.corpus_bleu(hyps, [refs], tokenize="zh").score)
+  assert "tok:zh" in scores["bleu_signature"] and scores["bleu"] > 40
+  assert metrics.sacrebleu_scores(hyps, refs)["bleu"] < 1  # 13a sees one "word" per line
+  assert "tok:zh" in metrics.sacrebleu_scores(hyps, refs, target_lang="zh-Hans")["bleu_signature"]
+  assert "tok:13a" in metrics.sacrebleu_scores(hyps, refs, target_lang="de")["bleu_signature"]
+
+
+def test_evaluate_scores_with_the_target_languages_tokenizer(run10, tmp_path):
+  src, ref = tmp_path / "src.txt", tmp_path / "ref.txt"
+  src.write_text("twenty-one\nfive\n", encoding="utf-8")
+  ref.write_text("二十一\n五\n", encoding="utf-8")
+  result = _run(["experiments.evaluate", f"--workdir={run10}", f"--source={src}", f"--reference={ref}",
+                 "--beam_size=1", "--target_lang=zh", f"--output_prefix={tmp_path}/eval"])
+  assert "tok:zh" in result.stdout
+  hyps = (tmp_path / "eval.hyp").read_text(encoding="utf-8").split("\n")[:-1]
+  scored = json.loads((tmp_path / "eval.json").read_text())
+  assert scored["bleu"] == pytest.approx(sacrebleu.corpus_bleu(hyps, [["二十一", "五"]], tokenize="zh").score)
+
+
+def test_a_target_language_whose_tokenizer_is_missing_is_one_line(run10, tmp_path):
+  try:
+    __import__("MeCab")
+    pytest.skip("MeCab is installed: ja-mecab loads")
+  except ImportError:
+    pass
+  src = tmp_path / "src.txt"
+  src.write_text("five\n", encoding="utf-8")
+  result = _run(["experiments.evaluate", f"--workdir={run10}", f"--source={src}", f"--reference={src}",
+                 "--target_lang=ja", f"--output_prefix={tmp_path}/eval"], check=False)
+  _one_line_error(result, "ja-mecab")
+  assert not (tmp_path / "eval.json").exists()
+
+
+def test_eval_pairs_longer_than_the_position_table_are_left_out_not_nan():
+  from transformer_jax.data.datasets import EvalSet
+  model = config_lib.ModelConfig(vocab_size=32, max_len=4, d_model=8, d_ff=16, num_heads=2)
+  ids = [np.arange(n, dtype=np.int32) for n in (3, 4, 5, 2)]
+  eval_set = EvalSet(pairs=[("", "")] * 4, sources=ids, targets=[np.arange(2, dtype=np.int32)] * 4)
+  sources, _ = trainer.within_position_table(eval_set, model, "validation")
+  assert [len(s) for s in sources] == [3, 4, 2]
+  relative = model.replace(position_embedding="none", max_relative_position=2)
+  assert len(trainer.within_position_table(eval_set, relative, "validation")[0]) == 4
+
+
+# -- wrong kinds of input ---------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("content, needle", [('{"add_source_eos": true, "bos_token": "<s>"}', "not a transformer_jax run's config"),
+                                             ("\x00\x01garbage", "is not valid JSON")])
+def test_a_directory_of_another_kind_is_not_taken_for_a_workdir(tmp_path, content, needle):
+  (tmp_path / "config.json").write_text(content, encoding="utf-8")
+  before = _tree(tmp_path)
+  for program in (["experiments.translate", f"--workdir={tmp_path}"],
+                  ["experiments.train", f"--workdir={tmp_path}", *QUICK]):
+    _one_line_error(_run(program, stdin="five\n", check=False), needle, str(tmp_path))
+  assert _tree(tmp_path) == before
