@@ -34,8 +34,10 @@ def define_flags(*, nbest: bool) -> None:
     flags.DEFINE_integer("nbest", 1, "Hypotheses per input line (<= --beam_size; beam search only).")
 
 
-def options(beam_size: int, alpha: float, *, nbest: int = 1, alignment: bool = False) -> search.DecodeOptions:
-  """The flags as a checked `DecodeOptions`; ValueError names the flag of a bad value or combination."""
+def options(beam_size: int, alpha: float, *, nbest: int = 1, alignment: bool = False,
+            token_log_probs: bool = False) -> search.DecodeOptions:
+  """The flags as a checked `DecodeOptions` (per-token log-probs only where the caller prints them);
+  ValueError names the flag of a bad value or combination."""
   if FLAGS.sampling != "beam" and nbest > 1:
     raise ValueError(f"--nbest={nbest} needs --sampling=beam (greedy search and sampling give one hypothesis)")
   if FLAGS.sampling == "beam" and nbest > beam_size:
@@ -51,7 +53,7 @@ def options(beam_size: int, alpha: float, *, nbest: int = 1, alignment: bool = F
     raise ValueError(f"--top_k={FLAGS.top_k} must be >= 0")
   return search.DecodeOptions(sampling=FLAGS.sampling, beam_size=beam_size, alpha=float(alpha), nbest=nbest,
                               temperature=FLAGS.temperature, top_k=FLAGS.top_k, top_p=FLAGS.top_p,
-                              alignment=alignment).check()
+                              alignment=alignment, token_log_probs=token_log_probs).check()
 
 
 def load_models(workdir: str, checkpoint: str | None):

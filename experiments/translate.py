@@ -115,7 +115,8 @@ def main():
   prefixes = _read_prefixes(len(lines))
   phrases = _read_constraints(len(lines))
   _check_combinations()
-  options = decoding.options(FLAGS.beam_size, FLAGS.alpha, nbest=FLAGS.nbest, alignment=FLAGS.print_alignment)
+  options = decoding.options(FLAGS.beam_size, FLAGS.alpha, nbest=FLAGS.nbest, alignment=FLAGS.print_alignment,
+                             token_log_probs=FLAGS.output_format == "jsonl")
   model_config, params_list, tokenizer = decoding.load_models(FLAGS.workdir, FLAGS.checkpoint)
   with tqdm(total=len(lines), unit="sent", file=sys.stderr, disable=not FLAGS.input) as bar:
     if FLAGS.mbr_utility:

@@ -116,8 +116,9 @@ def _ensemble_rows(counts, beams, alphas, sources, references, target_lang: str)
     model_config, tokenizer = models[0][0], models[0][2]
     for beam, alpha in [(b, a) for b in beams for a in (alphas if b > 1 else alphas[:1])]:
       start = time.perf_counter()
-      lists = inference.decode_texts([m[1] for m in models], model_config, tokenizer, sources,
-                                     search.DecodeOptions(beam_size=beam, alpha=alpha), extra_len=FLAGS.extra_len)
+      options = search.DecodeOptions(beam_size=beam, alpha=alpha, token_log_probs=False)
+      lists = inference.decode_texts([m[1] for m in models], model_config, tokenizer, sources, options,
+                                     extra_len=FLAGS.extra_len)
       seconds = time.perf_counter() - start
       hypotheses = [tokenizer.decode(hyps[0].ids) if hyps else "" for hyps in lists]
       scores = metrics.sacrebleu_scores(hypotheses, references, lowercase=tokenizer.lowercase,

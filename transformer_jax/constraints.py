@@ -145,7 +145,8 @@ class DynamicBeamAllocation:
       share = share.at[i].add(-over)
       share = share.at[i - 1 if i > 0 else needed].add(over)
     index = jnp.arange(score.shape[0])
-    better = (score[None, :] > score[:, None]) | ((score[None, :] == score[:, None]) & (index[None, :] < index[:, None]))
+    better = ((score[None, :] > score[:, None])
+              | ((score[None, :] == score[:, None]) & (index[None, :] < index[:, None])))
     rank = jnp.sum((bank[:, None] == bank[None, :]) & better, axis=1)  # rank of each candidate inside its bank
     reserved = (rank < share[bank]) & live
     return jnp.lexsort((-score, ~reserved))[:k]

@@ -155,7 +155,7 @@ class _SeqState(NamedTuple):
   t: Array  # scalar int32: tokens emitted so far
   tokens: Array  # [b, L]
   log_probs: Array  # [b]
-  token_log_probs: Array  # [b, L] float32: the log-prob of each emitted token, 0 after the last
+  token_log_probs: Any  # [b, L] float32: the log-prob of each emitted token, 0 after the last; () untracked
   done: Array  # [b]
   cache: Any
 
@@ -164,13 +164,15 @@ class SequenceOutput(NamedTuple):
   """What the one-hypothesis searches return with `full_output=True`."""
   tokens: Array  # [batch, max_decode_len] int32
   log_probs: Array  # [batch] float32: sum of the token log-probs (EOS included)
-  token_log_probs: Array  # [batch, max_decode_len] float32: each emitted token's log-prob, 0 after the last
+  token_log_probs: Optional[Array]  # [batch, max_decode_len] float32: each token's log-prob, 0 after the last
 
 
 def _sequential_search(tokens_to_logits: TokensToLogits, cache, choose: Callable[[Array, Array], Array], *,
                        batch_size: int, max_decode_len: int, bos_id: int, eos_id: int, pad_id: int,
-                       max_lengths: Optional[Array], log_probs_fn: Optional[LogProbsFn] = None) -> SequenceOutput:
-  """Shared loop of greedy search and sampling; `choose(log_probs [b, V], t) -> tokens [b]`."""
+                       max_lengths: Optional[Array], log_probs_fn: Optional[LogProbsFn] = None,
+                       per_token: bool = True) -> SequenceOutput:
+  """Shared loop of greedy search and sampling; `choose(log_probs [b, V], t) -> tokens [b]`. Without
+  `per_token` (static) the loop carries no per-token buffer and `token_log_probs` is None."""
   _check_ids(bos_id, eos_id, pad_id)
   batch, length = batch_size, max_decode_len
   limits = _row_limits(max_lengths, batch, length)
@@ -188,15 +190,16 @@ def _sequential_search(tokens_to_logits: TokensToLogits, cache, choose: Callable
     token_logp = jnp.where(s.done, 0.0, jnp.take_along_axis(logp, token[:, None], axis=1)[:, 0])
     log_probs = s.log_probs + token_logp
     tokens = lax.dynamic_update_slice(s.tokens, token[:, None], (0, s.t))
-    token_log_probs = lax.dynamic_update_slice(s.token_log_probs, token_logp[:, None], (0, s.t))
+    token_log_probs = (lax.dynamic_update_slice(s.token_log_probs, token_logp[:, None], (0, s.t))
+                       if per_token else ())
     done = s.done | (token == eos_id) | (s.t + 1 >= limits)
     return _SeqState(s.t + 1, tokens, log_probs, token_log_probs, done, cache)
 
   init = _SeqState(jnp.array(0, jnp.int32), jnp.full((batch, length), pad_id, jnp.int32),
-                   jnp.zeros((batch,), jnp.float32), jnp.zeros((batch, length), jnp.float32),
+                   jnp.zeros((batch,), jnp.float32), jnp.zeros((batch, length), jnp.float32) if per_token else (),
                    jnp.zeros((batch,), bool), cache)
   final = lax.while_loop(cond, body, init)
-  return SequenceOutput(final.tokens, final.log_probs, final.token_log_probs)
+  return SequenceOutput(final.tokens, final.log_probs, final.token_log_probs if per_token else None)
 
 
 def greedy_search_over(tokens_to_logits: TokensToLogits, cache, *, batch_size: int, max_decode_len: int,
@@ -218,7 +221,8 @@ def greedy_search_over(tokens_to_logits: TokensToLogits, cache, *, batch_size: i
   """
   out = _sequential_search(tokens_to_logits, cache, lambda logp, t: jnp.argmax(logp, axis=-1),
                            batch_size=batch_size, max_decode_len=max_decode_len, bos_id=bos_id,
-                           eos_id=eos_id, pad_id=pad_id, max_lengths=max_lengths, log_probs_fn=log_probs_fn)
+                           eos_id=eos_id, pad_id=pad_id, max_lengths=max_lengths, log_probs_fn=log_probs_fn,
+                           per_token=full_output)
   return out if full_output else (out.tokens, out.log_probs)
 
 
@@ -269,7 +273,7 @@ def sample_over(tokens_to_logits: TokensToLogits, cache, rng: Array, *, batch_si
 
   out = _sequential_search(tokens_to_logits, cache, choose, batch_size=batch_size,
                            max_decode_len=max_decode_len, bos_id=bos_id, eos_id=eos_id, pad_id=pad_id,
-                           max_lengths=max_lengths, log_probs_fn=log_probs_fn)
+                           max_lengths=max_lengths, log_probs_fn=log_probs_fn, per_token=full_output)
   return out if full_output else (out.tokens, out.log_probs)
 
 
@@ -281,11 +285,11 @@ class _BeamState(NamedTuple):
   t: Array  # scalar int32: tokens emitted so far by every live beam
   alive_seqs: Array  # [b, k, L]
   alive_log_probs: Array  # [b, k]; -inf = empty slot
-  alive_token_log_probs: Array  # [b, k, L]: each emitted token's log-prob, 0 after the last
+  alive_token_log_probs: Any  # [b, k, L]: each emitted token's log-prob, 0 after the last; () untracked
   fin_seqs: Array  # [b, k, L], best first
   fin_scores: Array  # [b, k]; -inf = empty slot
   fin_log_probs: Array  # [b, k]
-  fin_token_log_probs: Array  # [b, k, L]
+  fin_token_log_probs: Any  # [b, k, L]; () untracked
   done: Array  # [b]
   cache: Any  # the step function's cache, rows b * k
   selection: Any = ()  # a `BeamSelector`'s state (rows [b, k] first), () without one
@@ -314,7 +318,7 @@ class BeamSearchOutput(NamedTuple):
   scores: Array  # [batch, beam] float32: log_probs / lp(|Y|); -inf for empty slots
   log_probs: Array  # [batch, beam] float32: sum of token log-probs (EOS included)
   steps: Array  # scalar int32: decoder steps run (< max_decode_len when every source stopped early)
-  token_log_probs: Array  # [batch, beam, max_decode_len] float32: each token's log-prob, 0 after the last
+  token_log_probs: Optional[Array]  # [batch, beam, max_decode_len] f32: each token's log-prob (None untracked)
 
 
 def _gather_beams(x: Array, index: Array) -> Array:
@@ -329,17 +333,18 @@ def _check_beam_options(beam_size: int, early_stop: str):
     raise ValueError(f"early_stop={early_stop!r}; expected 'best', 'all' or 'none'")
 
 
-def _beam_init(batch: int, k: int, length: int, pad_id: int, cache) -> _BeamState:
+def _beam_init(batch: int, k: int, length: int, pad_id: int, cache, per_token: bool) -> _BeamState:
   alive_log_probs = jnp.where(jnp.arange(k) == 0, 0.0, NEG_INF)  # only beam 0 is live at the start
+  per_token_zeros = jnp.zeros((batch, k, length), jnp.float32) if per_token else ()
   return _BeamState(
       t=jnp.array(0, jnp.int32),
       alive_seqs=jnp.full((batch, k, length), pad_id, jnp.int32),
       alive_log_probs=jnp.broadcast_to(alive_log_probs, (batch, k)).astype(jnp.float32),
-      alive_token_log_probs=jnp.zeros((batch, k, length), jnp.float32),
+      alive_token_log_probs=per_token_zeros,
       fin_seqs=jnp.full((batch, k, length), pad_id, jnp.int32),
       fin_scores=jnp.full((batch, k), NEG_INF, jnp.float32),
       fin_log_probs=jnp.full((batch, k), NEG_INF, jnp.float32),
-      fin_token_log_probs=jnp.zeros((batch, k, length), jnp.float32),
+      fin_token_log_probs=per_token_zeros,
       done=jnp.zeros((batch,), bool),
       cache=cache)
 
@@ -363,18 +368,20 @@ def _beam_finalize(s: _BeamState, alpha: float, pad_id: int, alive_ok: Optional[
       jnp.concatenate([s.fin_log_probs, s.alive_log_probs], axis=1), order, axis=1)
   tokens = _gather_beams(jnp.concatenate([s.fin_seqs, s.alive_seqs], axis=1), order)
   tokens = jnp.where((scores > NEG_INF)[:, :, None], tokens, pad_id)
-  token_log_probs = _gather_beams(
-      jnp.concatenate([s.fin_token_log_probs, s.alive_token_log_probs], axis=1), order)
-  token_log_probs = jnp.where((scores > NEG_INF)[:, :, None], token_log_probs, 0.0)
+  token_log_probs = None
+  if not isinstance(s.alive_token_log_probs, tuple):  # tracked
+    token_log_probs = _gather_beams(
+        jnp.concatenate([s.fin_token_log_probs, s.alive_token_log_probs], axis=1), order)
+    token_log_probs = jnp.where((scores > NEG_INF)[:, :, None], token_log_probs, 0.0)
   return BeamSearchOutput(tokens, scores, log_probs, s.t, token_log_probs)
 
 
 def _extend_beams(s: _BeamState, seqs: Array, token: Array, top_log_probs: Array, alpha: float,
                   eos_id: int, token_logps: Array) -> _BeamState:
   """One step's `beam_size` best extensions (`seqs` [b, k, L] ending in `token` [b, k], with their log-probs
-  [b, k] and per-token log-probs `token_logps` [b, k, L]): those ending in EOS join the finished list, the rest
-  are the live beams (an EOS slot is empty for this step). Sources that had stopped keep their results. `t`
-  advances; `cache` is left to the caller."""
+  [b, k] and per-token log-probs `token_logps` [b, k, L], or () untracked): those ending in EOS join the
+  finished list, the rest are the live beams (an EOS slot is empty for this step). Sources that had stopped
+  keep their results. `t` advances; `cache` is left to the caller."""
   k = token.shape[1]
   is_eos = token == eos_id
   new_len = s.t + 1
@@ -383,18 +390,22 @@ def _extend_beams(s: _BeamState, seqs: Array, token: Array, top_log_probs: Array
   fin_seqs = _gather_beams(jnp.concatenate([s.fin_seqs, seqs], axis=1), fin_index)
   fin_log_probs = _gather_beams(
       jnp.concatenate([s.fin_log_probs, jnp.where(is_eos, top_log_probs, NEG_INF)], axis=1), fin_index)
-  fin_token_logps = _gather_beams(jnp.concatenate([s.fin_token_log_probs, token_logps], axis=1), fin_index)
   alive_log_probs = jnp.where(is_eos, NEG_INF, top_log_probs)
   keep = s.done
+  alive_token_logps, fin_token_logps = (), ()
+  if not isinstance(token_logps, tuple):  # tracked
+    fin_token_logps = _gather_beams(jnp.concatenate([s.fin_token_log_probs, token_logps], axis=1), fin_index)
+    fin_token_logps = jnp.where(keep[:, None, None], s.fin_token_log_probs, fin_token_logps)
+    alive_token_logps = jnp.where(keep[:, None, None], s.alive_token_log_probs, token_logps)
   return _BeamState(
       t=new_len,
       alive_seqs=jnp.where(keep[:, None, None], s.alive_seqs, seqs),
       alive_log_probs=jnp.where(keep[:, None], s.alive_log_probs, alive_log_probs),
-      alive_token_log_probs=jnp.where(keep[:, None, None], s.alive_token_log_probs, token_logps),
+      alive_token_log_probs=alive_token_logps,
       fin_seqs=jnp.where(keep[:, None, None], s.fin_seqs, fin_seqs),
       fin_scores=jnp.where(keep[:, None], s.fin_scores, fin_scores),
       fin_log_probs=jnp.where(keep[:, None], s.fin_log_probs, fin_log_probs),
-      fin_token_log_probs=jnp.where(keep[:, None, None], s.fin_token_log_probs, fin_token_logps),
+      fin_token_log_probs=fin_token_logps,
       done=keep, cache=s.cache)
 
 
@@ -418,7 +429,7 @@ def beam_search_over(tokens_to_logits: TokensToLogits, cache, *, batch_size: int
                      alpha: float, max_decode_len: int, bos_id: int, eos_id: int, pad_id: int,
                      max_lengths: Optional[Array] = None, early_stop: str = "best",
                      gather_cache: Callable = gather_beams, log_probs_fn: Optional[LogProbsFn] = None,
-                     selector: Optional[BeamSelector] = None) -> BeamSearchOutput:
+                     selector: Optional[BeamSelector] = None, per_token: bool = False) -> BeamSearchOutput:
   """Beam search with the GNMT length penalty over any step function (flax wmt / t5x `beam_search`).
 
   Args:
@@ -433,6 +444,8 @@ def beam_search_over(tokens_to_logits: TokensToLogits, cache, *, batch_size: int
       `i * beam_size + parent[i, j]`; the default `gather_beams` reorders every non-scalar leaf.
     log_probs_fn: optional `LogProbsFn` applied to each step's log-probs `[batch * beam_size, vocab]`.
     selector: optional `BeamSelector` that chooses the next beams instead of the plain top-k.
+    per_token: also track each token's log-prob (static; `BeamSearchOutput.token_log_probs`, else None):
+      two more `[batch, beam_size, max_decode_len]` buffers reordered at every step.
 
   Returns a `BeamSearchOutput`. Raises ValueError for `beam_size < 1`, an unknown `early_stop` or equal ids.
   """
@@ -457,10 +470,10 @@ def beam_search_over(tokens_to_logits: TokensToLogits, cache, *, batch_size: int
     vocab = logp.shape[-1]
     top_log_probs, parent, token, selection = _select(selector, s.alive_log_probs, logp.reshape(batch, k, vocab),
                                                       s.selection)
-    top_index = parent * vocab + token
     seqs = _append(s.alive_seqs, parent, token, t)
-    token_logps = _append(s.alive_token_log_probs, parent,
-                          jnp.take_along_axis(logp.reshape(batch, k * vocab), top_index, axis=1), t)
+    token_logps = () if not per_token else _append(  # each chosen token's own log-prob, after its beam's
+        s.alive_token_log_probs, parent,
+        jnp.take_along_axis(logp.reshape(batch, k * vocab), parent * vocab + token, axis=1), t)
     s = _extend_beams(s, seqs, token, top_log_probs, alpha, eos_id, token_logps)._replace(
         cache=gather_cache(cache, parent), selection=selection)
 
@@ -473,7 +486,8 @@ def beam_search_over(tokens_to_logits: TokensToLogits, cache, *, batch_size: int
       done = done | (reference >= bound)
     return s._replace(done=done)
 
-  init = _beam_init(batch, k, length, pad_id, cache)._replace(selection=selector.init(batch, k) if selector else ())
+  init = _beam_init(batch, k, length, pad_id, cache, per_token)._replace(
+      selection=selector.init(batch, k) if selector else ())
   s = lax.while_loop(cond, body, init)
   return _beam_finalize(s, alpha, pad_id, None if selector is None else selector.complete(s.selection))
 
@@ -647,9 +661,10 @@ def beam_search(params, config: ModelConfig, inputs: Array, beam_size: int = 4, 
   """Beam search of the Transformer with the GNMT length penalty (`transformer_step_fn` + `beam_search_over`).
 
   Returns `(tokens [batch, beam, max_decode_len], scores [batch, beam])`, best first; with `full_output`, a
-  `BeamSearchOutput` that adds `log_probs [batch, beam]` (the raw sum of token log-probs, EOS included) and
-  `steps` (decoder steps run). `scores = log_probs / ((5 + |Y|) / 6) ** alpha` with `|Y|` the number of
-  emitted tokens INCLUDING EOS (excluding BOS). Slots without any hypothesis have score -inf and pad tokens.
+  `BeamSearchOutput` that adds `log_probs [batch, beam]` (the raw sum of token log-probs, EOS included),
+  `steps` (decoder steps run) and `token_log_probs [batch, beam, max_decode_len]` (each token's log-prob).
+  `scores = log_probs / ((5 + |Y|) / 6) ** alpha` with `|Y|` the number of emitted tokens INCLUDING EOS
+  (excluding BOS). Slots without any hypothesis have score -inf and pad tokens.
   `early_stop`: 'best' (default), 'all' or 'none', see the module docstring.
   """
   _check_beam_options(beam_size, early_stop)
@@ -657,7 +672,7 @@ def beam_search(params, config: ModelConfig, inputs: Array, beam_size: int = 4, 
                                                   cached=cached)
   out = beam_search_over(step, cache, batch_size=inputs.shape[0], beam_size=beam_size, alpha=alpha,
                          max_decode_len=max_decode_len, max_lengths=max_lengths, early_stop=early_stop,
-                         gather_cache=gather_cache, **_ids(config))
+                         gather_cache=gather_cache, per_token=full_output, **_ids(config))
   return out if full_output else (out.tokens, out.scores)
 
 

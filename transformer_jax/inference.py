@@ -87,7 +87,7 @@ class Hypothesis(NamedTuple):
   ids: list  # token ids, EOS excluded
   log_prob: float  # natural log, sum over the tokens and the final EOS (the model's own, or the ensemble's)
   score: float  # log_prob / ((5 + |Y|) / 6) ** alpha, |Y| counting EOS (`decode.length_penalty`)
-  token_log_probs: list  # one float per token, then EOS's (when the hypothesis finished)
+  token_log_probs: Optional[list]  # one float per token, then EOS's (if finished); None unless asked for
   alignment: Optional[list]  # source position of each token of `ids` (`alignment.pharaoh`), or None
 
 
@@ -123,7 +123,7 @@ def translate_ids(params, config: ModelConfig, sources: Sequence[Sequence[int]],
   Sources longer than `config.max_len` (EOS included) are truncated, with a warning. `decode_ids` does the
   work and has every other decoding option.
   """
-  options = search_lib.DecodeOptions(sampling="beam", beam_size=beam_size, alpha=float(alpha))
+  options = search_lib.DecodeOptions(sampling="beam", beam_size=beam_size, alpha=float(alpha), token_log_probs=False)
   lists = decode_ids(params, config, sources, options, extra_len=extra_len, max_tokens_per_batch=max_tokens_per_batch,
                      batch_size=batch_size, append_eos=append_eos, progress=progress)
   return [hyps[0].ids if hyps else [] for hyps in lists]
@@ -145,7 +145,8 @@ def n_best_ids(params, config: ModelConfig, sources: Sequence[Sequence[int]], *,
   """
   if beam_size < 2:
     raise ValueError(f"beam_size={beam_size}: an n-best list needs beam search (beam_size >= 2)")
-  options = search_lib.DecodeOptions(sampling="beam", beam_size=beam_size, alpha=float(alpha), nbest=beam_size)
+  options = search_lib.DecodeOptions(sampling="beam", beam_size=beam_size, alpha=float(alpha), nbest=beam_size,
+                                     token_log_probs=False)
   lists = decode_ids(params, config, sources, options, extra_len=extra_len, max_tokens_per_batch=max_tokens_per_batch,
                      batch_size=batch_size, append_eos=append_eos, progress=progress)
   return [[(h.ids, h.log_prob) for h in hyps] for hyps in lists]
@@ -198,6 +199,7 @@ def _hypotheses(row, config: ModelConfig) -> list[Hypothesis]:
     emitted = len(ids) + int(len(ids) < row.tokens.shape[-1] and row.tokens[k][len(ids)] == config.eos_id)
     aligned = None if row.alignment is None else [int(x) for x in row.alignment[k][: len(ids)]]
     out.append(Hypothesis(ids, float(row.log_probs[k]), float(row.scores[k]),
+                          None if row.token_log_probs is None else
                           [float(x) for x in row.token_log_probs[k][:emitted]], aligned))
   return out
 

@@ -36,6 +36,8 @@ class DecodeOptions:
   temperature, top_k, top_p: sampling's distribution `softmax(logits / T)`, truncated to the k most probable
     tokens (0 = all), then to the nucleus of probability `top_p` (1 = all); `decode.truncate`.
   alignment: also return each target token's source position (`alignment.cross_attention_alignment`).
+  token_log_probs: also return each token's log-prob; off, the search carries no per-token buffers (plain
+    beam search then costs what it did before the toolkit) and `Hypotheses.token_log_probs` is None.
   """
   sampling: str = "beam"
   beam_size: int = 4
@@ -45,6 +47,7 @@ class DecodeOptions:
   top_k: int = 0
   top_p: float = 1.0
   alignment: bool = False
+  token_log_probs: bool = True
 
   def check(self) -> "DecodeOptions":
     """Returns self; raises ValueError naming the bad option (before anything is decoded)."""
@@ -78,7 +81,7 @@ class Hypotheses(NamedTuple):
   tokens: Array  # [batch, n, max_decode_len] int32 (EOS then pad at the end)
   log_probs: Array  # [batch, n] float32: sum of the token log-probs, EOS included; -inf for an empty slot
   scores: Array  # [batch, n] float32: log_probs / ((5 + |Y|) / 6) ** alpha, |Y| counting EOS
-  token_log_probs: Array  # [batch, n, max_decode_len] float32, 0 after the last token
+  token_log_probs: Optional[Array]  # [batch, n, max_decode_len] float32, 0 after the last token (or None)
   alignment: Optional[Array]  # [batch, n, max_decode_len] int32 source positions, or None
 
 
@@ -106,22 +109,25 @@ def search(params_list: Sequence, config: ModelConfig, inputs: Array, max_length
   if options.beam:
     selector = None if constraints is None else constraints_lib.DynamicBeamAllocation(constraints, config.eos_id)
     out = decode.beam_search_over(step.tokens_to_logits, step.cache, beam_size=options.beam_size,
-                                  alpha=options.alpha, gather_cache=step.gather_cache, selector=selector, **common)
+                                  alpha=options.alpha, gather_cache=step.gather_cache, selector=selector,
+                                  per_token=options.token_log_probs, **common)
     n = options.nbest
-    hyps = Hypotheses(out.tokens[:, :n], out.log_probs[:, :n], out.scores[:, :n], out.token_log_probs[:, :n],
-                      None)
+    per_token = None if out.token_log_probs is None else out.token_log_probs[:, :n]
+    hyps = Hypotheses(out.tokens[:, :n], out.log_probs[:, :n], out.scores[:, :n], per_token, None)
   else:
     if constraints is not None:
       raise ValueError("lexical constraints need beam search (sampling='beam', beam_size >= 2)")
+    common["full_output"] = options.token_log_probs  # a SequenceOutput, else (tokens, log_probs)
     if options.sampling == "sample":
       out = decode.sample_over(step.tokens_to_logits, step.cache, keys, temperature=options.temperature,
-                               top_k=options.top_k, top_p=options.top_p, full_output=True, **common)
+                               top_k=options.top_k, top_p=options.top_p, **common)
     else:
-      out = decode.greedy_search_over(step.tokens_to_logits, step.cache, full_output=True, **common)
-    length = jnp.sum(out.tokens != config.pad_id, axis=-1)
-    scores = out.log_probs / decode.length_penalty(jnp.maximum(length, 1), options.alpha)
-    hyps = Hypotheses(out.tokens[:, None], out.log_probs[:, None], scores[:, None], out.token_log_probs[:, None],
-                      None)
+      out = decode.greedy_search_over(step.tokens_to_logits, step.cache, **common)
+    tokens, log_probs = out[0], out[1]
+    scores = log_probs / decode.length_penalty(jnp.maximum(jnp.sum(tokens != config.pad_id, axis=-1), 1),
+                                               options.alpha)
+    per_token = out.token_log_probs[:, None] if options.token_log_probs else None
+    hyps = Hypotheses(tokens[:, None], log_probs[:, None], scores[:, None], per_token, None)
   if options.alignment:
     batch, n, length = hyps.tokens.shape
     aligned = alignment.cross_attention_alignment([nn.unbox(p) for p in params_list], config,

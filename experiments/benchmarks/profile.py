@@ -152,7 +152,7 @@ def _decode_program(args):
     inputs[r, :len(ids)] = ids
     limits[r] = min(limit, args.bucket + 50)
   beam = 4 if args.search == "beam4" else 1
-  search = inference._search_fn(cfg, DecodeOptions(beam_size=beam, alpha=0.6), args.bucket + 50)
+  search = inference._search_fn(cfg, DecodeOptions(beam_size=beam, alpha=0.6, token_log_probs=False), args.bucket + 50)
   extra = (np.zeros((len(prepared),), np.int32), np.int32(0), np.zeros((len(prepared), 0), np.int32),
            np.zeros((len(prepared),), np.int32))  # indices, seed, prefix tokens and lengths (unused)
   compiled = search.lower((params,), inputs, limits, *extra).compile()
