@@ -20,11 +20,11 @@ import sys
 import tempfile
 import time
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 
-from transformer_jax import decode, inference
+from experiments.benchmarks import common
+from transformer_jax import inference
 from transformer_jax.data.tokenizer import Tokenizer
 from transformer_jax.interop import ctranslate2 as ct2
 
@@ -93,21 +93,6 @@ def _timed(fn):
   return value, time.perf_counter() - start
 
 
-def _ours_fixed(cfg, beam: int, length: int):
-  """Our compiled search with every output exactly `length` tokens: `(params, inputs) -> tokens`."""
-  ids = dict(bos_id=cfg.bos_id, eos_id=cfg.eos_id, pad_id=cfg.pad_id)
-  no_eos = lambda logp, state: logp.at[:, cfg.eos_id].set(decode.NEG_INF)  # noqa: E731
-
-  def run(params, inputs):
-    step = decode.transformer_step_fn(params, cfg, inputs, length, copies=beam)
-    common = dict(batch_size=inputs.shape[0], max_decode_len=length, log_probs_fn=no_eos, **ids)
-    if beam == 1:
-      return decode.greedy_search_over(step.tokens_to_logits, step.cache, **common)[0]
-    return decode.beam_search_over(step.tokens_to_logits, step.cache, beam_size=beam, alpha=0.6,
-                                   gather_cache=step.gather_cache, **common).tokens[:, 0]
-  return jax.jit(run)
-
-
 def run_fixed(args, corpus, cfg, params) -> dict:
   """Greedy and beam 4, ours vs CTranslate2 fp32: `args.fixed_sources` test sources in one batch, every output
   exactly `args.fixed_len` tokens; target tokens/s (sources x fixed_len / median time over `args.rounds`)."""
@@ -126,7 +111,7 @@ def run_fixed(args, corpus, cfg, params) -> dict:
     translator = ct2.translator(model_dir, compute_type="float32", threads=args.threads)
     runners = {}
     for beam, name in ((1, "greedy"), (4, "beam4")):
-      fn = _ours_fixed(cfg, beam, length)
+      fn = common.fixed_length_search(cfg, beam, length)
       runners[f"ours_{name}"] = lambda fn=fn: np.asarray(fn(params, inputs))
       runners[f"ct2_float32_{name}"] = lambda beam=beam: translator.translate_batch(
           pieces, beam_size=beam, length_penalty=0.6 if beam > 1 else 0.0, max_decoding_length=length,
