@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import re
 import sys
 import time
 from typing import Any, Callable
@@ -63,8 +64,42 @@ def program(body: Callable[[], Any]) -> Callable[[list[str]], Any]:
       return body()
     except USER_ERRORS as error:
       fail(str(error))
+    except Exception as error:  # pylint: disable=broad-except (re-raised unless a storage client's failure)
+      message = storage_error(error)
+      if message is None:
+        raise
+      fail(message)
 
   return main
+
+
+def _words(class_name: str) -> str:
+  return re.sub(r"(?<!^)(?=[A-Z])", " ", class_name.removesuffix("Error")).lower()
+
+
+def storage_error(error: BaseException) -> str | None:
+  """One line for a failure of the storage clients a workdir is reached through, else None.
+
+  TensorFlow's file system (what `etils.epath` and tfds use for gs://) raises `tf.errors.OpError` subclasses
+  (e.g. `PermissionDeniedError: Error executing an HTTP request: HTTP response code 403 with body '{json}'
+  when uploading gs://b/run/`); google-cloud-storage (orbax, the owner lock) raises `GoogleAPIError`s. Either
+  becomes "<path>: <kind> (HTTP <code>: <the service's message>) when <operation>". Neither library is
+  imported here: an error of a library the program never loaded cannot occur.
+  """
+  tf_errors = sys.modules.get("tensorflow.python.framework.errors_impl")
+  api_errors = sys.modules.get("google.api_core.exceptions")
+  if tf_errors is not None and isinstance(error, tf_errors.OpError):
+    text = error.message
+    code = re.search(r"HTTP response code (\d+)", text)
+    service = re.search(r'"message":\s*"([^"]+)"', text)
+    where = re.search(r"when (\w+(?: \w+)*?) (\S+://\S+)\s*$", text)
+    detail = f"HTTP {code.group(1)}: {service.group(1)}" if code and service else " ".join(text.split())[:300]
+    if where:
+      return f"{where.group(2)}: {_words(type(error).__name__)} ({detail}) when {where.group(1)}"
+    return f"{_words(type(error).__name__)} ({detail})"
+  if api_errors is not None and isinstance(error, api_errors.GoogleAPIError):
+    return f"Cloud Storage: {_words(type(error).__name__)} ({' '.join(str(error).split())[:300]})"
+  return None
 
 
 def fail(message: str) -> None:

@@ -21,7 +21,7 @@ import helpers
 from tests.test_experiments import REPO, TINY_OVERRIDES, _env, _one_line_error, _run, _tree
 from transformer_jax import config as config_lib
 from transformer_jax import metrics, trainer
-from transformer_jax.workdir import LOCK_FILENAME, OwnerLock, WorkdirInUseError
+from transformer_jax.owner_lock import LOCK_FILENAME, OwnerLock, WorkdirInUseError
 
 QUICK = [*TINY_OVERRIDES, "--config.num_train_steps=10", "--config.final_eval.split="]
 

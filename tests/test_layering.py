@@ -20,6 +20,7 @@ RANKS = {
     "transformer_jax.attention": 1,
     "transformer_jax.profiling": 0,  # jax.profiler around chosen steps: a leaf
     "transformer_jax.trackers": 1,   # metrics.jsonl, TensorBoard, W&B: writers that know only the workdir
+    "transformer_jax.owner_lock": 1,  # train.lock: one trainer per workdir, local or gs://
     "transformer_jax.early_stopping": 2,  # the rule over a metric's values (metrics' direction table)
     "transformer_jax.model": 2,
     "transformer_jax.training": 3, "transformer_jax.decode": 3, "transformer_jax.visualize": 3,

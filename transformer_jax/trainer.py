@@ -50,11 +50,12 @@ from transformer_jax import profiling, sharding
 from transformer_jax.config import RUNTIME_FIELDS, ModelConfig
 from transformer_jax.data import batching, datasets as datasets_lib, tokenizer as tokenizer_lib
 from transformer_jax.data.marian_vocab import TOKENIZER_NAME as MARIAN_TOKENIZER
+from transformer_jax.owner_lock import OwnerLock
 from transformer_jax.training import budget as budget_lib
 from transformer_jax.training import schedule as schedule_lib
 from transformer_jax.training import steps
 from transformer_jax.trackers import MetricWriter
-from transformer_jax.workdir import (IMPORTED_DATASET, OwnerLock, Workdir, config_diff, to_jsonable,
+from transformer_jax.workdir import (IMPORTED_DATASET, Workdir, config_diff, to_jsonable,
                                     write_json_atomically)
 
 # Keys of the saved config that must match to reuse a workdir: the data and vocabulary first (checked
@@ -792,8 +793,8 @@ def train_and_evaluate(config: Any, workdir: str) -> TrainResult:
   For a workdir holding an imported model, pass `config_for_workdir(config, workdir)`: the run then
   fine-tunes it (`start_from_import`) with its own tokenizer and special ids.
 
-  Only one training process owns a workdir at a time (`workdir.OwnerLock`, `<workdir>/train.lock`):
-  `WorkdirInUseError` (an OSError) when another live one holds it.
+  Only one training process owns a workdir at a time (`owner_lock.OwnerLock`, `<workdir>/train.lock`, local
+  or gs://): `WorkdirInUseError` (an OSError) when another live one holds it.
   Raises ValueError for a workdir holding an incompatible run or an invalid config, or a checkpoint whose
   data position indexes another batch plan (nothing written then: `config.json` is written after the restore),
   `checkpoint.CheckpointMismatchError` for a checkpoint of another architecture, NonFiniteLossError when
