@@ -175,7 +175,8 @@ def report_final_eval(config, workdir: str, result: trainer.TrainResult) -> dict
                                    result.datasets.tokenizer,
                                    [s for s, _ in pairs], beam_size=config.decode.beam_size,
                                    alpha=config.decode.alpha, extra_len=config.decode.extra_len,
-                                   mbr_utility=config.decode.get("mbr_utility", ""))
+                                   mbr_utility=config.decode.get("mbr_utility", ""),
+                                   target_lang=config.data.target_lang)
   seconds = time.time() - start
   lowercase = result.datasets.tokenizer.lowercase  # a case-folded vocabulary writes lowercase
   exact = metrics.exact_match(hyps, [t for _, t in pairs], lowercase=lowercase)  # both sides normalised, as BLEU's

@@ -75,7 +75,8 @@ def _evaluate() -> None:
   with tqdm(total=len(sources), unit="sent", file=sys.stderr) as bar:
     hypotheses = inference.translate_texts(params, model_config, tokenizer, sources, beam_size=FLAGS.beam_size,
                                            alpha=FLAGS.alpha, extra_len=FLAGS.extra_len,
-                                           mbr_utility=FLAGS.mbr_utility, progress=bar.update)
+                                           mbr_utility=FLAGS.mbr_utility, target_lang=target_lang,
+                                           progress=bar.update)
   seconds = time.time() - start
   scores = _scores(hypotheses, references, lc_refs, target_lang, tokenizer.lowercase)
   scores.update(sentences=len(sources), seconds=seconds, beam_size=FLAGS.beam_size, alpha=FLAGS.alpha,

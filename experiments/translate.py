@@ -41,6 +41,7 @@ def main():
   with tqdm(total=len(lines), unit="sent", file=sys.stderr, disable=not FLAGS.input) as bar:
     outputs = inference.translate_texts(params, model_config, tokenizer, lines, beam_size=FLAGS.beam_size,
                                         alpha=FLAGS.alpha, extra_len=FLAGS.extra_len, mbr_utility=FLAGS.mbr_utility,
+                                        target_lang=common.load_workdir_config(FLAGS.workdir).data.target_lang,
                                         progress=bar.update)
   with (epath.Path(FLAGS.output).open("w", encoding="utf-8") if FLAGS.output
         else open(sys.stdout.fileno(), "w", encoding="utf-8", closefd=False)) as stream:
