@@ -32,6 +32,7 @@ launch.check_flags(beam_size="decode.beam_size", alpha="decode.alpha", extra_len
                    mbr_utility="decode.mbr_utility")
 launch.check_mbr_beam()
 launch.check_files_exist("input")
+launch.check_output_files("output")
 
 
 @common.program

@@ -41,6 +41,7 @@ flags.DEFINE_string("report", None, "JSON file for every row (default: <workdir>
 flags.mark_flags_as_required(["workdir", "source", "reference"])
 launch.check_flags(extra_len="decode.extra_len")
 launch.check_files_exist("source", "reference")
+launch.check_output_files("report")
 
 
 def _grid() -> tuple[list[int | str], list[int], list[float], list[str]]:
