@@ -21,7 +21,7 @@ from transformer_jax import checkpoint as checkpoint_lib
 from transformer_jax import inference, metrics, trainer
 from transformer_jax.data import datasets, parallel_text, sources
 from transformer_jax.data.tokenizer import VocabularyError, check_model_ids
-from transformer_jax.workdir import Workdir, write_json_atomically
+from transformer_jax.workdir import Workdir, config_diff, write_json_atomically
 
 # Exceptions that mean "bad input or state": printed as one line, exit status 1, no traceback.
 USER_ERRORS = (ValueError, OSError, VocabularyError, trainer.NonFiniteLossError, UnicodeDecodeError)
@@ -158,8 +158,43 @@ def load_for_inference(workdir: str, checkpoint: str | None = None, ema: bool | 
                             f"(saved steps: {saved or 'none'})")
   if ema is None:  # a step of the run's own checkpoints holds the average; another directory holds parameters
     ema = bool(config.ema_decay) and not (checkpoint and not checkpoint.isdigit())
+  if checkpoint and not checkpoint.isdigit():
+    check_checkpoint_vocabulary(config, workdir, tokenizer, directory)
   params = checkpoint_lib.restore_params(directory, model_config, step=step, ema=ema)
   return model_config, params, tokenizer
+
+
+def check_checkpoint_vocabulary(config, workdir: str, tokenizer, directory: str) -> None:
+  """A `--checkpoint` directory outside the workdir must have been trained with the workdir's vocabulary.
+
+  Of another workdir (`<run>/checkpoints`, `<run>/averaged`): its tokenizer must give every id the same piece
+  and normalise text the same way (`TextTokenizer.normalization`, `.lowercase`).
+  Elsewhere: the data keys that fix the vocabulary (`trainer.DATA_KEYS`) in the checkpoint's saved config must
+  equal the workdir's. Same parameter shapes, another vocabulary, would translate into the wrong pieces without
+  any error; raises ValueError naming the first difference.
+  """
+  other = epath.Path(directory).parent
+  if other.resolve() == epath.Path(workdir).resolve():
+    return
+  if (other / "config.json").exists():
+    theirs = datasets.open_tokenizer(load_workdir_config(os.fspath(other)).data, os.fspath(other))
+    ids = list(range(min(tokenizer.vocab_size, theirs.vocab_size)))
+    ours_pieces, their_pieces = tokenizer.pieces(ids), theirs.pieces(ids)
+    differing = next((i for i in ids if ours_pieces[i] != their_pieces[i]), None)
+    text_rules = [f"{name} {getattr(theirs, name)!r} there, {getattr(tokenizer, name)!r} here"
+                  for name in ("normalization", "lowercase") if getattr(theirs, name) != getattr(tokenizer, name)]
+    if theirs.vocab_size != tokenizer.vocab_size or differing is not None or text_rules:
+      where = (f"id {differing} is {their_pieces[differing]!r} there, {ours_pieces[differing]!r} here"
+               if differing is not None else "; ".join(text_rules) if text_rules
+               else f"{theirs.vocab_size} pieces there, {tokenizer.vocab_size} here")
+      raise ValueError(f"--checkpoint={directory} was trained with another vocabulary than {workdir}'s ({where}); "
+                       f"translate it with --workdir={other}")
+    return
+  saved = checkpoint_lib.read_config(directory) or {}
+  differences = config_diff(saved, config.to_dict(), trainer.DATA_KEYS) if saved.get("data") else []
+  if differences:
+    raise ValueError(f"--checkpoint={directory} was trained on other data or vocabulary settings than "
+                     f"{workdir} ({'; '.join(differences)})")
 
 
 def report_final_eval(config, workdir: str, result: trainer.TrainResult) -> dict:

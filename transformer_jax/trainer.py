@@ -728,9 +728,13 @@ def train(run: Run, stop: StopSignal, profiler: profiling.StepProfiler) -> Train
   decision = budget_lib.read(run.workdir) if config.train_budget_minutes > 0 else None
   fit_at = (budget_lib.revision_step(decision, run.start_step) if decision else
             budget_lib.decision_step(config, run.start_step) if config.train_budget_minutes > 0 else None)
-  logging.info("Training %d parameters for %d steps (from step %d)%s",
-               sum(x.size for x in jax.tree_util.tree_leaves(run.state.params)), total, run.start_step,
-               f"; the time budget plans the length after step {fit_at}" if fit_at else "")
+  if run.start_step >= total:
+    logging.warning("Nothing to train: the checkpoint at step %d is at or past num_train_steps=%d (raise "
+                    "--config.num_train_steps to continue this run)", run.start_step, total)
+  else:
+    logging.info("Training %d parameters to step %d (from step %d)%s",
+                 sum(x.size for x in jax.tree_util.tree_leaves(run.state.params)), total, run.start_step,
+                 f"; the time budget plans the length after step {fit_at}" if fit_at else "")
   early_stop = bool(early and early.state.stop)
   while step < total and not early_stop:
     step += 1
