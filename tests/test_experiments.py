@@ -272,6 +272,10 @@ def test_resume_with_another_architecture_is_refused(deeper_workdir):
     ("experiments.translate", ["--mbr_utility=chrf"], "--mbr_utility chooses from beam search's n-best list: it "
      "needs --beam_size >= 2"),
     ("experiments.translate", ["--output=experiments"], "--output must name a file to write (it is a directory"),
+    ("experiments.average_checkpoints", ["--steps=1,1"], "--steps=1,1: step 1 is given twice"),
+    ("experiments.average_checkpoints", ["--steps=1,x"], "--steps=1,x: 'x' is not a step"),
+    ("experiments.average_checkpoints", ["--output=README.md"], "--output=README.md is a file; expected a "
+     "checkpoint directory"),
     ("experiments.translate", ["--output=README.md/out.txt"], "--output must name a file to write"),
     ("experiments.attention_map", ["--source=one", "--output=experiments"], "--output must name a file to write"),
     ("experiments.tune_decoding", ["--source=README.md", "--reference=README.md", "--report=experiments"],
