@@ -105,7 +105,7 @@ def set_cpu_devices(count: int) -> None:
 
   Why a 2-core host wants 2: XLA:CPU runs one op of a step at a time for most of it (docs/performance.md), so
   one device keeps ~1.2 cores busy; two devices, each running half of the data-parallel batch, keep both busy
-  (the multi30k recipe's step: 1.06-1.12x real target tokens/s, side by side, docs/results.md). The gradients
+  (the multi30k recipe's step: 1.06-1.12x real target tokens/s, side by side, docs/multi30k_runs.md). The gradients
   are the same sums. It must run before JAX starts its backends; raises RuntimeError after that (JAX's error).
   Only the CPU backend is affected: on a GPU or TPU host the mesh is still made of the accelerators.
   """

@@ -7,7 +7,7 @@ probabilities renormalised over the list (a softmax of their log-probs) and `u` 
 `y_j` as the reference. The utilities are sacreBLEU's sentence chrF and BLEU (BLEU tokenised for the target
 language as corpus BLEU is: `metrics.bleu_metric`). Whether it helps depends on the
 model: on Multi30k val, chrF utility over the beam-5 list moved three runs' BLEU by +0.58, +0.29 and -0.48
-against beam search's choice (docs/results.md), so choose it on a development split
+against beam search's choice (docs/multi30k_runs.md), so choose it on a development split
 (`experiments.tune_decoding --mbr_utilities=none,chrf`).
 """
 
