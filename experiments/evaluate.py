@@ -80,7 +80,8 @@ def _evaluate() -> None:
     if FLAGS.mbr_utility:
       hypotheses = inference.translate_texts(params_list[0], model_config, tokenizer, sources,
                                              beam_size=FLAGS.beam_size, alpha=FLAGS.alpha, extra_len=FLAGS.extra_len,
-                                             mbr_utility=FLAGS.mbr_utility, progress=bar.update)
+                                             mbr_utility=FLAGS.mbr_utility, target_lang=target_lang,
+                                             progress=bar.update)
     else:
       lists = inference.decode_texts(params_list, model_config, tokenizer, sources, options, seed=FLAGS.seed,
                                      extra_len=FLAGS.extra_len, progress=bar.update)

@@ -29,6 +29,7 @@ flags.DEFINE_enum("output_format", "jsonl", ["jsonl", "tsv"], "jsonl (with per-t
 flags.DEFINE_string("checkpoint", None, "A step, or a checkpoint directory (default: the latest).")
 flags.mark_flags_as_required(["workdir", "source", "target"])
 launch.check_files_exist("source", "target")
+launch.check_output_files("output")
 
 
 def _record(token_logps) -> dict:

@@ -49,6 +49,7 @@ launch.check_flags(beam_size="decode.beam_size", alpha="decode.alpha", extra_len
                    mbr_utility="decode.mbr_utility")
 launch.check_mbr_beam()
 launch.check_files_exist("input", "prefix_file", "constraints_file")
+launch.check_output_files("output")
 
 
 def _read_prefixes(count: int):
@@ -122,7 +123,9 @@ def main():
     if FLAGS.mbr_utility:
       outputs = inference.translate_texts(params_list[0], model_config, tokenizer, lines, beam_size=FLAGS.beam_size,
                                           alpha=FLAGS.alpha, extra_len=FLAGS.extra_len,
-                                          mbr_utility=FLAGS.mbr_utility, progress=bar.update)
+                                          mbr_utility=FLAGS.mbr_utility,
+                                          target_lang=common.load_workdir_config(FLAGS.workdir).data.target_lang,
+                                          progress=bar.update)
     else:
       lists = inference.decode_texts(params_list, model_config, tokenizer, lines, options, prefixes=prefixes,
                                      constraints=phrases, seed=FLAGS.seed, extra_len=FLAGS.extra_len,

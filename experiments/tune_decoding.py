@@ -45,6 +45,7 @@ flags.DEFINE_string("report", None, "JSON file for every row (default: <workdir>
 flags.mark_flags_as_required(["workdir", "source", "reference"])
 launch.check_flags(extra_len="decode.extra_len")
 launch.check_files_exist("source", "reference")
+launch.check_output_files("report")
 
 
 def _grid() -> tuple[list[int | str], list[int], list[float], list[str]]:
@@ -155,7 +156,7 @@ def main():
         else:  # one n-best list per setting; each utility chooses from the same lists
           n_best = inference.n_best_texts(params, model_config, tokenizer, sources, beam_size=beam, alpha=alpha,
                                           extra_len=FLAGS.extra_len)
-          outputs = {utility: inference.choose(n_best, utility) for utility in utilities}
+          outputs = {utility: inference.choose(n_best, utility, target_lang) for utility in utilities}
         seconds = time.perf_counter() - start
         for utility, hypotheses in outputs.items():
           scores = metrics.sacrebleu_scores(hypotheses, references, lowercase=tokenizer.lowercase,

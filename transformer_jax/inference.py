@@ -322,7 +322,7 @@ def _constraint_width(constraints) -> int:
 
 
 def translate_texts(params, config: ModelConfig, tokenizer, texts: Sequence[str], *, beam_size: int = 1,
-                    alpha: float = 0.6, extra_len: int = 50, mbr_utility: str = "",
+                    alpha: float = 0.6, extra_len: int = 50, mbr_utility: str = "", target_lang: str = "",
                     progress: Callable[[int], None] | None = None, **kwargs) -> list[str]:
   """Detokenised translations of `texts` in input order; blank lines give empty lines.
 
@@ -332,12 +332,13 @@ def translate_texts(params, config: ModelConfig, tokenizer, texts: Sequence[str]
 
   `mbr_utility` '' returns beam search's best hypothesis; 'chrf' or 'bleu' returns the minimum-Bayes-risk
   choice from its `beam_size`-best list under that sentence-level utility (`n_best_texts`, then `choose`),
-  which needs `beam_size >= 2`. Raises ValueError for another utility or a smaller beam.
+  which needs `beam_size >= 2`; BLEU tokenises for `target_lang` (`metrics.bleu_metric`). Raises ValueError
+  for another utility or a smaller beam.
   """
   if mbr_utility:
-    mbr.utility_fn(mbr_utility)  # raises on an unknown utility before anything is decoded
+    mbr.utility_fn(mbr_utility, target_lang)  # raises on an unknown utility before anything is decoded
     return choose(n_best_texts(params, config, tokenizer, texts, beam_size=beam_size, alpha=alpha,
-                               extra_len=extra_len, progress=progress, **kwargs), mbr_utility)
+                               extra_len=extra_len, progress=progress, **kwargs), mbr_utility, target_lang)
   ids = [[] if tokenizer.is_blank(t) else tokenizer.encode(t) for t in texts]
   outputs = translate_ids(params, config, ids, beam_size=beam_size, alpha=alpha, extra_len=extra_len,
                           progress=progress, **kwargs)
@@ -410,13 +411,14 @@ def n_best_texts(params, config: ModelConfig, tokenizer, texts: Sequence[str], *
   return [[(tokenizer.decode(c), log_prob) for c, log_prob in candidates] for candidates in lists]
 
 
-def choose(n_best: Sequence[Sequence[tuple[str, float]]], mbr_utility: str = "") -> list[str]:
+def choose(n_best: Sequence[Sequence[tuple[str, float]]], mbr_utility: str = "",
+           target_lang: str = "") -> list[str]:
   """One translation per `n_best_texts` list: the first (beam search's best) with `mbr_utility` '', else the
-  minimum-Bayes-risk choice under 'chrf' or 'bleu' (`transformer_jax.mbr.select`); '' for an empty list.
-  Raises ValueError for another utility."""
+  minimum-Bayes-risk choice under 'chrf' or 'bleu' for `target_lang` (`transformer_jax.mbr.select`); '' for
+  an empty list. Raises ValueError for another utility."""
   if not mbr_utility:
     return [candidates[0][0] if candidates else "" for candidates in n_best]
-  utility = mbr.utility_fn(mbr_utility)
+  utility = mbr.utility_fn(mbr_utility, target_lang)
   outputs = []
   for candidates in n_best:
     texts = [text for text, _ in candidates]
