@@ -25,6 +25,11 @@ RANKS = {
     "transformer_jax.model": 2,
     "transformer_jax.training": 3, "transformer_jax.decode": 3, "transformer_jax.visualize": 3,
     "transformer_jax.diagnostics": 3,
+    # decoding toolkit: wrappers over decode's step seam, then the one compiled search that combines them
+    "transformer_jax.ensemble": 3.5, "transformer_jax.prefix": 3.5, "transformer_jax.alignment": 3.5,
+    "transformer_jax.constraints": 3.5,
+    "transformer_jax.scoring": 3,  # forced decoding: the model only
+    "transformer_jax.search": 3.7,
     "transformer_jax.data": 4, "transformer_jax.sharding": 4, "transformer_jax.inference": 4,
     "transformer_jax.checkpoint": 5,
     "transformer_jax.trainer": 6, "transformer_jax.interop": 6,
