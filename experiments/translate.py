@@ -52,24 +52,25 @@ launch.check_files_exist("input", "prefix_file", "constraints_file")
 launch.check_output_files("output")
 
 
-def _read_prefixes(count: int):
-  if not FLAGS.prefix_file:
+def _lines_per_input(flag: str, count: int, what: str) -> list[str] | None:
+  """The lines of the file `--<flag>` names, one per input line (ValueError naming both counts otherwise)."""
+  path = FLAGS[flag].value
+  if not path:
     return None
-  prefixes = common.read_lines(FLAGS.prefix_file)
-  if len(prefixes) != count:
-    raise ValueError(f"--prefix_file={FLAGS.prefix_file} has {len(prefixes)} lines but the input has {count}: "
-                     "one prefix per input line is needed")
-  return prefixes
+  lines = common.read_lines(path)
+  if len(lines) != count:
+    raise ValueError(f"--{flag}={path} has {len(lines)} lines but the input has {count}: one {what} per input "
+                     "line is needed")
+  return lines
+
+
+def _read_prefixes(count: int):
+  return _lines_per_input("prefix_file", count, "prefix")
 
 
 def _read_constraints(count: int):
-  if not FLAGS.constraints_file:
-    return None
-  lines = common.read_lines(FLAGS.constraints_file)
-  if len(lines) != count:
-    raise ValueError(f"--constraints_file={FLAGS.constraints_file} has {len(lines)} lines but the input has {count}: "
-                     "one line of tab-separated phrases per input line is needed")
-  return [[p for p in line.split("\t") if p.strip()] for line in lines]
+  lines = _lines_per_input("constraints_file", count, "line of tab-separated phrases")
+  return None if lines is None else [[p for p in line.split("\t") if p.strip()] for line in lines]
 
 
 def _check_combinations() -> None:

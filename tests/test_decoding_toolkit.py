@@ -3,9 +3,6 @@ n-best lists with scores, sampling (top-p, seeds), forced scoring, prefixes, ali
 combinations. Numbers are checked against the model's teacher-forced log-probs and NumPy recomputations."""
 
 import json
-import os
-import subprocess
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -13,26 +10,13 @@ import numpy as np
 import pytest
 
 from experiments import common
+from tests.test_experiments import TINY_OVERRIDES, _run
 from transformer_jax import decode, ensemble, inference, scoring, search
 from transformer_jax.model import Transformer
 from transformer_jax.training import loss as loss_lib
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TINY = ["--config.data.builder_config=tiny", "--config.data.vocab_size=128", "--config.model.d_model=32",
-        "--config.model.d_ff=64", "--config.model.num_heads=2", "--config.model.num_encoder_layers=1",
-        "--config.model.num_decoder_layers=1", "--config.num_train_steps=30", "--config.warmup_steps=10",
-        "--config.log_every_steps=10", "--config.evals.loss.every_steps=0", "--config.checkpoint_every_steps=10",
-        "--config.final_eval.split="]
+TINY = [*TINY_OVERRIDES, "--config.final_eval.split="]
 LINES = ["twenty-one", "five", "", "three hundred forty-five", "one hundred one thousand one", "seven"]
-
-
-def _run(args, stdin=None, check=True):
-  env = dict(os.environ, PYTHONPATH=REPO)
-  result = subprocess.run([sys.executable, "-m", *args], cwd=REPO, env=env, input=stdin, capture_output=True,
-                          text=True, timeout=300)
-  if check:
-    assert result.returncode == 0, result.stderr[-3000:]
-  return result
 
 
 @pytest.fixture(scope="module")
