@@ -19,6 +19,7 @@ flags.DEFINE_string("source", None, "Source sentence.")
 flags.DEFINE_string("target", None, "Target sentence (default: the model's greedy translation).")
 flags.DEFINE_string("output", "attention.png", "PNG file to write.")
 flags.DEFINE_string("checkpoint", None, "A step, or a checkpoint directory (default: the latest).")
+launch.check_output_files("output")
 flags.mark_flags_as_required(["workdir", "source"])
 
 

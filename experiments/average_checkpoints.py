@@ -26,6 +26,21 @@ flags.mark_flags_as_required(["workdir"])
 launch.check_flags(last="decode.average_last")
 
 
+def _steps() -> list[int] | None:
+  """`--steps` as integers, each once (ValueError naming the flag otherwise)."""
+  if not FLAGS.steps:
+    return None
+  given = ",".join(FLAGS.steps)
+  bad = [s for s in FLAGS.steps if not s.strip().isdigit()]
+  if bad:
+    raise ValueError(f"--steps={given}: {bad[0]!r} is not a step (a non-negative integer)")
+  steps = [int(s) for s in FLAGS.steps]
+  twice = sorted({s for s in steps if steps.count(s) > 1})
+  if twice:
+    raise ValueError(f"--steps={given}: step {twice[0]} is given twice; each checkpoint is averaged once")
+  return steps
+
+
 @common.program
 def main():
   source = os.fspath(Workdir(FLAGS.workdir).checkpoints)
@@ -34,7 +49,9 @@ def main():
     raise FileNotFoundError(f"{source} not found: is {FLAGS.workdir} the --workdir of a training run?")
   if absolute(output) == absolute(source):
     raise ValueError("--output must not be the run's own checkpoint directory")
-  steps = [int(s) for s in FLAGS.steps] if FLAGS.steps else None
+  if epath.Path(output).exists() and not epath.Path(output).is_dir():
+    raise ValueError(f"--output={output} is a file; expected a checkpoint directory (new, or one of averages)")
+  steps = _steps()
   last = FLAGS.last or common.load_workdir_config(FLAGS.workdir).decode.average_last
   step = checkpoint_lib.average_checkpoints(source, steps, last_n=None if steps else last,
                                             output_directory=output)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import re
 import sys
 import time
 from typing import Any, Callable
@@ -20,7 +21,7 @@ from transformer_jax import checkpoint as checkpoint_lib
 from transformer_jax import inference, metrics, trainer
 from transformer_jax.data import datasets, parallel_text, sources
 from transformer_jax.data.tokenizer import VocabularyError, check_model_ids
-from transformer_jax.workdir import Workdir, write_json_atomically
+from transformer_jax.workdir import Workdir, config_diff, write_json_atomically
 
 # Exceptions that mean "bad input or state": printed as one line, exit status 1, no traceback.
 USER_ERRORS = (ValueError, OSError, VocabularyError, trainer.NonFiniteLossError, UnicodeDecodeError)
@@ -63,8 +64,42 @@ def program(body: Callable[[], Any]) -> Callable[[list[str]], Any]:
       return body()
     except USER_ERRORS as error:
       fail(str(error))
+    except Exception as error:  # pylint: disable=broad-except (re-raised unless a storage client's failure)
+      message = storage_error(error)
+      if message is None:
+        raise
+      fail(message)
 
   return main
+
+
+def _words(class_name: str) -> str:
+  return re.sub(r"(?<!^)(?=[A-Z])", " ", class_name.removesuffix("Error")).lower()
+
+
+def storage_error(error: BaseException) -> str | None:
+  """One line for a failure of the storage clients a workdir is reached through, else None.
+
+  TensorFlow's file system (what `etils.epath` and tfds use for gs://) raises `tf.errors.OpError` subclasses
+  (e.g. `PermissionDeniedError: Error executing an HTTP request: HTTP response code 403 with body '{json}'
+  when uploading gs://b/run/`); google-cloud-storage (orbax, the owner lock) raises `GoogleAPIError`s. Either
+  becomes "<path>: <kind> (HTTP <code>: <the service's message>) when <operation>". Neither library is
+  imported here: an error of a library the program never loaded cannot occur.
+  """
+  tf_errors = sys.modules.get("tensorflow.python.framework.errors_impl")
+  api_errors = sys.modules.get("google.api_core.exceptions")
+  if tf_errors is not None and isinstance(error, tf_errors.OpError):
+    text = error.message
+    code = re.search(r"HTTP response code (\d+)", text)
+    service = re.search(r'"message":\s*"([^"]+)"', text)
+    where = re.search(r"when (\w+(?: \w+)*?) (\S+://\S+)\s*$", text)
+    detail = f"HTTP {code.group(1)}: {service.group(1)}" if code and service else " ".join(text.split())[:300]
+    if where:
+      return f"{where.group(2)}: {_words(type(error).__name__)} ({detail}) when {where.group(1)}"
+    return f"{_words(type(error).__name__)} ({detail})"
+  if api_errors is not None and isinstance(error, api_errors.GoogleAPIError):
+    return f"Cloud Storage: {_words(type(error).__name__)} ({' '.join(str(error).split())[:300]})"
+  return None
 
 
 def fail(message: str) -> None:
@@ -123,8 +158,43 @@ def load_for_inference(workdir: str, checkpoint: str | None = None, ema: bool | 
                             f"(saved steps: {saved or 'none'})")
   if ema is None:  # a step of the run's own checkpoints holds the average; another directory holds parameters
     ema = bool(config.ema_decay) and not (checkpoint and not checkpoint.isdigit())
+  if checkpoint and not checkpoint.isdigit():
+    check_checkpoint_vocabulary(config, workdir, tokenizer, directory)
   params = checkpoint_lib.restore_params(directory, model_config, step=step, ema=ema)
   return model_config, params, tokenizer
+
+
+def check_checkpoint_vocabulary(config, workdir: str, tokenizer, directory: str) -> None:
+  """A `--checkpoint` directory outside the workdir must have been trained with the workdir's vocabulary.
+
+  Of another workdir (`<run>/checkpoints`, `<run>/averaged`): its tokenizer must give every id the same piece
+  and normalise text the same way (`TextTokenizer.normalization`, `.lowercase`).
+  Elsewhere: the data keys that fix the vocabulary (`trainer.DATA_KEYS`) in the checkpoint's saved config must
+  equal the workdir's. Same parameter shapes, another vocabulary, would translate into the wrong pieces without
+  any error; raises ValueError naming the first difference.
+  """
+  other = epath.Path(directory).parent
+  if other.resolve() == epath.Path(workdir).resolve():
+    return
+  if (other / "config.json").exists():
+    theirs = datasets.open_tokenizer(load_workdir_config(os.fspath(other)).data, os.fspath(other))
+    ids = list(range(min(tokenizer.vocab_size, theirs.vocab_size)))
+    ours_pieces, their_pieces = tokenizer.pieces(ids), theirs.pieces(ids)
+    differing = next((i for i in ids if ours_pieces[i] != their_pieces[i]), None)
+    text_rules = [f"{name} {getattr(theirs, name)!r} there, {getattr(tokenizer, name)!r} here"
+                  for name in ("normalization", "lowercase") if getattr(theirs, name) != getattr(tokenizer, name)]
+    if theirs.vocab_size != tokenizer.vocab_size or differing is not None or text_rules:
+      where = (f"id {differing} is {their_pieces[differing]!r} there, {ours_pieces[differing]!r} here"
+               if differing is not None else "; ".join(text_rules) if text_rules
+               else f"{theirs.vocab_size} pieces there, {tokenizer.vocab_size} here")
+      raise ValueError(f"--checkpoint={directory} was trained with another vocabulary than {workdir}'s ({where}); "
+                       f"translate it with --workdir={other}")
+    return
+  saved = checkpoint_lib.read_config(directory) or {}
+  differences = config_diff(saved, config.to_dict(), trainer.DATA_KEYS) if saved.get("data") else []
+  if differences:
+    raise ValueError(f"--checkpoint={directory} was trained on other data or vocabulary settings than "
+                     f"{workdir} ({'; '.join(differences)})")
 
 
 def report_final_eval(config, workdir: str, result: trainer.TrainResult) -> dict:
@@ -140,7 +210,8 @@ def report_final_eval(config, workdir: str, result: trainer.TrainResult) -> dict
                                    result.datasets.tokenizer,
                                    [s for s, _ in pairs], beam_size=config.decode.beam_size,
                                    alpha=config.decode.alpha, extra_len=config.decode.extra_len,
-                                   mbr_utility=config.decode.get("mbr_utility", ""))
+                                   mbr_utility=config.decode.get("mbr_utility", ""),
+                                   target_lang=config.data.target_lang)
   seconds = time.time() - start
   lowercase = result.datasets.tokenizer.lowercase  # a case-folded vocabulary writes lowercase
   exact = metrics.exact_match(hyps, [t for _, t in pairs], lowercase=lowercase)  # both sides normalised, as BLEU's

@@ -51,6 +51,7 @@ flags.DEFINE_string("marian_dir", None, "Also compare the Hugging Face Marian ex
 flags.DEFINE_string("report", None, "Write the comparison (counts and every difference) to this JSON file.")
 flags.mark_flags_as_required(["workdir", "input", "ct2_dir"])
 launch.check_files_exist("input")
+launch.check_output_files("report")
 
 
 def token_log_probs(params, config, source, target):

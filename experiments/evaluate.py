@@ -2,7 +2,7 @@ r"""Translate a source file and score it against a reference with sacreBLEU.
 
     python -m experiments.evaluate --workdir=DIR --source=test.en --reference=test.de [--beam_size=4]
         [--alpha=0.6] [--mbr_utility=chrf] [--tokenized_bleu] [--lc_tok_reference=test.lc.norm.tok.de]
-        [--checkpoint=STEP|DIR]
+        [--checkpoint=STEP|DIR] [--ensemble=STEP_OR_DIR,...] [--sampling=sample --top_p=0.9 --seed=1]
 
 Prints cased detokenised BLEU with its signature and chrF; `--tokenized_bleu` adds the paper-style score
 (Moses-tokenised, compound-split); `--lc_tok_reference` adds the Multi30k-style lowercased tokenised score.
@@ -18,7 +18,7 @@ from absl import flags
 from etils import epath
 from tqdm import tqdm
 
-from experiments import common, launch
+from experiments import common, decoding, launch
 from transformer_jax import inference, metrics
 from transformer_jax.workdir import Workdir
 
@@ -38,6 +38,7 @@ flags.DEFINE_string("target_lang", None, "Target language: BLEU's tokenizer as s
 flags.DEFINE_string("lc_tok_reference", None,
                     "Lowercased, normalised, tokenised reference (Multi30k style) for an extra score.")
 flags.DEFINE_string("output_prefix", None, "Where to write .hyp and .json (default: <workdir>/eval/<source>).")
+decoding.define_flags(nbest=False)
 flags.mark_flags_as_required(["workdir", "source", "reference"])
 launch.check_flags(beam_size="decode.beam_size", alpha="decode.alpha", extra_len="decode.extra_len",
                    mbr_utility="decode.mbr_utility")
@@ -68,18 +69,27 @@ def _scores(hypotheses, references, lc_refs, target_lang: str, lowercase: bool) 
 
 def _evaluate() -> None:
   sources, references, lc_refs = _read_inputs()
-  model_config, params, tokenizer = common.load_for_inference(FLAGS.workdir, FLAGS.checkpoint)
+  options = decoding.options(FLAGS.beam_size, FLAGS.alpha)
+  if FLAGS.mbr_utility and (FLAGS.ensemble or FLAGS.sampling != "beam"):
+    raise ValueError("--mbr_utility chooses from one model's beam: it takes neither --ensemble nor --sampling")
+  model_config, params_list, tokenizer = decoding.load_models(FLAGS.workdir, FLAGS.checkpoint)
   target_lang = FLAGS.target_lang or common.load_workdir_config(FLAGS.workdir).data.target_lang
   metrics.bleu_metric(target_lang)  # its tokenizer loads, before anything is translated
   start = time.time()
   with tqdm(total=len(sources), unit="sent", file=sys.stderr) as bar:
-    hypotheses = inference.translate_texts(params, model_config, tokenizer, sources, beam_size=FLAGS.beam_size,
-                                           alpha=FLAGS.alpha, extra_len=FLAGS.extra_len,
-                                           mbr_utility=FLAGS.mbr_utility, progress=bar.update)
+    if FLAGS.mbr_utility:
+      hypotheses = inference.translate_texts(params_list[0], model_config, tokenizer, sources,
+                                             beam_size=FLAGS.beam_size, alpha=FLAGS.alpha, extra_len=FLAGS.extra_len,
+                                             mbr_utility=FLAGS.mbr_utility, target_lang=target_lang,
+                                             progress=bar.update)
+    else:
+      lists = inference.decode_texts(params_list, model_config, tokenizer, sources, options, seed=FLAGS.seed,
+                                     extra_len=FLAGS.extra_len, progress=bar.update)
+      hypotheses = [tokenizer.decode(hyps[0].ids) if hyps else "" for hyps in lists]
   seconds = time.time() - start
   scores = _scores(hypotheses, references, lc_refs, target_lang, tokenizer.lowercase)
   scores.update(sentences=len(sources), seconds=seconds, beam_size=FLAGS.beam_size, alpha=FLAGS.alpha,
-                mbr_utility=FLAGS.mbr_utility,
+                mbr_utility=FLAGS.mbr_utility, sampling=FLAGS.sampling, ensemble=FLAGS.ensemble,
                 checkpoint=FLAGS.checkpoint or "latest")
   prefix = FLAGS.output_prefix or os.fspath(Workdir(FLAGS.workdir).eval / epath.Path(FLAGS.source).name)
   epath.Path(prefix + ".hyp").parent.mkdir(parents=True, exist_ok=True)

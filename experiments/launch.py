@@ -5,7 +5,9 @@ and the host devices a config asks for (`set_cpu_devices`). The restart with gli
 buffers happens earlier, when Python imports the package to run the program (`experiments/huge_pages.py`).
 """
 
+import os
 import sys
+import traceback
 from typing import Any, Callable
 
 import jax
@@ -26,15 +28,43 @@ def _refuse(message: str) -> None:
   sys.exit(1)
 
 
+def _config_file() -> str:
+  """The `--config` file the command line names (the program's default when it names none)."""
+  argv = sys.argv[1:]
+  for i, arg in enumerate(argv):
+    if arg.startswith("--config="):
+      return arg.split("=", 1)[1]
+    if arg == "--config" and i + 1 < len(argv):
+      return argv[i + 1]
+  return "(the default config file)"
+
+
+def _raised_in_config_file(error: BaseException) -> str:
+  """`--config=<file>:<line>: <Error>: <message>` for an error the config file's own code raised."""
+  path = _config_file().split(":", 1)[0]  # ml_collections' `file.py:argument` form
+  frames = [f for f in traceback.extract_tb(error.__traceback__)
+            if os.path.abspath(f.filename) == os.path.abspath(path)]
+  where = f"{path}:{frames[-1].lineno}" if frames else path
+  return f"--config={where}: loading it raised {type(error).__name__}: {_one_line(error)}"
+
+
 def _config_error_message(error: BaseException) -> str:
+  if isinstance(error, AttributeError) and "get_config" in str(error):
+    return f"--config={_config_file()}: the file defines no get_config() returning the config"
   if isinstance(error, AttributeError):  # ml_collections: an override of a key the config does not have
     key = _one_line(error).strip("\"'")
     given = [a for a in sys.argv[1:] if a.startswith("--config.") and key in a.split("=", 1)[0].split(".")]
     return (f"{given[0] if given else '--config.' + key}: the config has no such key; the keys are those of "
             "experiments/configs/default.py")
+  if isinstance(error, SyntaxError):  # the --config file is not Python
+    return f"--config={error.filename}:{error.lineno}: {error.msg} (a config file is Python defining get_config())"
+  if isinstance(error, OSError) and "No such file or directory" in str(error):
+    return f"--config={_config_file()}: no such file"
   if isinstance(error, OSError):  # ml_collections: the --config file could not be loaded
     return _one_line(error).replace("Configuration is not available because of an earlier failure to load: ", "")
-  return _one_line(error)
+  if isinstance(error, (flags.Error, KeyError, ValueError, TypeError)):
+    return _one_line(error)
+  return _raised_in_config_file(error)  # anything else the file's own code raised (ImportError, ...)
 
 
 def define_config_flag(default_file: str, help_text: str) -> None:
@@ -45,7 +75,7 @@ def define_config_flag(default_file: str, help_text: str) -> None:
   """
   try:
     config_flags.DEFINE_config_file("config", default_file, help_text, lock_config=True)
-  except (AttributeError, KeyError, OSError, ValueError, TypeError) as error:
+  except Exception as error:  # pylint: disable=broad-except (the config file is the user's code: bad input)
     _refuse(_config_error_message(error))
 
 
@@ -58,7 +88,10 @@ def parse_flags(argv: list[str]) -> list[str]:
   (`set_cpu_devices`), before the program's first JAX operation.
   """
   try:
-    args = flags.FLAGS(argv)
+    args = flags.FLAGS(argv)  # runs the --config file: whatever its code raises is bad input
+  except Exception as error:  # pylint: disable=broad-except
+    _refuse(_config_error_message(error))
+  try:
     if "config" in flags.FLAGS and flags.FLAGS.config is not None:
       default.validate(flags.FLAGS.config)
       set_cpu_devices(flags.FLAGS.config.get("num_cpu_devices", 0))
@@ -72,7 +105,7 @@ def set_cpu_devices(count: int) -> None:
 
   Why a 2-core host wants 2: XLA:CPU runs one op of a step at a time for most of it (docs/performance.md), so
   one device keeps ~1.2 cores busy; two devices, each running half of the data-parallel batch, keep both busy
-  (the multi30k recipe's step: 1.06-1.12x real target tokens/s, side by side, docs/results.md). The gradients
+  (the multi30k recipe's step: 1.06-1.12x real target tokens/s, side by side, docs/multi30k_runs.md). The gradients
   are the same sums. It must run before JAX starts its backends; raises RuntimeError after that (JAX's error).
   Only the CPU backend is affected: on a GPU or TPU host the mesh is still made of the accelerators.
   """
@@ -105,6 +138,21 @@ def check_files_exist(*flag_names: str) -> None:
   for name in flag_names:
     flags.register_validator(name, lambda path: path is None or epath.Path(path).is_file(),
                              message=f"--{name} must name an existing file")
+
+
+def _writable_file_path(path: str | None) -> bool:
+  if path is None:
+    return True
+  target = epath.Path(path)
+  return not target.is_dir() and not any(parent.is_file() for parent in target.parents)
+
+
+def check_output_files(*flag_names: str) -> None:
+  """Registers absl validators: each named flag, when set, must name a file that can be written (not an existing
+  directory, no existing file among its parents), checked before any work whose result it would hold."""
+  for name in flag_names:
+    flags.register_validator(name, _writable_file_path,
+                             message=f"--{name} must name a file to write (it is a directory, or under a file)")
 
 
 def run(main: Callable[[list[str]], Any]) -> None:

@@ -1,21 +1,30 @@
-r"""Translate text with a trained workdir: one output line per input line.
+r"""Translate text with a trained workdir: one output line per input line (or one JSON object per input line).
 
     echo "twenty-one" | python -m experiments.translate --workdir=DIR
     python -m experiments.translate --workdir=DIR --input=FILE --output=FILE [--beam_size=4] [--alpha=0.6]
-        [--mbr_utility=chrf]
+        [--mbr_utility=chrf] [--nbest=4 --output_format=jsonl] [--sampling=sample --top_p=0.9 --seed=1]
+        [--prefix_file=FILE] [--constraints_file=FILE] [--print_alignment] [--ensemble=STEP_OR_DIR,...]
 
 Empty input lines give empty output lines. `--checkpoint` takes a step number or a checkpoint directory
-(e.g. one written by `experiments.average_checkpoints`).
+(e.g. one written by `experiments.average_checkpoints`). `--output_format=text` writes each input line's
+`--nbest` hypotheses on `--nbest` lines (empty where fewer finished), with `--print_alignment` followed by a tab
+and the Pharaoh alignment; `jsonl` writes per input line `{"line", "hypotheses": [{"text", "ids", "log_prob",
+"score", "token_log_probs", "alignment"}]}` (`log_prob`: natural log, EOS included; `score`: length-normalised,
+GNMT alpha; `token_log_probs`: one per token, then EOS's; with `--constraints_file`, `constraints_met`: whether
+every phrase appears, false only where the length limit left no room, also warned on stderr). docs/decoding.md
+has one example per flag.
 """
 
+import json
+import logging
 import sys
 
 from absl import flags
 from etils import epath
 from tqdm import tqdm
 
-from experiments import common, launch
-from transformer_jax import inference
+from experiments import common, decoding, launch
+from transformer_jax import alignment, constraints, inference
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("workdir", None, "The training run's --workdir.")
@@ -27,21 +36,104 @@ flags.DEFINE_integer("extra_len", 50, "Maximum output length = input length + ex
 flags.DEFINE_string("mbr_utility", "", "'' = beam search's best; 'chrf' or 'bleu' = the minimum-Bayes-risk "
                     "choice from its beam_size-best list under that utility.")
 flags.DEFINE_string("checkpoint", None, "A step, or a checkpoint directory (default: the latest).")
+flags.DEFINE_enum("output_format", "text", ["text", "jsonl"], "text: the hypotheses' text; jsonl: with scores.")
+flags.DEFINE_string("prefix_file", None, "Target prefixes, one per input line ('' = none): each output starts "
+                    "with its prefix (forced), then decoding continues.")
+flags.DEFINE_string("constraints_file", None, "Lexical constraints, one line per input line: tab-separated target "
+                    "phrases that must appear in the output (constrained beam search with dynamic beam allocation, "
+                    "Post & Vilar 2018; needs --sampling=beam and --beam_size >= 2).")
+flags.DEFINE_bool("print_alignment", False, "Source-target token alignment from the cross-attention (Pharaoh i-j).")
+decoding.define_flags(nbest=True)
 flags.mark_flags_as_required(["workdir"])
 launch.check_flags(beam_size="decode.beam_size", alpha="decode.alpha", extra_len="decode.extra_len",
                    mbr_utility="decode.mbr_utility")
 launch.check_mbr_beam()
-launch.check_files_exist("input")
+launch.check_files_exist("input", "prefix_file", "constraints_file")
+launch.check_output_files("output")
+
+
+def _lines_per_input(flag: str, count: int, what: str) -> list[str] | None:
+  """The lines of the file `--<flag>` names, one per input line (ValueError naming both counts otherwise)."""
+  path = FLAGS[flag].value
+  if not path:
+    return None
+  lines = common.read_lines(path)
+  if len(lines) != count:
+    raise ValueError(f"--{flag}={path} has {len(lines)} lines but the input has {count}: one {what} per input "
+                     "line is needed")
+  return lines
+
+
+def _read_prefixes(count: int):
+  return _lines_per_input("prefix_file", count, "prefix")
+
+
+def _read_constraints(count: int):
+  lines = _lines_per_input("constraints_file", count, "line of tab-separated phrases")
+  return None if lines is None else [[p for p in line.split("\t") if p.strip()] for line in lines]
+
+
+def _check_combinations() -> None:
+  if FLAGS.mbr_utility and (FLAGS.nbest > 1 or FLAGS.output_format != "text" or FLAGS.print_alignment
+                            or FLAGS.prefix_file or FLAGS.ensemble or FLAGS.sampling != "beam"
+                            or FLAGS.constraints_file):
+    raise ValueError("--mbr_utility chooses one text from the n-best list: it takes none of --nbest, "
+                     "--output_format=jsonl, --print_alignment, --prefix_file, --ensemble, --sampling, "
+                     "--constraints_file")
+  if FLAGS.constraints_file and (FLAGS.sampling != "beam" or FLAGS.beam_size < 2):
+    raise ValueError("--constraints_file needs beam search: --sampling=beam and --beam_size >= 2 (got "
+                     f"--sampling={FLAGS.sampling}, --beam_size={FLAGS.beam_size})")
+
+
+def _records(lines, lists, tokenizer, phrases):
+  for i, (line, hyps) in enumerate(zip(lines, lists)):
+    wanted = [tokenizer.encode(p, add_eos=False, target=True) for p in phrases[i]] if phrases else None
+    records = []
+    for h in hyps:
+      record = {"text": tokenizer.decode(h.ids), "ids": h.ids, "log_prob": h.log_prob, "score": h.score,
+                "token_log_probs": h.token_log_probs}
+      if h.alignment is not None:
+        record["alignment"] = alignment.pharaoh(h.alignment)
+      if wanted is not None:
+        record["constraints_met"] = constraints.satisfied(h.ids, wanted)
+        if not record["constraints_met"]:
+          logging.warning("line %d: the constraints %s could not all be met within the length limit", i + 1,
+                          phrases[i])
+      records.append(record)
+    yield {"line": i + 1, "source": line, "hypotheses": records}
+
+
+def _text_lines(records):
+  for record in records:
+    hyps = record["hypotheses"]
+    for k in range(FLAGS.nbest):
+      hyp = hyps[k] if k < len(hyps) else {"text": "", "alignment": ""}
+      yield hyp["text"] + ("\t" + hyp.get("alignment", "") if FLAGS.print_alignment else "")
 
 
 @common.program
 def main():
   lines = common.read_lines(FLAGS.input)
-  model_config, params, tokenizer = common.load_for_inference(FLAGS.workdir, FLAGS.checkpoint)
+  prefixes = _read_prefixes(len(lines))
+  phrases = _read_constraints(len(lines))
+  _check_combinations()
+  options = decoding.options(FLAGS.beam_size, FLAGS.alpha, nbest=FLAGS.nbest, alignment=FLAGS.print_alignment,
+                             token_log_probs=FLAGS.output_format == "jsonl")
+  model_config, params_list, tokenizer = decoding.load_models(FLAGS.workdir, FLAGS.checkpoint)
   with tqdm(total=len(lines), unit="sent", file=sys.stderr, disable=not FLAGS.input) as bar:
-    outputs = inference.translate_texts(params, model_config, tokenizer, lines, beam_size=FLAGS.beam_size,
-                                        alpha=FLAGS.alpha, extra_len=FLAGS.extra_len, mbr_utility=FLAGS.mbr_utility,
-                                        progress=bar.update)
+    if FLAGS.mbr_utility:
+      outputs = inference.translate_texts(params_list[0], model_config, tokenizer, lines, beam_size=FLAGS.beam_size,
+                                          alpha=FLAGS.alpha, extra_len=FLAGS.extra_len,
+                                          mbr_utility=FLAGS.mbr_utility,
+                                          target_lang=common.load_workdir_config(FLAGS.workdir).data.target_lang,
+                                          progress=bar.update)
+    else:
+      lists = inference.decode_texts(params_list, model_config, tokenizer, lines, options, prefixes=prefixes,
+                                     constraints=phrases, seed=FLAGS.seed, extra_len=FLAGS.extra_len,
+                                     progress=bar.update)
+      records = list(_records(lines, lists, tokenizer, phrases))
+      outputs = (json.dumps(r, ensure_ascii=False) for r in records) if FLAGS.output_format == "jsonl" else (
+          _text_lines(records))
   with (epath.Path(FLAGS.output).open("w", encoding="utf-8") if FLAGS.output
         else open(sys.stdout.fileno(), "w", encoding="utf-8", closefd=False)) as stream:
     stream.writelines(line + "\n" for line in outputs)

@@ -2,7 +2,7 @@ r"""Choose the decoding settings on a development split: checkpoints averaged x 
 
     python -m experiments.tune_decoding --workdir=DIR --source=val.en --reference=val.de \
         [--average_last=1,5,10,ema] [--beam_sizes=4,5] [--alphas=0.4,0.6,0.8,1.0] [--mbr_utilities=none,chrf]
-        [--extra_len=50] [--report=FILE]
+        [--ensemble_last=2] [--extra_len=50] [--report=FILE]
 
 For every number of checkpoints N in `--average_last` (the newest N of the run, averaged as
 `experiments.average_checkpoints` does, into a temporary directory; 1 = the newest checkpoint alone; `ema` = the
@@ -12,7 +12,9 @@ the beam's n-best list, `transformer_jax.mbr`), translates `--source` and scores
 `--reference`; prints one table row per setting and the best one, and writes every row as JSON to `--report`
 (default `<workdir>/eval/tune_decoding.json`; the utilities of one beam size and α choose from one n-best list,
 decoded once, and share its seconds). Greedy (beam 1) ignores α and MBR. Score a test set once, afterwards, with
-the chosen settings (`experiments.evaluate`); tuning on it would fit the test set.
+the chosen settings (`experiments.evaluate`); tuning on it would fit the test set. `--ensemble_last=N` adds,
+per beam size and α, the ensemble of the newest N checkpoints (`transformer_jax.ensemble`: per-step log-probs
+averaged in one compiled search), to set beside the average of their weights.
 """
 
 import os
@@ -24,7 +26,7 @@ from absl import flags
 from experiments import common, launch
 from experiments.configs import default
 from transformer_jax import checkpoint as checkpoint_lib
-from transformer_jax import inference, mbr, metrics
+from transformer_jax import inference, mbr, metrics, search
 from transformer_jax.workdir import Workdir, write_json_atomically
 
 FLAGS = flags.FLAGS
@@ -37,10 +39,13 @@ flags.DEFINE_list("beam_sizes", ["4"], "Beam sizes (1 = greedy).")
 flags.DEFINE_list("alphas", ["0.6"], "GNMT length penalty exponents.")
 flags.DEFINE_list("mbr_utilities", ["none"], "MBR utilities: none (the beam's best), chrf, bleu.")
 flags.DEFINE_integer("extra_len", 50, "Maximum output length = input length + extra_len.")
+flags.DEFINE_list("ensemble_last", [], "Also decode the ensemble of the newest N checkpoints (per-step log-probs "
+                  "averaged, transformer_jax.ensemble), for each N given (>= 2), beside their weight average.")
 flags.DEFINE_string("report", None, "JSON file for every row (default: <workdir>/eval/tune_decoding.json).")
 flags.mark_flags_as_required(["workdir", "source", "reference"])
 launch.check_flags(extra_len="decode.extra_len")
 launch.check_files_exist("source", "reference")
+launch.check_output_files("report")
 
 
 def _grid() -> tuple[list[int | str], list[int], list[float], list[str]]:
@@ -94,12 +99,46 @@ def _params_of_newest(workdir: str, n: int | str, scratch: str):
   return common.load_for_inference(workdir, output)
 
 
+def _ensemble_counts() -> list[int]:
+  """`--ensemble_last` as integers >= 2 (one-line ValueError otherwise)."""
+  for value in FLAGS.ensemble_last:
+    if not value.isdigit() or int(value) < 2:
+      raise ValueError(f"--ensemble_last={','.join(FLAGS.ensemble_last)}: {value!r} is not an integer >= 2")
+  return [int(v) for v in FLAGS.ensemble_last]
+
+
+def _ensemble_rows(counts, beams, alphas, sources, references, target_lang: str) -> list[dict]:
+  """One row per `--ensemble_last` N and (beam, alpha): the ensemble of the newest N checkpoints."""
+  with checkpoint_lib.Checkpointer(os.fspath(Workdir(FLAGS.workdir).checkpoints), read_only=True) as checkpointer:
+    steps = checkpointer.all_steps()
+  rows = []
+  for n in counts:
+    models = [common.load_for_inference(FLAGS.workdir, str(step), ema=False) for step in steps[-n:]]
+    model_config, tokenizer = models[0][0], models[0][2]
+    for beam, alpha in [(b, a) for b in beams for a in (alphas if b > 1 else alphas[:1])]:
+      start = time.perf_counter()
+      options = search.DecodeOptions(beam_size=beam, alpha=alpha, token_log_probs=False)
+      lists = inference.decode_texts([m[1] for m in models], model_config, tokenizer, sources, options,
+                                     extra_len=FLAGS.extra_len)
+      seconds = time.perf_counter() - start
+      hypotheses = [tokenizer.decode(hyps[0].ids) if hyps else "" for hyps in lists]
+      scores = metrics.sacrebleu_scores(hypotheses, references, lowercase=tokenizer.lowercase,
+                                        target_lang=target_lang)
+      rows.append({"ensemble_last": n, "steps": steps[-n:], "beam_size": beam, "alpha": alpha if beam > 1 else None,
+                   "mbr_utility": "", "bleu": scores["bleu"], "chrf": scores["chrf"], "seconds": seconds,
+                   "bleu_signature": scores["bleu_signature"]})
+      print(f"ensemble of the newest {n} ({steps[-n:]}) | beam {beam:>2} | alpha {alpha if beam > 1 else '-':>4} | "
+            f"BLEU {scores['bleu']:6.2f} | chrF {scores['chrf']:6.2f} | {seconds:6.1f}s", flush=True)
+  return rows
+
+
 @common.program
 def main():
   sources, references = common.read_lines(FLAGS.source), common.read_lines(FLAGS.reference)
   if len(sources) != len(references):
     raise ValueError(f"{FLAGS.source} has {len(sources)} lines but {FLAGS.reference} has {len(references)}")
   averages, beams, alphas, utilities = _grid()
+  ensembles = _ensemble_counts()
   target_lang = common.load_workdir_config(FLAGS.workdir).data.target_lang
   metrics.bleu_metric(target_lang)  # BLEU's tokenizer for the target language loads, before any decoding
   if "ema" in averages and not common.load_workdir_config(FLAGS.workdir).ema_decay:
@@ -117,7 +156,7 @@ def main():
         else:  # one n-best list per setting; each utility chooses from the same lists
           n_best = inference.n_best_texts(params, model_config, tokenizer, sources, beam_size=beam, alpha=alpha,
                                           extra_len=FLAGS.extra_len)
-          outputs = {utility: inference.choose(n_best, utility) for utility in utilities}
+          outputs = {utility: inference.choose(n_best, utility, target_lang) for utility in utilities}
         seconds = time.perf_counter() - start
         for utility, hypotheses in outputs.items():
           scores = metrics.sacrebleu_scores(hypotheses, references, lowercase=tokenizer.lowercase,
@@ -128,8 +167,11 @@ def main():
           print(f"average_last {n:>3} | beam {beam:>2} | alpha {alpha if beam > 1 else '-':>4} | "
                 f"mbr {utility or '-':>4} | BLEU {scores['bleu']:6.2f} | chrF {scores['chrf']:6.2f} | "
                 f"{seconds:6.1f}s", flush=True)
+  rows += _ensemble_rows(ensembles, beams, alphas, sources, references, target_lang)
   best = max(rows, key=lambda r: r["bleu"])
-  print(f"best on {os.path.basename(FLAGS.source)}: average_last {best['average_last']}, beam {best['beam_size']}, "
+  weights = (f"average_last {best['average_last']}" if "average_last" in best
+             else f"ensemble of the newest {best['ensemble_last']}")
+  print(f"best on {os.path.basename(FLAGS.source)}: {weights}, beam {best['beam_size']}, "
         f"alpha {best['alpha']}, mbr {best['mbr_utility'] or 'none'} -> BLEU {best['bleu']:.2f} "
         f"({best['bleu_signature']})")
   report = FLAGS.report or os.fspath(Workdir(FLAGS.workdir).eval / "tune_decoding.json")

@@ -40,6 +40,9 @@ import urllib.parse
 import urllib.request
 
 GOOGLE_HOSTS = ("www.googleapis.com", "storage.googleapis.com")
+# Objects under this prefix may be read but not written through TensorFlow's client (the proxy answers 403 as
+# Cloud Storage does to a caller without write permission): the refusal tests of a read-only bucket.
+READ_ONLY_PREFIX = "read-only/"
 
 
 def free_port() -> int:
@@ -88,6 +91,9 @@ class _GoogleApi(http.server.BaseHTTPRequestHandler):
   protocol_version = "HTTP/1.1"
 
   def _forward(self):
+    if self.command in ("POST", "PUT", "PATCH", "DELETE") and READ_ONLY_PREFIX in urllib.parse.unquote(self.path):
+      self._refuse_write()
+      return
     layout = re.fullmatch(r"/storage/v1/b/([^/?]+)/storageLayout(\?.*)?", self.path)
     if layout:
       self._answer_storage_layout(layout.group(1))
@@ -113,6 +119,21 @@ class _GoogleApi(http.server.BaseHTTPRequestHandler):
         self.wfile.write(data)
     finally:
       upstream.close()
+
+  def _refuse_write(self) -> None:
+    """403 as Cloud Storage answers a caller without `storage.objects.create` (a bucket it may only read)."""
+    if self.headers.get("Transfer-Encoding", "identity").lower() == "chunked":
+      self._read_chunked()
+    else:
+      self.rfile.read(int(self.headers.get("Content-Length", 0)))
+    message = "caller does not have storage.objects.create access to the Google Cloud Storage object."
+    body = json.dumps({"error": {"code": 403, "message": message,
+                                 "errors": [{"message": message, "domain": "global", "reason": "forbidden"}]}})
+    self.send_response_only(403, "Forbidden")
+    self.send_header("Content-Type", "application/json")
+    self.send_header("Content-Length", str(len(body)))
+    self.end_headers()
+    self.wfile.write(body.encode())
 
   def _answer_storage_layout(self, bucket: str) -> None:
     """`buckets.getStorageLayout` of a flat bucket: TensorFlow asks it before renaming a directory (to rename a
@@ -221,6 +242,13 @@ class GcsServer:
     with urllib.request.urlopen(f"{self.http_url}/storage/v1/b/{self.bucket}/o/{quoted}?alt=media",
                                 timeout=30) as r:
       return r.read()
+
+  def write(self, name: str, data: bytes) -> None:
+    query = urllib.parse.urlencode({"uploadType": "media", "name": name})
+    request = urllib.request.Request(f"{self.http_url}/upload/storage/v1/b/{self.bucket}/o?{query}", data=data,
+                                     headers={"Content-Type": "application/octet-stream"}, method="POST")
+    with urllib.request.urlopen(request, timeout=30):
+      pass
 
   def download(self, prefix: str, directory: str) -> str:
     """Every object under `prefix` into `directory` (its layout kept); returns `directory`."""

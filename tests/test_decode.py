@@ -370,3 +370,31 @@ def test_beam_search_over_a_toy_step_function_ranks_every_hypothesis():
     expected = [bodies[j] + [EOS] + [PAD] * (length - len(bodies[j]) - 1) for j in order]
     np.testing.assert_array_equal(np.asarray(out.tokens[i, :len(bodies)]), expected)
     assert not (np.asarray(out.tokens[i, len(bodies):]) == EOS).any()  # then the unfinished ones
+
+
+def _while_carry(fn, *args) -> list:
+  """The loop-carried values (avals) of the one `while` in `fn`'s jaxpr."""
+  loops = [e for e in jax.make_jaxpr(fn)(*args).jaxpr.eqns if e.primitive.name == "while"]
+  assert len(loops) == 1
+  return loops[0].params["body_jaxpr"].in_avals
+
+
+def test_beam_per_token_log_probs_match_numpy_and_cost_nothing_when_not_asked_for():
+  starts, length, beam_size = np.array([0, 7, 3]), 5, 3
+  cache = decode.repeat_rows(jnp.asarray(starts, jnp.int32), beam_size)
+  search = lambda per_token: (lambda cache: decode.beam_search_over(  # noqa: E731
+      toy_step, cache, batch_size=3, beam_size=beam_size, alpha=0.6, max_decode_len=length, bos_id=BOS,
+      eos_id=EOS, pad_id=PAD, per_token=per_token))
+  tracked, plain = jax.jit(search(True))(cache), jax.jit(search(False))(cache)
+  for i, start in enumerate(starts):
+    for j in range(beam_size):
+      tokens = [int(t) for t in tracked.tokens[i, j] if t != PAD]
+      logp = toy_log_probs(start, tokens[:-1])
+      expected = [logp[t, tok] for t, tok in enumerate(tokens)] + [0.0] * (length - len(tokens))
+      np.testing.assert_allclose(tracked.token_log_probs[i, j], expected, rtol=1e-5, atol=1e-5)
+  for field in ("tokens", "scores", "log_probs"):
+    np.testing.assert_array_equal(getattr(plain, field), getattr(tracked, field))
+  assert plain.token_log_probs is None
+  per_token_buffer = lambda aval: aval.shape == (3, beam_size, length) and aval.dtype == jnp.float32  # noqa: E731
+  assert sum(map(per_token_buffer, _while_carry(search(True), cache))) == 2  # alive and finished
+  assert not any(map(per_token_buffer, _while_carry(search(False), cache)))

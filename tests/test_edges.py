@@ -21,7 +21,7 @@ import helpers
 from tests.test_experiments import REPO, TINY_OVERRIDES, _env, _one_line_error, _run, _tree
 from transformer_jax import config as config_lib
 from transformer_jax import metrics, trainer
-from transformer_jax.workdir import LOCK_FILENAME, OwnerLock, WorkdirInUseError
+from transformer_jax.owner_lock import LOCK_FILENAME, OwnerLock, WorkdirInUseError
 
 QUICK = [*TINY_OVERRIDES, "--config.num_train_steps=10", "--config.final_eval.split="]
 
@@ -278,3 +278,27 @@ def test_a_directory_of_another_kind_is_not_taken_for_a_workdir(tmp_path, conten
                   ["experiments.train", f"--workdir={tmp_path}", *QUICK]):
     _one_line_error(_run(program, stdin="five\n", check=False), needle, str(tmp_path))
   assert _tree(tmp_path) == before
+
+
+# -- a checkpoint of another run: same shapes, another vocabulary -----------------------------------------------
+
+def test_a_checkpoint_trained_with_another_vocabulary_is_refused_by_every_reader(run10, tmp_path):
+  """Same architecture and vocabulary size, a case-folded vocabulary: the parameters load without a shape error,
+  so only the vocabulary check stands between the user and translations decoded with the wrong pieces."""
+  other = tmp_path / "lowercased"
+  _run(["experiments.train", f"--workdir={other}", *QUICK, "--config.data.lowercase=True"])
+  bare = tmp_path / "bare"
+  subprocess.run(["cp", "-r", str(other / "checkpoints"), str(bare)], check=True)
+  for checkpoint, needle in [(other / "checkpoints", f"was trained with another vocabulary than {run10}'s "
+                              "(lowercase True there, False here); translate it with --workdir="),
+                             (bare, "was trained on other data or vocabulary settings than "
+                              f"{run10} (data.lowercase: saved True, requested False)")]:
+    result = _run(["experiments.translate", f"--workdir={run10}", f"--checkpoint={checkpoint}"],
+                  stdin="twelve\n", check=False)
+    _one_line_error(result, f"--checkpoint={checkpoint} {needle}")
+  # The run's own checkpoints, and another run's of the same vocabulary, still translate.
+  same = tmp_path / "same"
+  _run(["experiments.train", f"--workdir={same}", *QUICK, "--config.seed=7"])
+  for checkpoint in (run10 / "checkpoints", same / "checkpoints"):
+    result = _run(["experiments.translate", f"--workdir={run10}", f"--checkpoint={checkpoint}"], stdin="twelve\n")
+    assert result.returncode == 0 and result.stdout.strip()

@@ -271,6 +271,15 @@ def test_resume_with_another_architecture_is_refused(deeper_workdir):
      "--mbr_utility='meteor': must be one of '', 'chrf', 'bleu'"),
     ("experiments.translate", ["--mbr_utility=chrf"], "--mbr_utility chooses from beam search's n-best list: it "
      "needs --beam_size >= 2"),
+    ("experiments.translate", ["--output=experiments"], "--output must name a file to write (it is a directory"),
+    ("experiments.average_checkpoints", ["--steps=1,1"], "--steps=1,1: step 1 is given twice"),
+    ("experiments.average_checkpoints", ["--steps=1,x"], "--steps=1,x: 'x' is not a step"),
+    ("experiments.average_checkpoints", ["--output=README.md"], "--output=README.md is a file; expected a "
+     "checkpoint directory"),
+    ("experiments.translate", ["--output=README.md/out.txt"], "--output must name a file to write"),
+    ("experiments.attention_map", ["--source=one", "--output=experiments"], "--output must name a file to write"),
+    ("experiments.tune_decoding", ["--source=README.md", "--reference=README.md", "--report=experiments"],
+     "--report must name a file to write"),
 ])
 def test_bad_program_flags_are_one_line_errors(workdir, program, flags, needle):
   before = _tree_snapshot(workdir)
@@ -282,7 +291,7 @@ def test_bad_program_flags_are_one_line_errors(workdir, program, flags, needle):
 @pytest.mark.parametrize("flags, needle", [
     (["--config.no_such_key=3"], "--config.no_such_key=3: the config has no such key"),
     (["--config.model.no_such_key=3"], "--config.model.no_such_key=3: the config has no such key"),
-    (["--config=experiments/configs/nope.py"], "nope.py"),
+    (["--config=experiments/configs/nope.py"], "--config=experiments/configs/nope.py: no such file"),
     (["--config.num_train_steps=-5"], "--config.num_train_steps=-5: must be an integer >= 1"),
     (["--config.learning_rate=nan"], "--config.learning_rate=nan: must be a finite number"),
     (["--config.label_smoothing=1.5"], "--config.label_smoothing=1.5"),
@@ -316,6 +325,19 @@ def test_bad_config_values_are_refused_before_anything_is_written(tmp_path, flag
   result = _run(["experiments.train", f"--workdir={tmp_path}/w", *flags], check=False)
   _one_line_error(result, needle)
   assert not os.path.exists(tmp_path / "w")
+
+
+@pytest.mark.parametrize("text, needle", [
+    ("x = (\n", "bad.py:1: '(' was never closed (a config file is Python defining get_config())"),
+    ("def get_config():\n  return 1 / 0\n", "bad.py:2: loading it raised ZeroDivisionError: division by zero"),
+    ("import no_such_module_here\n", "bad.py:1: loading it raised ModuleNotFoundError: No module named"),
+    ("x = 1\n", "bad.py: the file defines no get_config() returning the config"),
+])
+def test_a_config_file_that_cannot_load_is_a_one_line_error_naming_it(tmp_path, text, needle):
+  (tmp_path / "bad.py").write_text(text)
+  result = _run(["experiments.train", f"--workdir={tmp_path}/w", f"--config={tmp_path}/bad.py"], check=False)
+  _one_line_error(result, f"--config={tmp_path}/{needle}")
+  assert "Traceback" not in result.stderr and not os.path.exists(tmp_path / "w")
 
 
 # -- text normalisation: text that looks the same translates the same ------------------------------------

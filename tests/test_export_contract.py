@@ -8,6 +8,7 @@ a byte-order mark, decomposed accents, a compatibility singleton, capitals for a
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 
@@ -101,7 +102,7 @@ def test_ctranslate2_export_writes_its_contract(exported):
   assert ct2_config["add_source_eos"] is True and ct2_config["add_source_bos"] is False
   assert ct2_config["decoder_start_token"] == tok.pieces([config.bos_id])[0]
   info = json.load(open(os.path.join(ct2_dir, ct2_lib.EXPORT_INFO)))
-  assert info["max_decoding_length"] == config.max_len and info["position_table"] >= ct2_lib.POSITIONS
+  assert info["max_decoding_length"] == config.max_len and info["position_table"] >= marian.EXPORT_POSITIONS
 
 
 @pytest.mark.parametrize("beam", [1, 4])
@@ -171,6 +172,26 @@ def test_marian_export_through_marian_tokenizer_and_generate_translates_as_ours(
       out = model.generate(**hf_tok([text], return_tensors="pt"), num_beams=beam)
     got = hf_tok.decode(out[0], skip_special_tokens=True)
     assert got == tok.decode(mine), text
+
+
+def test_marian_export_generates_past_the_trained_positions_and_imports_back_unchanged(exported):
+  """`generate` with a cap above the model's max_len (24) reads the extended sinusoids (no index error) and its
+  first tokens are ours; the importer restores the trained max_len from the exported config."""
+  tok, config, params, _, marian_dir = exported
+  hf_config = json.load(open(os.path.join(marian_dir, "config.json")))
+  assert hf_config["max_position_embeddings"] == marian.EXPORT_POSITIONS
+  assert marian.model_config_from_marian(hf_config) == dataclasses.replace(  # Marian's epsilon and layout
+      config, layer_norm_epsilon=marian.MARIAN_LAYER_NORM_EPSILON, position_layout="halves")
+  hf_tok = transformers.MarianTokenizer.from_pretrained(marian_dir)
+  model = transformers.MarianMTModel.from_pretrained(marian_dir).eval()
+  texts = [t for t in RAW if t]
+  ours = inference.translate_ids(params, config, [tok.encode(t) for t in texts], beam_size=1, extra_len=500)
+  for text, mine in zip(texts, ours):
+    with torch.no_grad():  # pad never ends a row: every row runs the 300 steps
+      out = model.generate(**hf_tok([text], return_tensors="pt"), max_new_tokens=300, min_new_tokens=300)
+    got = out[0, 1:].tolist()
+    assert len(got) == 300
+    assert got[: len(mine)] == list(mine), text
 
 
 # -- relative positions (Shaw et al.): CTranslate2's relative_position_keys / _values ------------------------

@@ -14,6 +14,7 @@ import os
 import random
 import re
 import signal
+import socket
 import subprocess
 import sys
 import uuid
@@ -198,3 +199,66 @@ def test_programs_that_take_local_directories_only_refuse_gs_in_one_line(program
   assert result.returncode == 1
   last = result.stderr.strip().splitlines()[-1]
   assert last.startswith("error: --") and "local directories only" in last, last
+
+
+def _lock_object(gcs, prefix, pid):
+  owner = {"pid": pid, "host": socket.gethostname(), "started": "2026-12-06T00:00:00+0000"}
+  gcs.write(f"{prefix}/train.lock", json.dumps(owner).encode())
+
+
+def test_a_live_lock_on_gs_refuses_a_second_trainer_in_one_line_and_writes_nothing(gcs):
+  prefix = _run_prefix()
+  _lock_object(gcs, prefix, os.getpid())  # this test's process: alive
+  result = subprocess.run([sys.executable, "-m", "experiments.train", *_flags(f"gs://bucket/{prefix}", 4, 2)],
+                          cwd=REPO, env=_env(gcs), capture_output=True, text=True, timeout=300)
+  assert result.returncode == 1, result.stderr[-3000:]
+  last = result.stderr.strip().splitlines()[-1]
+  assert last.startswith(f"error: gs://bucket/{prefix} is in use by another training run (pid {os.getpid()}"), last
+  assert gcs.list(prefix) == [f"{prefix}/train.lock"]  # nothing else written, the owner's lock kept
+  assert json.loads(gcs.read(f"{prefix}/train.lock"))["pid"] == os.getpid()
+
+
+_LOCK_SCRIPT = """
+import json, sys
+from transformer_jax.owner_lock import OwnerLock, WorkdirInUseError
+root = sys.argv[1]
+with OwnerLock(root) as first:
+  try:
+    OwnerLock(root).acquire()
+    print("second lock taken")
+  except WorkdirInUseError as error:
+    print("refused:", error)
+print("released")
+"""
+
+
+def test_the_gs_lock_is_exclusive_takes_over_a_dead_owner_and_is_released(gcs):
+  """Taken by an exclusive create (`ifGenerationMatch=0`): a second lock on the same gs:// workdir is refused
+  while the first is held; a lock left by a dead process of this host is taken over; release deletes it."""
+  prefix = _run_prefix()
+  dead = subprocess.Popen([sys.executable, "-c", "pass"])
+  dead.wait()
+  _lock_object(gcs, prefix, dead.pid)
+  result = subprocess.run([sys.executable, "-c", _LOCK_SCRIPT, f"gs://bucket/{prefix}"], cwd=REPO, env=_env(gcs),
+                          capture_output=True, text=True, timeout=120)
+  assert result.returncode == 0, result.stderr[-3000:]
+  lines = result.stdout.splitlines()
+  assert lines[0].startswith(f"refused: gs://bucket/{prefix} is in use by another training run (pid "), lines
+  assert str(dead.pid) not in lines[0]  # the owner named is the live first lock, not the dead one
+  assert lines[1] == "released"
+  assert gcs.list(prefix) == []
+
+
+def test_a_workdir_the_caller_may_not_write_is_a_one_line_error(gcs):
+  """Cloud Storage's 403 (no `storage.objects.create`), answered by the test's proxy for `read-only/`, reaches
+  the trainer through TensorFlow's file system as `PermissionDeniedError`: one line naming the path."""
+  prefix = f"{gcs_server.READ_ONLY_PREFIX}{uuid.uuid4().hex[:8]}"
+  result = subprocess.run([sys.executable, "-m", "experiments.train", *_flags(f"gs://bucket/{prefix}", 4, 2)],
+                          cwd=REPO, env=_env(gcs), capture_output=True, text=True, timeout=300)
+  assert result.returncode == 1, result.stderr[-3000:]
+  last = result.stderr.strip().splitlines()[-1]
+  match = re.fullmatch(r"error: (gs://bucket/\S*): permission denied \(HTTP 403: caller does not have "
+                       r"storage\.objects\.create access .*\) when uploading", last)
+  assert match and f"gs://bucket/{prefix}".startswith(match.group(1).rstrip("/")), last  # the run or a parent
+  assert "Traceback" not in result.stderr
+  assert gcs.list(prefix) == []

@@ -1,7 +1,7 @@
 """The library's layers: no module imports one above it; project imports sit at the top of the file.
 
     trainer / interop -> checkpoint -> sharding / data / inference -> training / decode -> model
-            -> early_stopping -> attention / mbr / trackers / metrics -> dropout / config / workdir / profiling
+            -> early_stopping / mbr -> attention / trackers / owner_lock / metrics -> dropout / config / workdir / profiling
 """
 
 import ast
@@ -15,15 +15,21 @@ PACKAGE = pathlib.Path(__file__).resolve().parents[1] / "transformer_jax"
 # siblings inside its own package (`data.*`, `training.*`, `interop.*`) that do not climb above it.
 RANKS = {
     "transformer_jax.config": 0, "transformer_jax.workdir": 0, "transformer_jax.metrics": 1,
-    "transformer_jax.mbr": 1,  # n-best selection by a sentence metric: sacreBLEU, no model code
+    "transformer_jax.mbr": 2,  # n-best selection by a sentence metric (metrics' BLEU), no model code
     "transformer_jax.dropout": 0, "transformer_jax.data.normalize": 0,  # text normalisation: a leaf
     "transformer_jax.attention": 1,
     "transformer_jax.profiling": 0,  # jax.profiler around chosen steps: a leaf
     "transformer_jax.trackers": 1,   # metrics.jsonl, TensorBoard, W&B: writers that know only the workdir
+    "transformer_jax.owner_lock": 1,  # train.lock: one trainer per workdir, local or gs://
     "transformer_jax.early_stopping": 2,  # the rule over a metric's values (metrics' direction table)
     "transformer_jax.model": 2,
     "transformer_jax.training": 3, "transformer_jax.decode": 3, "transformer_jax.visualize": 3,
     "transformer_jax.diagnostics": 3,
+    # decoding toolkit: wrappers over decode's step seam, then the one compiled search that combines them
+    "transformer_jax.ensemble": 3.5, "transformer_jax.prefix": 3.5, "transformer_jax.alignment": 3.5,
+    "transformer_jax.constraints": 3.5,
+    "transformer_jax.scoring": 3,  # forced decoding: the model only
+    "transformer_jax.search": 3.7,
     "transformer_jax.data": 4, "transformer_jax.sharding": 4, "transformer_jax.inference": 4,
     "transformer_jax.checkpoint": 5,
     "transformer_jax.trainer": 6, "transformer_jax.interop": 6,

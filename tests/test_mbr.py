@@ -44,3 +44,19 @@ def test_bad_lists_raise(args, needle):
 def test_unknown_utility_names_the_allowed_ones():
   with pytest.raises(ValueError, match="MBR utility 'meteor'; expected one of chrf, bleu"):
     mbr.utility_fn("meteor")
+
+
+ZH = ["一个男人骑着红色自行车。", "一个男人骑着一辆红色自行车。", "两只狗在雪地里玩耍。"]
+
+
+def test_bleu_utility_tokenises_for_the_target_language_as_sacrebleu_does():
+  """Chinese has no spaces: under 13a each sentence is one token and near-paraphrases share nothing; with
+  `target_lang='zh'` the utility is sacreBLEU's `tok:zh` sentence BLEU, as the corpus BLEU of the same run."""
+  log_probs = [-1.0, -1.1, -0.9]
+  weights = np.exp(log_probs) / np.exp(log_probs).sum()
+  expected = [sum(w * sacrebleu.sentence_bleu(h, [r], tokenize="zh", use_effective_order=True).score
+                  for w, r in zip(weights, ZH)) for h in ZH]
+  got = mbr.expected_utilities(ZH, log_probs, mbr.utility_fn("bleu", "zh"))
+  np.testing.assert_allclose(got, expected, rtol=1e-9)
+  assert mbr.select(ZH, log_probs, "bleu", target_lang="zh-Hans") in (0, 1)  # the two that agree
+  assert mbr.select(ZH, log_probs, "bleu") == 2  # 13a: no overlap anywhere, so the most probable

@@ -21,7 +21,7 @@ from jax.experimental import multihost_utils
 from jax.sharding import PartitionSpec as P
 
 import distributed_workers
-from transformer_jax import sharding
+from transformer_jax import constraints, search, sharding
 from transformer_jax.config import tiny
 from transformer_jax.training.schedule import adam, adam_with_schedule, ema_params, param_ema, rsqrt_schedule
 
@@ -403,6 +403,41 @@ def test_greedy_decoding_on_sharded_params_matches_single_device(reference):
   # Without the context too (jit follows the parameters' shardings; host inputs are replicated).
   plain_tokens, _ = decode.greedy_search(sharded_params, CFG, inputs, 8)
   np.testing.assert_array_equal(np.asarray(plain_tokens), np.asarray(tokens))
+
+
+def test_decoding_toolkit_on_a_two_device_mesh_matches_single_device(reference):
+  """An ensemble (own caches), n-best beam search with per-token log-probs, a forced prefix, lexical
+  constraints, nucleus sampling with per-source keys and alignments, on parameters sharded over a 2-device
+  tensor mesh."""
+  first, second = reference["initial"].params, reference["state"].params  # two different models
+  inputs = np.asarray(reference["batch"]["inputs"][:4])
+  limits = np.full((4,), 8, np.int32)
+  prefix_tokens, prefix_lengths = np.full((4, 8), 5, np.int32), np.array([0, 1, 2, 0], np.int32)
+  keys = jax.vmap(lambda i: jax.random.fold_in(jax.random.PRNGKey(3), i))(np.arange(4))
+  phrases = constraints.pack([[[7, 9]], [], [[11]], [[5], [6]]], 8)
+  settings = [(search.DecodeOptions(beam_size=3, nbest=2, alignment=True), None),
+              (search.DecodeOptions(beam_size=3, nbest=2), phrases),
+              (search.DecodeOptions(sampling="sample", top_p=0.8, temperature=1.3, alignment=True), None)]
+
+  def run(params_list, options, cons):
+    fn = jax.jit(lambda ps, x, k: search.search(ps, CFG, x, limits, options, 8, keys=k, prefix_tokens=prefix_tokens,
+                                                prefix_lengths=prefix_lengths, constraints=cons))
+    return jax.tree_util.tree_map(np.asarray, fn(params_list, inputs, keys))
+
+  mesh = sharding.make_mesh(data=1, tensor=2, devices=jax.devices()[:2])
+  state_shardings = sharding.shardings_of(sharding.create_train_state(CFG, TX, jax.random.key(0), mesh))
+  for options, cons in settings:
+    single = run(tuple(jax.device_put(p, jax.devices()[0]) for p in (first, second)), options, cons)
+    sharded = run(tuple(jax.device_put(p, state_shardings.params) for p in (first, second)), options, cons)
+    np.testing.assert_array_equal(sharded.tokens, single.tokens)
+    if options.alignment:
+      np.testing.assert_array_equal(sharded.alignment, single.alignment)
+    np.testing.assert_allclose(sharded.token_log_probs, single.token_log_probs, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(sharded.log_probs, single.log_probs, rtol=1e-5, atol=1e-5)
+    assert (single.tokens[1, 0, :1] == 5).all() and (single.tokens[2, 0, :2] == 5).all()  # the prefixes
+    if cons is not None:
+      assert constraints.satisfied(single.tokens[0, 0].tolist(), [[7, 9]])
+      assert constraints.satisfied(single.tokens[3, 0].tolist(), [[5], [6]])
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -54,7 +54,7 @@ the baseline of the cached-vs-uncached benchmark.
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable, NamedTuple, Optional
+from typing import Any, Callable, NamedTuple, Optional, Protocol
 
 import flax.linen as nn
 import jax
@@ -98,6 +98,10 @@ class DecodingState(NamedTuple):
 
 # (DecodingState) -> (logits [rows, vocab] float32, new cache)
 TokensToLogits = Callable[[DecodingState], "tuple[Array, Any]"]
+# (log_probs [rows, vocab] float32, DecodingState) -> log_probs [rows, vocab]: applied after the log-softmax,
+# before the choice (forced prefixes: `transformer_jax.prefix`); -inf makes a token impossible, and the
+# log-probabilities that are summed are the ones it returns (nothing is renormalised).
+LogProbsFn = Callable[[Array, DecodingState], Array]
 
 
 def repeat_rows(tree, n: int):
@@ -151,14 +155,24 @@ class _SeqState(NamedTuple):
   t: Array  # scalar int32: tokens emitted so far
   tokens: Array  # [b, L]
   log_probs: Array  # [b]
+  token_log_probs: Any  # [b, L] float32: the log-prob of each emitted token, 0 after the last; () untracked
   done: Array  # [b]
   cache: Any
 
 
+class SequenceOutput(NamedTuple):
+  """What the one-hypothesis searches return with `full_output=True`."""
+  tokens: Array  # [batch, max_decode_len] int32
+  log_probs: Array  # [batch] float32: sum of the token log-probs (EOS included)
+  token_log_probs: Optional[Array]  # [batch, max_decode_len] float32: each token's log-prob, 0 after the last
+
+
 def _sequential_search(tokens_to_logits: TokensToLogits, cache, choose: Callable[[Array, Array], Array], *,
                        batch_size: int, max_decode_len: int, bos_id: int, eos_id: int, pad_id: int,
-                       max_lengths: Optional[Array]):
-  """Shared loop of greedy search and sampling; `choose(log_probs [b, V], t) -> tokens [b]`."""
+                       max_lengths: Optional[Array], log_probs_fn: Optional[LogProbsFn] = None,
+                       per_token: bool = True) -> SequenceOutput:
+  """Shared loop of greedy search and sampling; `choose(log_probs [b, V], t) -> tokens [b]`. Without
+  `per_token` (static) the loop carries no per-token buffer and `token_log_probs` is None."""
   _check_ids(bos_id, eos_id, pad_id)
   batch, length = batch_size, max_decode_len
   limits = _row_limits(max_lengths, batch, length)
@@ -167,24 +181,30 @@ def _sequential_search(tokens_to_logits: TokensToLogits, cache, choose: Callable
     return jnp.logical_and(s.t < length, jnp.logical_not(jnp.all(s.done)))
 
   def body(s: _SeqState):
-    prev = _prev_tokens(s.tokens, s.t, bos_id)
-    logits, cache = tokens_to_logits(DecodingState(s.t, s.tokens, prev, s.cache))  # [b, V]
+    state = DecodingState(s.t, s.tokens, _prev_tokens(s.tokens, s.t, bos_id), s.cache)
+    logits, cache = tokens_to_logits(state)  # [b, V]
     logp = _log_probs(logits, (pad_id, bos_id))
+    if log_probs_fn is not None:
+      logp = log_probs_fn(logp, state)
     token = jnp.where(s.done, pad_id, choose(logp, s.t)).astype(jnp.int32)
-    token_logp = jnp.take_along_axis(logp, token[:, None], axis=1)[:, 0]
-    log_probs = jnp.where(s.done, s.log_probs, s.log_probs + token_logp)
+    token_logp = jnp.where(s.done, 0.0, jnp.take_along_axis(logp, token[:, None], axis=1)[:, 0])
+    log_probs = s.log_probs + token_logp
     tokens = lax.dynamic_update_slice(s.tokens, token[:, None], (0, s.t))
+    token_log_probs = (lax.dynamic_update_slice(s.token_log_probs, token_logp[:, None], (0, s.t))
+                       if per_token else ())
     done = s.done | (token == eos_id) | (s.t + 1 >= limits)
-    return _SeqState(s.t + 1, tokens, log_probs, done, cache)
+    return _SeqState(s.t + 1, tokens, log_probs, token_log_probs, done, cache)
 
   init = _SeqState(jnp.array(0, jnp.int32), jnp.full((batch, length), pad_id, jnp.int32),
-                   jnp.zeros((batch,), jnp.float32), jnp.zeros((batch,), bool), cache)
+                   jnp.zeros((batch,), jnp.float32), jnp.zeros((batch, length), jnp.float32) if per_token else (),
+                   jnp.zeros((batch,), bool), cache)
   final = lax.while_loop(cond, body, init)
-  return final.tokens, final.log_probs
+  return SequenceOutput(final.tokens, final.log_probs, final.token_log_probs if per_token else None)
 
 
 def greedy_search_over(tokens_to_logits: TokensToLogits, cache, *, batch_size: int, max_decode_len: int,
-                       bos_id: int, eos_id: int, pad_id: int, max_lengths: Optional[Array] = None):
+                       bos_id: int, eos_id: int, pad_id: int, max_lengths: Optional[Array] = None,
+                       log_probs_fn: Optional[LogProbsFn] = None, full_output: bool = False):
   """Greedy decoding over any step function: `(tokens [batch, max_decode_len] int32, log_probs [batch] f32)`.
 
   Args:
@@ -194,38 +214,67 @@ def greedy_search_over(tokens_to_logits: TokensToLogits, cache, *, batch_size: i
     bos_id, eos_id, pad_id: the first input token, the token that ends a row, the filler after it (pad and BOS
       are never emitted).
     max_lengths: optional `[batch]` int32 caps on each row's output length (EOS included).
+    log_probs_fn: optional `LogProbsFn` applied to each step's log-probs before the choice.
+    full_output: return a `SequenceOutput` (adds the per-token log-probs `[batch, max_decode_len]`).
 
   Raises ValueError if the three ids are not distinct. Trace it under `jax.jit`.
   """
-  return _sequential_search(tokens_to_logits, cache, lambda logp, t: jnp.argmax(logp, axis=-1),
-                            batch_size=batch_size, max_decode_len=max_decode_len, bos_id=bos_id,
-                            eos_id=eos_id, pad_id=pad_id, max_lengths=max_lengths)
+  out = _sequential_search(tokens_to_logits, cache, lambda logp, t: jnp.argmax(logp, axis=-1),
+                           batch_size=batch_size, max_decode_len=max_decode_len, bos_id=bos_id,
+                           eos_id=eos_id, pad_id=pad_id, max_lengths=max_lengths, log_probs_fn=log_probs_fn,
+                           per_token=full_output)
+  return out if full_output else (out.tokens, out.log_probs)
+
+
+def truncate(scaled: Array, top_k: int = 0, top_p: float = 1.0) -> Array:
+  """Top-k, then nucleus (top-p, Holtzman et al., 2020) truncation of log-weights `[rows, vocab]`: the tokens
+  outside the k largest, or outside the smallest set whose probability reaches `top_p` (the most probable
+  token is always kept), become -inf. `top_k=0` and `top_p >= 1` (static) leave `scaled` as it is."""
+  if top_k > 0:
+    kth = lax.top_k(scaled, min(top_k, scaled.shape[-1]))[0][:, -1:]
+    scaled = jnp.where(scaled < kth, NEG_INF, scaled)
+  if top_p < 1.0:
+    ordered = -jnp.sort(-scaled, axis=-1)  # descending
+    probs = jax.nn.softmax(ordered, axis=-1)
+    before = jnp.cumsum(probs, axis=-1) - probs  # probability of the tokens ranked above each one
+    kept = jnp.where(before < top_p, ordered, jnp.inf)
+    smallest = jnp.min(kept, axis=-1, keepdims=True)  # the least probable kept token (rank 0 always kept)
+    scaled = jnp.where(scaled < smallest, NEG_INF, scaled)
+  return scaled
 
 
 def sample_over(tokens_to_logits: TokensToLogits, cache, rng: Array, *, batch_size: int, max_decode_len: int,
                 bos_id: int, eos_id: int, pad_id: int, temperature: float = 1.0, top_k: int = 0,
-                max_lengths: Optional[Array] = None):
-  """Ancestral sampling over any step function from `softmax(logits / temperature)`, top-k truncated if > 0.
+                top_p: float = 1.0, max_lengths: Optional[Array] = None,
+                log_probs_fn: Optional[LogProbsFn] = None, full_output: bool = False):
+  """Ancestral sampling over any step function from `softmax(logits / temperature)`, truncated by `truncate`
+  (top-k if > 0, then nucleus if `top_p` < 1).
 
-  Same arguments and outputs as `greedy_search_over`, plus `rng` (step t uses `jax.random.fold_in(rng, t)`).
-  `log_probs` are the *model's* log-probs of the sampled tokens (untempered, untruncated); `top_k=1` is greedy
-  search. Raises ValueError for `temperature <= 0` or `top_k < 0`.
+  Same arguments and outputs as `greedy_search_over`, plus `rng`: one key (step t uses
+  `jax.random.fold_in(rng, t)`) or one key per row `[batch, 2]` (row r at step t uses `fold_in(rng[r], t)`, so
+  a row's sample does not depend on the other rows: the same outputs whatever the batching). `log_probs` are
+  the *model's* log-probs of the sampled tokens (untempered, untruncated); `top_k=1` is greedy search, as is
+  `top_p` -> 0. Raises ValueError for `temperature <= 0`, `top_k < 0` or `top_p` outside (0, 1].
   """
   if temperature <= 0.0:
     raise ValueError(f"temperature={temperature} must be > 0 (use greedy_search or top_k=1 for argmax)")
   if top_k < 0:
     raise ValueError(f"top_k={top_k} must be >= 0")
+  if not 0.0 < top_p <= 1.0:
+    raise ValueError(f"top_p={top_p} must be in (0, 1]")
+  per_row = jnp.ndim(rng) == 2
 
   def choose(logp, t):
-    scaled = logp / temperature  # = logits / T up to a per-row constant; banned tokens stay -inf
-    if top_k > 0:
-      kth = lax.top_k(scaled, min(top_k, scaled.shape[-1]))[0][:, -1:]
-      scaled = jnp.where(scaled < kth, NEG_INF, scaled)
+    scaled = truncate(logp / temperature, top_k, top_p)  # = logits / T up to a per-row constant
+    if per_row:
+      draw = lambda key, row: jax.random.categorical(jax.random.fold_in(key, t), row)  # noqa: E731
+      return jax.vmap(draw)(rng, scaled)
     return jax.random.categorical(jax.random.fold_in(rng, t), scaled, axis=-1)
 
-  return _sequential_search(tokens_to_logits, cache, choose, batch_size=batch_size,
-                            max_decode_len=max_decode_len, bos_id=bos_id, eos_id=eos_id, pad_id=pad_id,
-                            max_lengths=max_lengths)
+  out = _sequential_search(tokens_to_logits, cache, choose, batch_size=batch_size,
+                           max_decode_len=max_decode_len, bos_id=bos_id, eos_id=eos_id, pad_id=pad_id,
+                           max_lengths=max_lengths, log_probs_fn=log_probs_fn, per_token=full_output)
+  return out if full_output else (out.tokens, out.log_probs)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -236,11 +285,31 @@ class _BeamState(NamedTuple):
   t: Array  # scalar int32: tokens emitted so far by every live beam
   alive_seqs: Array  # [b, k, L]
   alive_log_probs: Array  # [b, k]; -inf = empty slot
+  alive_token_log_probs: Any  # [b, k, L]: each emitted token's log-prob, 0 after the last; () untracked
   fin_seqs: Array  # [b, k, L], best first
   fin_scores: Array  # [b, k]; -inf = empty slot
   fin_log_probs: Array  # [b, k]
+  fin_token_log_probs: Any  # [b, k, L]; () untracked
   done: Array  # [b]
   cache: Any  # the step function's cache, rows b * k
+  selection: Any = ()  # a `BeamSelector`'s state (rows [b, k] first), () without one
+
+
+class BeamSelector(Protocol):
+  """Replaces beam search's plain top-k choice of the next beams (lexical constraints: `constraints.py`).
+
+  `init(batch, beam_size)` returns the selector's state (leaves `[batch, beam_size, ...]`); `select(alive_log_probs
+  [b, k], log_probs [b, k, vocab], state)` returns `(log_probs [b, k], parent [b, k], token [b, k], new state)`
+  of the chosen one-token extensions (-inf log-probs for empty slots), the state following its beams;
+  `complete(state)` says which live beams may end, so that unfinished results rank those first.
+  """
+
+  def init(self, batch: int, beam_size: int) -> Any: ...
+
+  def select(self, alive_log_probs: Array, log_probs: Array, state: Any) -> "tuple[Array, Array, Array, Any]": ...
+
+  def complete(self, state: Any) -> Array:
+    """`[batch, beam_size]` bool: live beams that may end (unfinished ones that may not rank after the rest)."""
 
 
 class BeamSearchOutput(NamedTuple):
@@ -249,6 +318,7 @@ class BeamSearchOutput(NamedTuple):
   scores: Array  # [batch, beam] float32: log_probs / lp(|Y|); -inf for empty slots
   log_probs: Array  # [batch, beam] float32: sum of token log-probs (EOS included)
   steps: Array  # scalar int32: decoder steps run (< max_decode_len when every source stopped early)
+  token_log_probs: Optional[Array]  # [batch, beam, max_decode_len] f32: each token's log-prob (None untracked)
 
 
 def _gather_beams(x: Array, index: Array) -> Array:
@@ -263,21 +333,25 @@ def _check_beam_options(beam_size: int, early_stop: str):
     raise ValueError(f"early_stop={early_stop!r}; expected 'best', 'all' or 'none'")
 
 
-def _beam_init(batch: int, k: int, length: int, pad_id: int, cache) -> _BeamState:
+def _beam_init(batch: int, k: int, length: int, pad_id: int, cache, per_token: bool) -> _BeamState:
   alive_log_probs = jnp.where(jnp.arange(k) == 0, 0.0, NEG_INF)  # only beam 0 is live at the start
+  per_token_zeros = jnp.zeros((batch, k, length), jnp.float32) if per_token else ()
   return _BeamState(
       t=jnp.array(0, jnp.int32),
       alive_seqs=jnp.full((batch, k, length), pad_id, jnp.int32),
       alive_log_probs=jnp.broadcast_to(alive_log_probs, (batch, k)).astype(jnp.float32),
+      alive_token_log_probs=per_token_zeros,
       fin_seqs=jnp.full((batch, k, length), pad_id, jnp.int32),
       fin_scores=jnp.full((batch, k), NEG_INF, jnp.float32),
       fin_log_probs=jnp.full((batch, k), NEG_INF, jnp.float32),
+      fin_token_log_probs=per_token_zeros,
       done=jnp.zeros((batch,), bool),
       cache=cache)
 
 
-def _beam_finalize(s: _BeamState, alpha: float, pad_id: int) -> BeamSearchOutput:
-  """Fills the slots no finished hypothesis took with live (unfinished) ones, ranked after every finished one."""
+def _beam_finalize(s: _BeamState, alpha: float, pad_id: int, alive_ok: Optional[Array] = None) -> BeamSearchOutput:
+  """Fills the slots no finished hypothesis took with live (unfinished) ones, ranked after every finished one
+  (and, with `alive_ok` [b, k], those that are not ok after those that are)."""
   batch, k = s.fin_scores.shape
   alive_len = jnp.sum(s.alive_seqs != pad_id, axis=-1)
   alive_scores = jnp.where(s.alive_log_probs > NEG_INF,
@@ -285,20 +359,29 @@ def _beam_finalize(s: _BeamState, alpha: float, pad_id: int) -> BeamSearchOutput
   scores = jnp.concatenate([s.fin_scores, alive_scores], axis=1)  # [b, 2k]
   unfinished = jnp.concatenate([jnp.zeros((batch, k), bool), jnp.ones((batch, k), bool)], axis=1)
   unfinished = unfinished | (scores == NEG_INF)
+  if alive_ok is not None:  # 0 finished, 1 unfinished and ok, 2 unfinished, 3 empty
+    not_ok = jnp.concatenate([jnp.zeros((batch, k), bool), ~alive_ok], axis=1)
+    unfinished = jnp.where(scores == NEG_INF, 3, unfinished.astype(jnp.int32) + not_ok)
   order = jnp.lexsort((-scores, unfinished), axis=-1)[:, :k]
   scores = jnp.take_along_axis(scores, order, axis=1)
   log_probs = jnp.take_along_axis(
       jnp.concatenate([s.fin_log_probs, s.alive_log_probs], axis=1), order, axis=1)
   tokens = _gather_beams(jnp.concatenate([s.fin_seqs, s.alive_seqs], axis=1), order)
   tokens = jnp.where((scores > NEG_INF)[:, :, None], tokens, pad_id)
-  return BeamSearchOutput(tokens, scores, log_probs, s.t)
+  token_log_probs = None
+  if not isinstance(s.alive_token_log_probs, tuple):  # tracked
+    token_log_probs = _gather_beams(
+        jnp.concatenate([s.fin_token_log_probs, s.alive_token_log_probs], axis=1), order)
+    token_log_probs = jnp.where((scores > NEG_INF)[:, :, None], token_log_probs, 0.0)
+  return BeamSearchOutput(tokens, scores, log_probs, s.t, token_log_probs)
 
 
 def _extend_beams(s: _BeamState, seqs: Array, token: Array, top_log_probs: Array, alpha: float,
-                  eos_id: int) -> _BeamState:
+                  eos_id: int, token_logps: Array) -> _BeamState:
   """One step's `beam_size` best extensions (`seqs` [b, k, L] ending in `token` [b, k], with their log-probs
-  [b, k]): those ending in EOS join the finished list, the rest are the live beams (an EOS slot is empty for
-  this step). Sources that had stopped keep their results. `t` advances; `cache` is left to the caller."""
+  [b, k] and per-token log-probs `token_logps` [b, k, L], or () untracked): those ending in EOS join the
+  finished list, the rest are the live beams (an EOS slot is empty for this step). Sources that had stopped
+  keep their results. `t` advances; `cache` is left to the caller."""
   k = token.shape[1]
   is_eos = token == eos_id
   new_len = s.t + 1
@@ -309,20 +392,44 @@ def _extend_beams(s: _BeamState, seqs: Array, token: Array, top_log_probs: Array
       jnp.concatenate([s.fin_log_probs, jnp.where(is_eos, top_log_probs, NEG_INF)], axis=1), fin_index)
   alive_log_probs = jnp.where(is_eos, NEG_INF, top_log_probs)
   keep = s.done
+  alive_token_logps, fin_token_logps = (), ()
+  if not isinstance(token_logps, tuple):  # tracked
+    fin_token_logps = _gather_beams(jnp.concatenate([s.fin_token_log_probs, token_logps], axis=1), fin_index)
+    fin_token_logps = jnp.where(keep[:, None, None], s.fin_token_log_probs, fin_token_logps)
+    alive_token_logps = jnp.where(keep[:, None, None], s.alive_token_log_probs, token_logps)
   return _BeamState(
       t=new_len,
       alive_seqs=jnp.where(keep[:, None, None], s.alive_seqs, seqs),
       alive_log_probs=jnp.where(keep[:, None], s.alive_log_probs, alive_log_probs),
+      alive_token_log_probs=alive_token_logps,
       fin_seqs=jnp.where(keep[:, None, None], s.fin_seqs, fin_seqs),
       fin_scores=jnp.where(keep[:, None], s.fin_scores, fin_scores),
       fin_log_probs=jnp.where(keep[:, None], s.fin_log_probs, fin_log_probs),
+      fin_token_log_probs=fin_token_logps,
       done=keep, cache=s.cache)
+
+
+def _append(rows: Array, parent: Array, values: Array, t: Array) -> Array:
+  """rows [b, k, L] reordered by `parent` [b, k], then `values` [b, k] written at position t."""
+  return lax.dynamic_update_slice(_gather_beams(rows, parent), values[:, :, None].astype(rows.dtype), (0, 0, t))
+
+
+def _select(selector: Optional[BeamSelector], alive_log_probs: Array, logp: Array, selection):
+  """The next beams `(log_probs, parent, token [b, k], selection)`: plain top-k over `alive + logp [b, k, V]`,
+  or the selector's choice."""
+  if selector is not None:
+    return selector.select(alive_log_probs, logp, selection)
+  batch, k, vocab = logp.shape
+  candidates = (alive_log_probs[:, :, None] + logp).reshape(batch, k * vocab)
+  top_log_probs, top_index = lax.top_k(candidates, k)  # [b, k]
+  return top_log_probs, top_index // vocab, (top_index % vocab).astype(jnp.int32), selection
 
 
 def beam_search_over(tokens_to_logits: TokensToLogits, cache, *, batch_size: int, beam_size: int,
                      alpha: float, max_decode_len: int, bos_id: int, eos_id: int, pad_id: int,
                      max_lengths: Optional[Array] = None, early_stop: str = "best",
-                     gather_cache: Callable = gather_beams) -> BeamSearchOutput:
+                     gather_cache: Callable = gather_beams, log_probs_fn: Optional[LogProbsFn] = None,
+                     selector: Optional[BeamSelector] = None, per_token: bool = False) -> BeamSearchOutput:
   """Beam search with the GNMT length penalty over any step function (flax wmt / t5x `beam_search`).
 
   Args:
@@ -335,6 +442,10 @@ def beam_search_over(tokens_to_logits: TokensToLogits, cache, *, batch_size: int
     early_stop: 'best' (default), 'all' or 'none', see the module docstring.
     gather_cache: `(cache, parent [batch, beam_size]) -> cache` where row `i * beam_size + j` takes the old row
       `i * beam_size + parent[i, j]`; the default `gather_beams` reorders every non-scalar leaf.
+    log_probs_fn: optional `LogProbsFn` applied to each step's log-probs `[batch * beam_size, vocab]`.
+    selector: optional `BeamSelector` that chooses the next beams instead of the plain top-k.
+    per_token: also track each token's log-prob (static; `BeamSearchOutput.token_log_probs`, else None):
+      two more `[batch, beam_size, max_decode_len]` buffers reordered at every step.
 
   Returns a `BeamSearchOutput`. Raises ValueError for `beam_size < 1`, an unknown `early_stop` or equal ids.
   """
@@ -351,16 +462,20 @@ def beam_search_over(tokens_to_logits: TokensToLogits, cache, *, batch_size: int
   def body(s: _BeamState):
     t = s.t
     flat_seqs = s.alive_seqs.reshape(batch * k, length)
-    logits, cache = tokens_to_logits(DecodingState(t, flat_seqs, _prev_tokens(flat_seqs, t, bos_id), s.cache))
+    state = DecodingState(t, flat_seqs, _prev_tokens(flat_seqs, t, bos_id), s.cache)
+    logits, cache = tokens_to_logits(state)
     logp = _log_probs(logits, (pad_id, bos_id))
+    if log_probs_fn is not None:
+      logp = log_probs_fn(logp, state)
     vocab = logp.shape[-1]
-    candidates = (s.alive_log_probs[:, :, None] + logp.reshape(batch, k, vocab)).reshape(batch, k * vocab)
-    top_log_probs, top_index = lax.top_k(candidates, k)  # [b, k]
-    parent, token = top_index // vocab, (top_index % vocab).astype(jnp.int32)
-    seqs = _gather_beams(s.alive_seqs, parent)
-    seqs = lax.dynamic_update_slice(seqs, token[:, :, None], (0, 0, t))
-    s = _extend_beams(s, seqs, token, top_log_probs, alpha, eos_id)._replace(
-        cache=gather_cache(cache, parent))
+    top_log_probs, parent, token, selection = _select(selector, s.alive_log_probs, logp.reshape(batch, k, vocab),
+                                                      s.selection)
+    seqs = _append(s.alive_seqs, parent, token, t)
+    token_logps = () if not per_token else _append(  # each chosen token's own log-prob, after its beam's
+        s.alive_token_log_probs, parent,
+        jnp.take_along_axis(logp.reshape(batch, k * vocab), parent * vocab + token, axis=1), t)
+    s = _extend_beams(s, seqs, token, top_log_probs, alpha, eos_id, token_logps)._replace(
+        cache=gather_cache(cache, parent), selection=selection)
 
     # Stop a source once no live beam can beat its best (or worst kept) finished hypothesis.
     best_alive = jnp.max(s.alive_log_probs, axis=1)
@@ -371,8 +486,10 @@ def beam_search_over(tokens_to_logits: TokensToLogits, cache, *, batch_size: int
       done = done | (reference >= bound)
     return s._replace(done=done)
 
-  s = lax.while_loop(cond, body, _beam_init(batch, k, length, pad_id, cache))
-  return _beam_finalize(s, alpha, pad_id)
+  init = _beam_init(batch, k, length, pad_id, cache, per_token)._replace(
+      selection=selector.init(batch, k) if selector else ())
+  s = lax.while_loop(cond, body, init)
+  return _beam_finalize(s, alpha, pad_id, None if selector is None else selector.complete(s.selection))
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -544,9 +661,10 @@ def beam_search(params, config: ModelConfig, inputs: Array, beam_size: int = 4, 
   """Beam search of the Transformer with the GNMT length penalty (`transformer_step_fn` + `beam_search_over`).
 
   Returns `(tokens [batch, beam, max_decode_len], scores [batch, beam])`, best first; with `full_output`, a
-  `BeamSearchOutput` that adds `log_probs [batch, beam]` (the raw sum of token log-probs, EOS included) and
-  `steps` (decoder steps run). `scores = log_probs / ((5 + |Y|) / 6) ** alpha` with `|Y|` the number of
-  emitted tokens INCLUDING EOS (excluding BOS). Slots without any hypothesis have score -inf and pad tokens.
+  `BeamSearchOutput` that adds `log_probs [batch, beam]` (the raw sum of token log-probs, EOS included),
+  `steps` (decoder steps run) and `token_log_probs [batch, beam, max_decode_len]` (each token's log-prob).
+  `scores = log_probs / ((5 + |Y|) / 6) ** alpha` with `|Y|` the number of emitted tokens INCLUDING EOS
+  (excluding BOS). Slots without any hypothesis have score -inf and pad tokens.
   `early_stop`: 'best' (default), 'all' or 'none', see the module docstring.
   """
   _check_beam_options(beam_size, early_stop)
@@ -554,7 +672,7 @@ def beam_search(params, config: ModelConfig, inputs: Array, beam_size: int = 4, 
                                                   cached=cached)
   out = beam_search_over(step, cache, batch_size=inputs.shape[0], beam_size=beam_size, alpha=alpha,
                          max_decode_len=max_decode_len, max_lengths=max_lengths, early_stop=early_stop,
-                         gather_cache=gather_cache, **_ids(config))
+                         gather_cache=gather_cache, per_token=full_output, **_ids(config))
   return out if full_output else (out.tokens, out.scores)
 
 

@@ -11,15 +11,18 @@ from __future__ import annotations
 
 import collections
 import functools
+import itertools
 import logging
-from typing import Callable, Optional, Sequence
+from typing import Callable, NamedTuple, Optional, Sequence
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from transformer_jax import decode, mbr
+from transformer_jax import decode, mbr, scoring
+from transformer_jax import constraints as constraints_lib
+from transformer_jax import search as search_lib
 from transformer_jax.config import ModelConfig
 
 # Number of traces of each search function, keyed like `_search_fn` plus the traced shapes.
@@ -62,19 +65,30 @@ def _rows_bucket(n: int, rows: int) -> int:
 
 
 @functools.lru_cache(maxsize=None)
-def _search_fn(config: ModelConfig, beam_size: int, alpha: float, max_decode_len: int,
-               n_best: bool = False) -> Callable:
-  """Jitted `(params, inputs, max_lengths) ->` the best tokens `[rows, max_decode_len]`, or with `n_best` the
-  whole beam `(tokens [rows, beam_size, max_decode_len], log_probs [rows, beam_size])`; one per static setting."""
-  def search(params, inputs, max_lengths):
-    _TRACES[(beam_size, alpha, max_decode_len, n_best) + tuple(inputs.shape)] += 1  # runs only while tracing
-    if beam_size == 1:
-      tokens, _ = decode.greedy_search(params, config, inputs, max_decode_len, max_lengths=max_lengths)
-      return tokens
-    out = decode.beam_search(params, config, inputs, beam_size, alpha, max_decode_len,
-                             max_lengths=max_lengths, full_output=True)
-    return (out.tokens, out.log_probs) if n_best else out.tokens[:, 0]
-  return jax.jit(search)
+def _search_fn(config: ModelConfig, options: search_lib.DecodeOptions, max_decode_len: int, models: int = 1,
+               with_prefix: bool = False, constraint_width: int = 0) -> Callable:
+  """Jitted `(params_tuple, inputs, max_lengths, indices, seed, prefix_tokens, prefix_lengths) -> Hypotheses`
+  (`search.search`), one per static setting; `indices` `[rows]` are the sources' input indices, whose keys
+  `fold_in(PRNGKey(seed), index)` sampling draws from (the same outputs whatever the batching)."""
+  def run(params_tuple, inputs, max_lengths, indices, seed, prefix_tokens, prefix_lengths, constraints=None):
+    _TRACES[(options, max_decode_len, models, with_prefix, constraint_width) + tuple(inputs.shape)] += 1
+    keys = None
+    if options.sampling == "sample":
+      base = jax.random.PRNGKey(seed)
+      keys = jax.vmap(lambda i: jax.random.fold_in(base, i))(indices)
+    prefix = dict(prefix_tokens=prefix_tokens, prefix_lengths=prefix_lengths) if with_prefix else {}
+    return search_lib.search(params_tuple, config, inputs, max_lengths, options, max_decode_len, keys=keys,
+                             constraints=constraints if constraint_width else None, **prefix)
+  return jax.jit(run)
+
+
+class Hypothesis(NamedTuple):
+  """One decoded hypothesis of `decode_ids`."""
+  ids: list  # token ids, EOS excluded
+  log_prob: float  # natural log, sum over the tokens and the final EOS (the model's own, or the ensemble's)
+  score: float  # log_prob / ((5 + |Y|) / 6) ** alpha, |Y| counting EOS (`decode.length_penalty`)
+  token_log_probs: Optional[list]  # one float per token, then EOS's (if finished); None unless asked for
+  alignment: Optional[list]  # source position of each token of `ids` (`alignment.pharaoh`), or None
 
 
 def _strip(tokens: np.ndarray, eos_id: int, pad_id: int) -> list[int]:
@@ -106,12 +120,13 @@ def translate_ids(params, config: ModelConfig, sources: Sequence[Sequence[int]],
     batch_size: a fixed number of source rows per batch.
     progress: called after each batch with the number of sources it finished (e.g. `tqdm.update`).
 
-  Sources longer than `config.max_len` (EOS included) are truncated, with a warning.
+  Sources longer than `config.max_len` (EOS included) are truncated, with a warning. `decode_ids` does the
+  work and has every other decoding option.
   """
-  rows = _search_all(params, config, sources, beam_size=beam_size, alpha=alpha, extra_len=extra_len,
-                     max_tokens_per_batch=max_tokens_per_batch, batch_size=batch_size, append_eos=append_eos,
-                     progress=progress, n_best=False)
-  return [[] if row is None else _strip(row, config.eos_id, config.pad_id) for row in rows]
+  options = search_lib.DecodeOptions(sampling="beam", beam_size=beam_size, alpha=float(alpha), token_log_probs=False)
+  lists = decode_ids(params, config, sources, options, extra_len=extra_len, max_tokens_per_batch=max_tokens_per_batch,
+                     batch_size=batch_size, append_eos=append_eos, progress=progress)
+  return [hyps[0].ids if hyps else [] for hyps in lists]
 
 
 def n_best_ids(params, config: ModelConfig, sources: Sequence[Sequence[int]], *, beam_size: int = 4,
@@ -130,38 +145,84 @@ def n_best_ids(params, config: ModelConfig, sources: Sequence[Sequence[int]], *,
   """
   if beam_size < 2:
     raise ValueError(f"beam_size={beam_size}: an n-best list needs beam search (beam_size >= 2)")
-  rows = _search_all(params, config, sources, beam_size=beam_size, alpha=alpha, extra_len=extra_len,
+  options = search_lib.DecodeOptions(sampling="beam", beam_size=beam_size, alpha=float(alpha), nbest=beam_size,
+                                     token_log_probs=False)
+  lists = decode_ids(params, config, sources, options, extra_len=extra_len, max_tokens_per_batch=max_tokens_per_batch,
+                     batch_size=batch_size, append_eos=append_eos, progress=progress)
+  return [[(h.ids, h.log_prob) for h in hyps] for hyps in lists]
+
+
+def decode_ids(params, config: ModelConfig, sources: Sequence[Sequence[int]],
+               options: search_lib.DecodeOptions, *, prefixes: Optional[Sequence[Sequence[int]]] = None,
+               constraints: Optional[Sequence[Sequence[Sequence[int]]]] = None,
+               seed: int = 0, extra_len: int = 50, max_tokens_per_batch: int = 4096,
+               batch_size: Optional[int] = None, append_eos: bool = True,
+               progress: Optional[Callable[[int], None]] = None) -> list[list[Hypothesis]]:
+  """Decodes token-id sequences with every option of `search.DecodeOptions`: per source its `Hypothesis` list.
+
+  Args:
+    params: the model's (unboxed) parameters, or a list of several models' (an ensemble,
+      `transformer_jax.ensemble`; same `config` and vocabulary).
+    options: how to decode (`DecodeOptions.check` runs first).
+    prefixes: optional target ids (EOS excluded) per source that each output must start with (`[]` = none);
+      each must leave room for one more token within the output limit.
+    constraints: optional phrases (target ids, EOS excluded) per source that each output must contain, by
+      lexically constrained beam search (`transformer_jax.constraints`; beam search only); check the outputs
+      with `constraints.satisfied` (a phrase that cannot fit the length limit leaves the output unfinished).
+    seed: sampling's seed; source i samples with `fold_in(PRNGKey(seed), i)`, whatever the batching.
+    The rest as `translate_ids`.
+
+  Each list is best first, at most `options.nbest` long, and holds the finished hypotheses (or, when none
+  finished, the best one alone); an empty source gives `[]`. Raises ValueError for bad options or prefixes.
+  """
+  options.check()
+  params_list = [jax.device_put(nn.unbox(p)) for p in (params if isinstance(params, (list, tuple)) else [params])]
+  if prefixes is not None and len(prefixes) != len(sources):
+    raise ValueError(f"{len(prefixes)} prefixes for {len(sources)} sources: one per source is needed")
+  if constraints is not None and len(constraints) != len(sources):
+    raise ValueError(f"{len(constraints)} constraint lists for {len(sources)} sources: one per source is needed")
+  if constraints is not None and not options.beam:
+    raise ValueError("lexical constraints need beam search (sampling='beam', beam_size >= 2)")
+  rows = _search_all(tuple(params_list), config, sources, options, prefixes, seed, constraints, extra_len=extra_len,
                      max_tokens_per_batch=max_tokens_per_batch, batch_size=batch_size, append_eos=append_eos,
-                     progress=progress, n_best=True)
+                     progress=progress)
+  return [[] if row is None else _hypotheses(row, config) for row in rows]
+
+
+def _hypotheses(row, config: ModelConfig) -> list[Hypothesis]:
+  """One source's row of `search.Hypotheses` (numpy) -> its finished hypotheses (or the best one alone)."""
+  filled = [k for k in range(len(row.log_probs)) if np.isfinite(row.log_probs[k])]
+  finished = [k for k in filled if np.any(row.tokens[k] == config.eos_id)] or filled[:1]
   out = []
-  for row in rows:
-    if row is None:
-      out.append([])
-      continue
-    tokens, log_probs = row  # [beam, max_decode_len], [beam]
-    filled = [k for k in range(len(log_probs)) if np.isfinite(log_probs[k])]
-    finished = [k for k in filled if np.any(tokens[k] == config.eos_id)] or filled[:1]
-    out.append([(_strip(tokens[k], config.eos_id, config.pad_id), float(log_probs[k])) for k in finished])
+  for k in finished:
+    ids = _strip(row.tokens[k], config.eos_id, config.pad_id)
+    emitted = len(ids) + int(len(ids) < row.tokens.shape[-1] and row.tokens[k][len(ids)] == config.eos_id)
+    aligned = None if row.alignment is None else [int(x) for x in row.alignment[k][: len(ids)]]
+    out.append(Hypothesis(ids, float(row.log_probs[k]), float(row.scores[k]),
+                          None if row.token_log_probs is None else
+                          [float(x) for x in row.token_log_probs[k][:emitted]], aligned))
   return out
 
 
-def _search_all(params, config: ModelConfig, sources, *, beam_size, alpha, extra_len, max_tokens_per_batch,
-                batch_size, append_eos, progress, n_best: bool) -> list:
+def _search_all(params_tuple, config: ModelConfig, sources, options, prefixes, seed, constraints, *, extra_len,
+                max_tokens_per_batch, batch_size, append_eos, progress) -> list:
   """Runs the search over every non-empty source in length buckets; each source's row of the search's
-  output (numpy; a `(tokens, log_probs)` pair with `n_best`) in input order, None for an empty source."""
-  if beam_size < 1:
-    raise ValueError(f"beam_size={beam_size} must be >= 1")
-  params = jax.device_put(nn.unbox(params))
+  `Hypotheses` (numpy) in input order, None for an empty source."""
   results: list = [None] * len(sources)
   prepared = _prepare_sources(sources, config, extra_len, append_eos)
+  if prefixes is not None:
+    _check_prefixes(prepared, prefixes, config, extra_len)
   rows_for = lambda bucket: batch_size or max(1, max_tokens_per_batch // bucket)  # noqa: E731
+  run = functools.partial(_run_batch, params_tuple, config, options=options, extra_len=extra_len,
+                          prefixes=prefixes, seed=seed, constraints=constraints,
+                          constraint_width=_constraint_width(constraints))
   # Dispatch the next batch before reading the previous one back, so host work overlaps the device.
   pending = None
   for batch in _group_by_bucket(prepared, config, rows_for) + [None]:
     future = None
     if batch is not None:
       bucket = _bucket_of(batch[0][1], config)
-      future = _run_batch(params, config, batch, bucket, rows_for(bucket), beam_size, alpha, extra_len, n_best)
+      future = run(batch, bucket, rows_for(bucket))
     if pending is not None:
       done_batch, output = pending
       output = jax.tree_util.tree_map(np.asarray, output)
@@ -197,6 +258,15 @@ def _prepare_sources(sources: Sequence[Sequence[int]], config: ModelConfig, extr
   return prepared
 
 
+def _check_prefixes(prepared: list[_Prepared], prefixes, config: ModelConfig, extra_len: int) -> None:
+  """Raises ValueError (before any decoding) for a prefix that leaves no room for a token after it."""
+  for i, ids, limit in prepared:
+    limit = min(limit, _bucket_of(ids, config) + extra_len, config.max_len)
+    if len(prefixes[i]) >= limit:
+      raise ValueError(f"the prefix of source {i + 1} has {len(prefixes[i])} tokens; its output may have at most "
+                       f"{limit} (EOS included), so the prefix must be shorter")
+
+
 def _bucket_of(ids: list[int], config: ModelConfig) -> int:
   return min(length_bucket(len(ids)), config.max_len)
 
@@ -213,8 +283,9 @@ def _group_by_bucket(prepared: list[_Prepared], config: ModelConfig, rows_for) -
   return batches
 
 
-def _run_batch(params, config: ModelConfig, batch: list[_Prepared], bucket: int, rows: int, beam_size: int,
-               alpha: float, extra_len: int, n_best: bool = False):
+def _run_batch(params_tuple, config: ModelConfig, batch: list[_Prepared], bucket: int, rows: int, *,
+               options: search_lib.DecodeOptions, extra_len: int, prefixes, seed: int, constraints=None,
+               constraint_width: int = 0):
   """Dispatches one padded batch `[rows bucket, bucket]` to the compiled search; returns its output (async)."""
   eos, pad = config.eos_id, config.pad_id
   max_decode_len = max(1, min(bucket + extra_len, config.max_len))
@@ -222,16 +293,36 @@ def _run_batch(params, config: ModelConfig, batch: list[_Prepared], bucket: int,
   inputs = np.full((n_rows, bucket), pad, np.int32)
   inputs[:, 0] = eos  # filler rows: a bare EOS source that stops after one token
   limits = np.ones((n_rows,), np.int32)
-  for r, (_, ids, limit) in enumerate(batch):
+  indices = np.zeros((n_rows,), np.int32)
+  prefix_tokens = np.full((n_rows, max_decode_len if prefixes is not None else 0), pad, np.int32)
+  prefix_lengths = np.zeros((n_rows,), np.int32)
+  for r, (i, ids, limit) in enumerate(batch):
     inputs[r, :] = pad
     inputs[r, : len(ids)] = ids
     limits[r] = min(limit, max_decode_len)
-  fn = _search_fn(config, beam_size, float(alpha), max_decode_len, n_best)
-  return fn(params, jnp.asarray(inputs), jnp.asarray(limits))
+    indices[r] = i
+    if prefixes is not None and len(prefixes[i]):
+      prefix = [int(x) for x in prefixes[i]]
+      prefix_tokens[r, : len(prefix)] = prefix
+      prefix_lengths[r] = len(prefix)
+  cons = None
+  if constraint_width:
+    phrases = [constraints[i] for i, _, _ in batch] + [[]] * (n_rows - len(batch))
+    cons = jax.tree_util.tree_map(jnp.asarray, constraints_lib.pack(phrases, constraint_width))
+  fn = _search_fn(config, options, max_decode_len, len(params_tuple), prefixes is not None, constraint_width)
+  return fn(params_tuple, jnp.asarray(inputs), jnp.asarray(limits), jnp.asarray(indices), jnp.int32(seed),
+            jnp.asarray(prefix_tokens), jnp.asarray(prefix_lengths), cons)
+
+
+def _constraint_width(constraints) -> int:
+  """Constraint positions per row, one static width for the whole call (a length bucket): 0 without any."""
+  if constraints is None:
+    return 0
+  return length_bucket(max([sum(len(p) for p in c) for c in constraints] + [1]))
 
 
 def translate_texts(params, config: ModelConfig, tokenizer, texts: Sequence[str], *, beam_size: int = 1,
-                    alpha: float = 0.6, extra_len: int = 50, mbr_utility: str = "",
+                    alpha: float = 0.6, extra_len: int = 50, mbr_utility: str = "", target_lang: str = "",
                     progress: Callable[[int], None] | None = None, **kwargs) -> list[str]:
   """Detokenised translations of `texts` in input order; blank lines give empty lines.
 
@@ -241,16 +332,72 @@ def translate_texts(params, config: ModelConfig, tokenizer, texts: Sequence[str]
 
   `mbr_utility` '' returns beam search's best hypothesis; 'chrf' or 'bleu' returns the minimum-Bayes-risk
   choice from its `beam_size`-best list under that sentence-level utility (`n_best_texts`, then `choose`),
-  which needs `beam_size >= 2`. Raises ValueError for another utility or a smaller beam.
+  which needs `beam_size >= 2`; BLEU tokenises for `target_lang` (`metrics.bleu_metric`). Raises ValueError
+  for another utility or a smaller beam.
   """
   if mbr_utility:
-    mbr.utility_fn(mbr_utility)  # raises on an unknown utility before anything is decoded
+    mbr.utility_fn(mbr_utility, target_lang)  # raises on an unknown utility before anything is decoded
     return choose(n_best_texts(params, config, tokenizer, texts, beam_size=beam_size, alpha=alpha,
-                               extra_len=extra_len, progress=progress, **kwargs), mbr_utility)
+                               extra_len=extra_len, progress=progress, **kwargs), mbr_utility, target_lang)
   ids = [[] if tokenizer.is_blank(t) else tokenizer.encode(t) for t in texts]
   outputs = translate_ids(params, config, ids, beam_size=beam_size, alpha=alpha, extra_len=extra_len,
                           progress=progress, **kwargs)
   return [tokenizer.decode(o) if src else "" for o, src in zip(outputs, ids)]
+
+
+def decode_texts(params, config: ModelConfig, tokenizer, texts: Sequence[str], options: search_lib.DecodeOptions,
+                 *, prefixes: Optional[Sequence[str]] = None, constraints: Optional[Sequence[Sequence[str]]] = None,
+                 **kwargs) -> list[list[Hypothesis]]:
+  """`decode_ids` of `texts` (encoded as `translate_texts` does), with optional target `prefixes` (text, one per
+  text; '' = none; encoded as targets, without EOS) and `constraints` (per text, its phrases as text). Per text its `Hypothesis` list (ids: detokenise with
+  `tokenizer.decode`); `[]` for a blank line. Raises ValueError as `decode_ids`."""
+  ids = [[] if tokenizer.is_blank(t) else tokenizer.encode(t) for t in texts]
+  prefix_ids = None
+  if prefixes is not None:
+    prefix_ids = [[] if tokenizer.is_blank(p) else tokenizer.encode(p, add_eos=False, target=True)
+                  for p in prefixes]
+  constraint_ids = None
+  if constraints is not None:
+    constraint_ids = [[tokenizer.encode(p, add_eos=False, target=True) for p in phrases if not tokenizer.is_blank(p)]
+                      for phrases in constraints]
+  return decode_ids(params, config, ids, options, prefixes=prefix_ids, constraints=constraint_ids, **kwargs)
+
+
+def score_ids(params, config: ModelConfig, sources: Sequence[Sequence[int]], targets: Sequence[Sequence[int]], *,
+              max_tokens_per_batch: int = 4096) -> list[np.ndarray]:
+  """Forced decoding: per pair the log-probability of each target token, EOS included (`scoring`), float32.
+
+  `sources` and `targets` are ids that end with EOS (`Tokenizer.encode`); an empty source or target gives an
+  empty array. Batches group pairs of one (source bucket, target bucket) as `translate_ids` does (one
+  compilation per bucket pair and row count). Raises ValueError for unequal counts or a sequence longer than
+  `config.max_len`.
+  """
+  if len(sources) != len(targets):
+    raise ValueError(f"{len(sources)} sources but {len(targets)} targets")
+  for side, seqs in (("source", sources), ("target", targets)):
+    for i, ids in enumerate(seqs):
+      if len(ids) > config.max_len:
+        raise ValueError(f"{side} {i + 1} has {len(ids)} tokens, more than config.max_len={config.max_len}")
+  params = jax.device_put(nn.unbox(params))
+  results = [np.zeros((0,), np.float32)] * len(sources)
+  order = [i for i in sorted(range(len(sources)), key=lambda i: (-len(sources[i]), -len(targets[i])))
+           if len(sources[i]) and len(targets[i])]
+  key = lambda i: (_bucket_of(sources[i], config), _bucket_of(targets[i], config))  # noqa: E731
+  groups = [list(g) for _, g in itertools.groupby(order, key=key)]
+  for group in groups:
+    src_bucket, tgt_bucket = key(group[0])
+    rows = max(1, max_tokens_per_batch // max(src_bucket, tgt_bucket))
+    for start in range(0, len(group), rows):
+      chunk = group[start:start + rows]
+      n_rows = _rows_bucket(len(chunk), rows)
+      inputs = np.full((n_rows, src_bucket), config.pad_id, np.int32)
+      outputs = np.full((n_rows, tgt_bucket), config.pad_id, np.int32)
+      for r, i in enumerate(chunk):
+        inputs[r, :len(sources[i])], outputs[r, :len(targets[i])] = sources[i], targets[i]
+      logp = np.asarray(scoring.token_log_probs(params, config, jnp.asarray(inputs), jnp.asarray(outputs)))
+      for r, i in enumerate(chunk):
+        results[i] = logp[r, :len(targets[i])]
+  return results
 
 
 def n_best_texts(params, config: ModelConfig, tokenizer, texts: Sequence[str], *, beam_size: int = 4,
@@ -264,13 +411,14 @@ def n_best_texts(params, config: ModelConfig, tokenizer, texts: Sequence[str], *
   return [[(tokenizer.decode(c), log_prob) for c, log_prob in candidates] for candidates in lists]
 
 
-def choose(n_best: Sequence[Sequence[tuple[str, float]]], mbr_utility: str = "") -> list[str]:
+def choose(n_best: Sequence[Sequence[tuple[str, float]]], mbr_utility: str = "",
+           target_lang: str = "") -> list[str]:
   """One translation per `n_best_texts` list: the first (beam search's best) with `mbr_utility` '', else the
-  minimum-Bayes-risk choice under 'chrf' or 'bleu' (`transformer_jax.mbr.select`); '' for an empty list.
-  Raises ValueError for another utility."""
+  minimum-Bayes-risk choice under 'chrf' or 'bleu' for `target_lang` (`transformer_jax.mbr.select`); '' for
+  an empty list. Raises ValueError for another utility."""
   if not mbr_utility:
     return [candidates[0][0] if candidates else "" for candidates in n_best]
-  utility = mbr.utility_fn(mbr_utility)
+  utility = mbr.utility_fn(mbr_utility, target_lang)
   outputs = []
   for candidates in n_best:
     texts = [text for text, _ in candidates]

@@ -53,11 +53,13 @@ def metric_direction(name: str) -> str:
   return "max" if higher_is_better(name) else "min"
 
 
-def bleu_metric(target_lang: str = "", *, lowercase: bool = False) -> sacrebleu.metrics.BLEU:
+def bleu_metric(target_lang: str = "", *, lowercase: bool = False,
+                effective_order: bool = False) -> sacrebleu.metrics.BLEU:
   """sacreBLEU's BLEU with the tokenizer sacreBLEU itself picks for the target language (`trg_lang`, as its
   command line does from `-l src-trg`): `zh` for Chinese, `ja-mecab` for Japanese, `ko-mecab` for Korean,
   `13a` otherwise. `target_lang`: a language code (`data.target_lang`); a region or script subtag is ignored
-  ("zh-Hans" -> "zh"); "" = unknown (13a).
+  ("zh-Hans" -> "zh"); "" = unknown (13a). `effective_order`: sentence-level BLEU without a zero precision
+  for n-gram orders a short sentence lacks (sacreBLEU's `sentence_score` option).
 
   Raises:
     ValueError: the tokenizer of that language cannot be loaded (ja-mecab / ko-mecab need the `sacrebleu[ja]` /
@@ -65,7 +67,7 @@ def bleu_metric(target_lang: str = "", *, lowercase: bool = False) -> sacrebleu.
   """
   language = target_lang.replace("_", "-").split("-")[0].lower()
   try:
-    return sacrebleu.metrics.BLEU(lowercase=lowercase, trg_lang=language)
+    return sacrebleu.metrics.BLEU(lowercase=lowercase, trg_lang=language, effective_order=effective_order)
   except (ImportError, RuntimeError, OSError) as error:
     tokenizer = sacrebleu.metrics.BLEU._TOKENIZER_MAP.get(language, "13a")
     raise ValueError(f"target language {target_lang!r}: sacreBLEU's {tokenizer} tokenizer for it cannot load "

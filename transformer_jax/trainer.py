@@ -50,11 +50,12 @@ from transformer_jax import profiling, sharding
 from transformer_jax.config import RUNTIME_FIELDS, ModelConfig
 from transformer_jax.data import batching, datasets as datasets_lib, pipeline, tokenizer as tokenizer_lib
 from transformer_jax.data.marian_vocab import TOKENIZER_NAME as MARIAN_TOKENIZER
+from transformer_jax.owner_lock import OwnerLock
 from transformer_jax.training import budget as budget_lib
 from transformer_jax.training import schedule as schedule_lib
 from transformer_jax.training import steps
 from transformer_jax.trackers import MetricWriter
-from transformer_jax.workdir import (IMPORTED_DATASET, OwnerLock, Workdir, config_diff, to_jsonable,
+from transformer_jax.workdir import (IMPORTED_DATASET, Workdir, config_diff, to_jsonable,
                                     write_json_atomically)
 
 # Keys of the saved config that must match to reuse a workdir: the data and vocabulary first (checked
@@ -729,9 +730,13 @@ def train(run: Run, stop: StopSignal, profiler: profiling.StepProfiler) -> Train
   decision = budget_lib.read(run.workdir) if config.train_budget_minutes > 0 else None
   fit_at = (budget_lib.revision_step(decision, run.start_step) if decision else
             budget_lib.decision_step(config, run.start_step) if config.train_budget_minutes > 0 else None)
-  logging.info("Training %d parameters for %d steps (from step %d)%s",
-               sum(x.size for x in jax.tree_util.tree_leaves(run.state.params)), total, run.start_step,
-               f"; the time budget plans the length after step {fit_at}" if fit_at else "")
+  if run.start_step >= total:
+    logging.warning("Nothing to train: the checkpoint at step %d is at or past num_train_steps=%d (raise "
+                    "--config.num_train_steps to continue this run)", run.start_step, total)
+  else:
+    logging.info("Training %d parameters to step %d (from step %d)%s",
+                 sum(x.size for x in jax.tree_util.tree_leaves(run.state.params)), total, run.start_step,
+                 f"; the time budget plans the length after step {fit_at}" if fit_at else "")
   early_stop = bool(early and early.state.stop)
   while step < total and not early_stop:
     step += 1
@@ -794,8 +799,8 @@ def train_and_evaluate(config: Any, workdir: str) -> TrainResult:
   For a workdir holding an imported model, pass `config_for_workdir(config, workdir)`: the run then
   fine-tunes it (`start_from_import`) with its own tokenizer and special ids.
 
-  Only one training process owns a workdir at a time (`workdir.OwnerLock`, `<workdir>/train.lock`):
-  `WorkdirInUseError` (an OSError) when another live one holds it.
+  Only one training process owns a workdir at a time (`owner_lock.OwnerLock`, `<workdir>/train.lock`, local
+  or gs://): `WorkdirInUseError` (an OSError) when another live one holds it.
   Raises ValueError for a workdir holding an incompatible run or an invalid config, or a checkpoint whose
   data position indexes another batch plan (nothing written then: `config.json` is written after the restore),
   `checkpoint.CheckpointMismatchError` for a checkpoint of another architecture, NonFiniteLossError when

@@ -18,7 +18,7 @@
       averaged/<step>/        averaged checkpoint (`experiments.average_checkpoints`)
       eval/                   hypotheses and scores of `experiments.evaluate`
       final_eval.json         the test-split report of `experiments.train`
-      train.lock              while a training run owns the workdir: its pid and host (`OwnerLock`)
+      train.lock              while a training run owns the workdir: its pid and host (`owner_lock`)
 
 A workdir written by an importer (`experiments.import_marian`) has the same layout: `config.json` names the
 model and its tokenizer, `data.dataset` is `IMPORTED_DATASET` (no training data yet) and checkpoint 0 holds
@@ -36,8 +36,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import socket
-import time
 import uuid
 from typing import Any, Mapping, Sequence
 
@@ -291,113 +289,3 @@ def config_diff(saved: Mapping, requested: Mapping, keys: Sequence[str] | None =
     if a is _MISSING or b is _MISSING or not _same(a, b):
       messages.append(f"{name}: saved {_format(a)}, requested {_format(b)}")
   return messages
-
-
-# ------------------------------------------------------------------------------------------------------------
-# One owner at a time: the training run's lock
-# ------------------------------------------------------------------------------------------------------------
-
-LOCK_FILENAME = "train.lock"
-
-
-class WorkdirInUseError(OSError):
-  """Another live training process owns the workdir (its `train.lock`)."""
-
-
-def _alive(pid: int) -> bool:
-  """Whether process `pid` of this host runs (a zombie, killed but not yet reaped by its parent, does not)."""
-  try:
-    os.kill(pid, 0)
-  except ProcessLookupError:
-    return False
-  except PermissionError:  # another user's live process
-    return True
-  try:
-    with open(f"/proc/{pid}/stat", encoding="utf-8") as f:
-      return f.read().rsplit(")", 1)[-1].split()[0] != "Z"
-  except OSError:  # no /proc (macOS): trust the signal test
-    return True
-
-
-class OwnerLock:
-  """`<workdir>/train.lock`: the one training process that writes a workdir (checkpoints, metrics, config).
-
-  `acquire()` creates the lock file atomically (`O_CREAT | O_EXCL`) holding `{"pid", "host", "started"}`.
-  A lock of a live process, or of a process on another host (whose liveness cannot be checked here), raises
-  `WorkdirInUseError` in one line naming it. A lock left by a dead process of this host (killed with SIGKILL,
-  a crashed machine restarted) is stale: it is renamed away atomically (so of two processes taking it over,
-  one wins) and the lock retaken. `release()` removes the lock, and the workdir too when `acquire` created it
-  and nothing else was written. Readers (translate, evaluate, export) take no lock. Multi-host runs: only
-  process 0 takes it (`enabled`). A workdir that is not a local path (`gs://...`) has no atomic exclusive
-  create through `epath`: it is not locked (a warning says so).
-  """
-
-  def __init__(self, root: PathLike, enabled: bool = True):
-    self.root = os.fspath(root)
-    self.path = os.path.join(self.root, LOCK_FILENAME)
-    self.enabled = enabled and "://" not in self.root
-    self._created_root = False
-    self._held = False
-
-  def _describe(self, owner: Mapping) -> str:
-    return f"pid {owner.get('pid')} on host {owner.get('host')!r} since {owner.get('started')}"
-
-  def _read(self) -> dict:
-    try:
-      with open(self.path, encoding="utf-8") as f:
-        return json.load(f)
-    except (OSError, ValueError):
-      return {}
-
-  def acquire(self) -> "OwnerLock":
-    if not self.enabled:
-      return self
-    if os.path.exists(self.root) and not os.path.isdir(self.root):
-      raise NotADirectoryError(f"--workdir={self.root} is a file; a workdir is a directory (new or a run's)")
-    self._created_root = not os.path.isdir(self.root)
-    os.makedirs(self.root, exist_ok=True)
-    me = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
-    for _ in range(3):
-      try:
-        fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
-      except FileExistsError:
-        owner = self._read()
-        if owner.get("host") == me["host"] and isinstance(owner.get("pid"), int) and not _alive(owner["pid"]):
-          try:  # stale: of the processes that saw it, the one whose rename succeeds retakes the lock
-            os.rename(self.path, f"{self.path}.stale-{os.getpid()}")
-            os.remove(f"{self.path}.stale-{os.getpid()}")
-          except FileNotFoundError:
-            pass
-          continue
-        self._forget_root()
-        raise WorkdirInUseError(
-            f"{self.root} is in use by another training run ({self._describe(owner)}; {self.path}): one "
-            "trainer per workdir; wait for it to finish, or use another --workdir (remove the lock only if "
-            "that process is gone)") from None
-      with os.fdopen(fd, "w", encoding="utf-8") as f:
-        json.dump(me, f)
-      self._held = True
-      return self
-    raise WorkdirInUseError(f"{self.path}: could not take over a stale lock (another process keeps taking it)")
-
-  def _forget_root(self) -> None:
-    if self._created_root:
-      try:
-        os.rmdir(self.root)
-      except OSError:
-        pass
-
-  def release(self) -> None:
-    if self._held:
-      try:
-        os.remove(self.path)
-      except FileNotFoundError:
-        pass
-      self._held = False
-      self._forget_root()
-
-  def __enter__(self) -> "OwnerLock":
-    return self.acquire()
-
-  def __exit__(self, *exc) -> None:
-    self.release()

@@ -7,6 +7,10 @@ same ban on pad and BOS (ours in the search, the export by its output bias), in 
 medians over rounds after one untimed warm-up pass each (which compiles ours). Beam search: ours with
 GNMT alpha 0.6, CTranslate2 with length_penalty 0.6 (|Y|^0.6): the same work per step.
 Needs the `interop` extra; the section records an error note without it.
+
+`run_fixed` compares the searches alone on fixed shapes: `--fixed_sources` sources in one batch, every
+hypothesis exactly `--fixed_len` tokens long (EOS barred until then: CTranslate2's `min_decoding_length`, ours a
+`decode.LogProbsFn`), so both do the same number of steps on the same rows whatever the random model prefers.
 """
 
 from __future__ import annotations
@@ -16,8 +20,10 @@ import sys
 import tempfile
 import time
 
+import jax.numpy as jnp
 import numpy as np
 
+from experiments.benchmarks import common
 from transformer_jax import inference
 from transformer_jax.data.tokenizer import Tokenizer
 from transformer_jax.interop import ctranslate2 as ct2
@@ -85,3 +91,46 @@ def _timed(fn):
   start = time.perf_counter()
   value = fn()
   return value, time.perf_counter() - start
+
+
+def run_fixed(args, corpus, cfg, params) -> dict:
+  """Greedy and beam 4, ours vs CTranslate2 fp32: `args.fixed_sources` test sources in one batch, every output
+  exactly `args.fixed_len` tokens; target tokens/s (sources x fixed_len / median time over `args.rounds`)."""
+  rng = np.random.default_rng(0)
+  pick = rng.choice(len(corpus.test_sources), size=args.fixed_sources, replace=False)
+  sources = [[int(x) for x in corpus.test_sources[i]] for i in pick]
+  bucket = inference.length_bucket(max(len(s) for s in sources))
+  inputs = np.full((len(sources), bucket), cfg.pad_id, np.int32)
+  for r, s in enumerate(sources):
+    inputs[r, :len(s)] = s
+  inputs = jnp.asarray(inputs)
+  pieces = [Tokenizer(corpus.tokenizer_path).pieces(s[:-1]) for s in sources]
+  n, length = len(sources), args.fixed_len
+  with tempfile.TemporaryDirectory() as tmp:
+    model_dir = ct2.export_ctranslate2(params, cfg, os.path.join(tmp, "ct2"), tokenizer_path=corpus.tokenizer_path)
+    translator = ct2.translator(model_dir, compute_type="float32", threads=args.threads)
+    runners = {}
+    for beam, name in ((1, "greedy"), (4, "beam4")):
+      fn = common.fixed_length_search(cfg, beam, length)
+      runners[f"ours_{name}"] = lambda fn=fn: np.asarray(fn(params, inputs))
+      runners[f"ct2_float32_{name}"] = lambda beam=beam: translator.translate_batch(
+          pieces, beam_size=beam, length_penalty=0.6 if beam > 1 else 0.0, max_decoding_length=length,
+          min_decoding_length=length, max_batch_size=n)
+    lengths = {}
+    for name, fn in runners.items():  # warm-up (compiles ours); every output must have exactly `length` tokens
+      out = fn()
+      lengths[name] = sorted({int(np.sum((o != cfg.pad_id) & (o != cfg.eos_id))) for o in out}
+                             if name.startswith("ours") else {len(r.hypotheses[0]) for r in out})
+    times = {name: [] for name in runners}
+    for r in range(args.rounds):
+      for name, fn in runners.items():
+        times[name].append(_timed(fn)[1])
+      _log(f"[ctranslate2 fixed] round {r + 1}/{args.rounds}: "
+           + ", ".join(f"{k} {t[-1]:.2f}s" for k, t in times.items()))
+  out = {"sources": n, "source_bucket": bucket, "output_len": length, "ct2_threads": args.threads,
+         "output_lengths_seen": lengths}
+  for name, t in times.items():
+    out[name] = {"file_s": float(np.median(t)), "tokens_per_s": n * length / float(np.median(t)), "times": t}
+  for search in ("greedy", "beam4"):
+    out[f"ours_vs_ct2_float32_{search}"] = out[f"ct2_float32_{search}"]["file_s"] / out[f"ours_{search}"]["file_s"]
+  return out

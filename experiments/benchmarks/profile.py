@@ -3,6 +3,7 @@ r"""Where a training or decoding step's time goes: a `jax.profiler` trace aggreg
     python -m experiments.benchmarks.profile --preset=tiny            # CPU preset, 4096-token batches
     python -m experiments.benchmarks.profile --preset=base --vocab=37000 --steps=2
     python -m experiments.benchmarks.profile --preset=base --search=beam4 --sources=64   # one decoding batch
+    python -m experiments.benchmarks.profile --preset=base --search=beam4 --sources=32 --fixed_len=50
 
 With `--search=greedy|beam4` it traces `translate_ids`' compiled search on one batch of `--sources` multi30k
 test2016 sources of the `--bucket` length bucket (random init, outputs capped at len(source)+50, as the
@@ -36,6 +37,7 @@ import numpy as np
 
 from experiments.benchmarks import common
 from transformer_jax import inference, sharding
+from transformer_jax.search import DecodeOptions
 from transformer_jax.training.steps import init_params
 
 # First match wins: the finer module paths before the blocks that contain them.
@@ -105,6 +107,9 @@ def main(argv=None):
                       help="profile the train step (default) or a decoding batch")
   parser.add_argument("--sources", type=int, default=64, help="decoding: sources in the batch")
   parser.add_argument("--bucket", type=int, default=16, help="decoding: their padded source length")
+  parser.add_argument("--fixed_len", type=int, default=0,
+                      help="decoding: every output exactly this long (`common.fixed_length_search`, the searches "
+                      "of the fixed-shape CTranslate2 comparison); 0: translate_ids' search, capped at len+50")
   parser.add_argument("--top", type=int, default=15)
   parser.add_argument("--trace_dir", default="")
   args = parser.parse_args(argv)
@@ -148,13 +153,23 @@ def _decode_program(args):
     inputs[r, :len(ids)] = ids
     limits[r] = min(limit, args.bucket + 50)
   beam = 4 if args.search == "beam4" else 1
-  search = inference._search_fn(cfg, beam, 0.6, args.bucket + 50)
-  compiled = search.lower(params, inputs, limits).compile()
-  run_once = lambda: jax.block_until_ready(compiled(params, inputs, limits))  # noqa: E731
+  if args.fixed_len:
+    compiled = common.fixed_length_search(cfg, beam, args.fixed_len).lower(params, inputs).compile()
+    run_once = lambda: jax.block_until_ready(compiled(params, inputs))  # noqa: E731
+    steps = args.fixed_len
+  else:
+    options = DecodeOptions(beam_size=beam, alpha=0.6, token_log_probs=False)
+    search = inference._search_fn(cfg, options, args.bucket + 50)
+    extra = (np.zeros((len(prepared),), np.int32), np.int32(0), np.zeros((len(prepared), 0), np.int32),
+             np.zeros((len(prepared),), np.int32))  # indices, seed, prefix tokens and lengths (unused)
+    compiled = search.lower((params,), inputs, limits, *extra).compile()
+    run_once = lambda: jax.block_until_ready(compiled((params,), inputs, limits, *extra))  # noqa: E731
+    steps = int(limits.max())
   title = (f"{args.search} {args.preset} (d={cfg.d_model}, V={cfg.vocab_size}), {len(prepared)} sources of "
-           f"bucket {args.bucket} ({len(prepared) * beam} decoder rows): "
+           f"bucket {args.bucket} ({len(prepared) * beam} decoder rows"
+           + (f", every output {args.fixed_len} tokens" if args.fixed_len else "") + "): "
            "{wall:.3f}s per decoder step (traced)")
-  return compiled, run_once, int(limits.max()), title, 0.0
+  return compiled, run_once, steps, title, 0.0
 
 
 def _report(args, compiled, run_once, steps_per_run: int, title: str, flops: float):

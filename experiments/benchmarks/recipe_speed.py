@@ -6,7 +6,7 @@ r"""Side by side: the training step of a recipe's variants on that recipe's own 
         --variant='4+4 x d128:model.d_model=128,model.num_encoder_layers=4,model.num_decoder_layers=4'
 
 What it answers: which sizes give the most real target tokens per second on this machine, before an hour is
-spent on a run (docs/results.md's lever table quotes it). Each `--variant` is `NAME:KEY=VALUE,...` of overrides
+spent on a run (the run log, docs/multi30k_runs.md, quotes it). Each `--variant` is `NAME:KEY=VALUE,...` of overrides
 to `--config` (a module in `experiments/configs`, the one the workdir was trained with by default), the first is
 the reference. Every variant packs the workdir's training ids (the id shards in `data/train.ids/`, written by any
 `experiments.train`/`experiments.multi30k` run) into its own batches (`pipeline.TrainStream`, its `data.max_len` row

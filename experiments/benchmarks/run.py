@@ -91,7 +91,8 @@ def section_args(name: str, quick: bool) -> list[str]:
   if name == "ctranslate2":
     if quick:
       return ["ctranslate2", "--preset=tiny", "--sources=16", "--rounds=1", "--threads=2"]
-    return ["ctranslate2", "--preset=base", "--sources=500", "--rounds=1", "--threads=2"]
+    return ["ctranslate2", "--preset=base", "--sources=500", "--rounds=1", "--threads=2", "--fixed_sources=32",
+            "--fixed_len=50"]
   if name == "scaling":
     if quick:
       return ["scaling", "--lengths=64,256", "--batch_tokens=2048", "--rounds=1", "--block=2"]
@@ -337,6 +338,13 @@ def render(results: dict) -> str:
                    f"{e['uncached_s']:.3f}s ({_g(e['uncached_tokens_per_s'])} tok/s) | {_x(e['speedup'], 1)} | "
                    f"{d.get('cached_same_tokens', {}).get(key, 'n/a')} |")
     lines.append("")
+    if "toolkit" in d:
+      t = d["toolkit"]
+      toks = t.get("output_tokens_vs_beam4", {})
+      lines += ["Decoding toolkit (`inference.decode_ids`, same file and rounds, interleaved with plain beam 4): "
+                + ", ".join(f"{name} {t['file_s'][name]:.1f}s = {_x(r)} beam 4"
+                            + (f" (1-best output tokens {_x(toks[name])})" if name in toks else "")
+                            for name, r in t["ratios"].items()) + ".", ""]
 
   lines += _render_ctranslate2(results.get("ctranslate2", {}))
 
@@ -493,6 +501,16 @@ def targets(results: dict) -> list[str]:
   if "cache" in d:
     r = d["cache"]["beam4"]["speedup"]
     rows.append(("beam-4 cached >= 5x uncached (50-token outputs)", _x(r, 1), r >= 5, ""))
+  for name, limit, what in (("ensemble2", 2.2, "ensemble of 2"), ("nbest4_scores", 1.1, "4-best list + scores"),
+                            ("constrained_beam4", 2.0, "constrained beam 4 (one 2-token phrase)")):
+    r = d.get("toolkit", {}).get("ratios", {}).get(name)
+    if r is not None:
+      rows.append((f"{what} <= {limit}x plain beam 4's time", _x(r), r <= limit, ""))
+  fixed = results.get("ctranslate2", {}).get("fixed", {})
+  if "ours_vs_ct2_float32_beam4" in fixed:
+    r = fixed["ours_vs_ct2_float32_beam4"]
+    rows.append((f"beam 4 >= 1.2x CTranslate2 fp32 (fixed shapes: {fixed['sources']} sources x "
+                 f"{fixed['output_len']} tokens)", _x(r), r >= 1.2, ""))
   if not rows:
     return []
   out = ["**Targets**", "", "| target | measured | met | unoptimized (ablation) |",
@@ -501,10 +519,19 @@ def targets(results: dict) -> list[str]:
   return out + [""]
 
 
+def _render_ctranslate2_fixed(f: dict) -> list[str]:
+  """The fixed-shape comparison (`ctranslate2_bench.run_fixed`) as one line."""
+  return [f"Fixed shapes ({f['sources']} sources in one batch, source bucket {f['source_bucket']}, every output "
+          f"exactly {f['output_len']} tokens, CTranslate2 fp32 {f['ct2_threads']} threads): "
+          + ", ".join(f"{s} ours {_g(f['ours_' + s]['tokens_per_s'])} vs {_g(f['ct2_float32_' + s]['tokens_per_s'])} "
+                      f"target tok/s = {_x(f['ours_vs_ct2_float32_' + s])}" for s in ("greedy", "beam4")) + ".", ""]
+
+
 def _render_ctranslate2(c: dict) -> list[str]:
   """Section 6: our searches vs CTranslate2 fp32/int8 (experiments/benchmarks/ctranslate2_bench.py)."""
+  fixed = _render_ctranslate2_fixed(c["fixed"]) if "fixed" in c else []
   if "ours_greedy" not in c:
-    return [f"**4b. Decoding vs CTranslate2**: {c['error']}", ""] if "error" in c else []
+    return ([f"**4b. Decoding vs CTranslate2**: {c['error']}", ""] if "error" in c else []) + fixed
   lines = [f"**4b. Decoding vs CTranslate2** ({c['preset']} preset, vocabulary {c['vocab_size']}, random init, "
            f"{c['sources']} multi30k test2016 sources, outputs capped at len(source)+{c['extra_len']}; "
            f"CTranslate2 {c['ct2_threads']} intra-op threads, max_batch_size {c['ct2_max_batch_size']}; "
@@ -516,7 +543,7 @@ def _render_ctranslate2(c: dict) -> list[str]:
       ratio = c[f"ours_vs_ct2_float32_{search}"] if runner == "ours" else ""
       lines.append(f"| {runner} | {search} | {r['sentences_per_s']:.1f} | {_g(r['tokens_per_s'])} | "
                    f"{_x(ratio) if ratio != '' else ''} |")
-  return lines + [""]
+  return lines + [""] + fixed
 
 
 def update_doc(table: str) -> bool:

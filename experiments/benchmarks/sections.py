@@ -339,6 +339,42 @@ def _encoder_batches(sources, max_tokens, max_len):
   return out
 
 
+def _toolkit_searches(params, cfg, sources, args) -> tuple[dict, dict]:
+  """The decoding toolkit's variants of beam 4 over the same file (`inference.decode_ids`), each run once here
+  to compile: the 4-best list with scores and per-token log-probs (what `translate --nbest=4
+  --output_format=jsonl` computes), an ensemble of two models, lexically constrained beam 4 (one 2-token
+  phrase per source). The ensemble's second model is the first plus Gaussian noise of 1% of each tensor's
+  spread, as two checkpoints of one run are near each other: two unrelated random models would average to a
+  flatter distribution that stops at other lengths, and the ratio would measure lengths, not the work per
+  step. Returns the runners and the output tokens of each (EOS counted), to compare with plain beam 4's."""
+  from flax import linen as nn
+  from transformer_jax import inference
+  from transformer_jax.search import DecodeOptions
+  leaves, tree = jax.tree_util.tree_flatten(params)
+  keys = jax.random.split(jax.random.key(1), len(leaves))
+  second = jax.tree_util.tree_unflatten(tree, [x + 0.01 * jnp.std(x) * jax.random.normal(k, x.shape, x.dtype)
+                                               for x, k in zip(leaves, keys)])
+  phrases = [[[int(t) for t in s[:2]]] for s in sources]  # one 2-token phrase per source (its first 2 ids)
+  run = lambda models, options, **kw: (lambda: inference.decode_ids(  # noqa: E731
+      models, cfg, sources, options, extra_len=args.extra_len, max_tokens_per_batch=args.max_tokens, **kw))
+  plain = DecodeOptions(beam_size=4, token_log_probs=False)
+  fns = {"nbest4_scores": run(params, DecodeOptions(beam_size=4, nbest=4, token_log_probs=True)),
+         "ensemble2": run([params, nn.unbox(second)], plain),
+         "constrained_beam4": run(params, plain, constraints=phrases)}
+  tokens = {name: sum(len(hyps[0].ids) + 1 for hyps in fn() if hyps) for name, fn in fns.items()}
+  return fns, tokens
+
+
+def _toolkit_ratios(times: dict, beam4_times: list, tokens: dict, beam4_tokens: int) -> dict:
+  """Median over rounds of each variant's time / plain beam 4's (`translate_ids`) in the same round."""
+  return {"ratios": {name: common.median([t / b for t, b in zip(ts, beam4_times)]) for name, ts in times.items()},
+          "file_s": {name: common.median(ts) for name, ts in times.items()},
+          "output_tokens_vs_beam4": {name: n / beam4_tokens for name, n in tokens.items()},
+          "note": "same file, same rounds, interleaved with plain beam 4; targets: ensemble2 <= 2.2, "
+                  "nbest4_scores <= 1.1, constrained_beam4 <= 2; output_tokens_vs_beam4: the 1-best outputs' "
+                  "tokens / plain beam 4's (the work differs by that much besides the per-step cost)"}
+
+
 def decode(args) -> dict:
   from flax import linen as nn
   from transformer_jax import decode as decode_lib
@@ -380,9 +416,14 @@ def decode(args) -> dict:
     _log(f"[decode] beam {beam}: first pass {first_s:.1f}s, "
          f"{searches[beam]['compilations_first_pass']} compilations for {len(enc_batches)} batches")
 
+  toolkit, toolkit_tokens = _toolkit_searches(params, cfg, sources, args)
+  toolkit_times = {name: [] for name in toolkit}
+
   enc_times, matmul = [], []
   for r in range(args.rounds):
     matmul.append(probe.rate(2))
+    for name, fn in toolkit.items():
+      toolkit_times[name].append(_timed(fn)[1])
     for beam, s in searches.items():
       before = inference.compilation_count()
       _, t = _timed(lambda: inference.translate_ids(params, cfg, sources, beam_size=beam,
@@ -394,6 +435,8 @@ def decode(args) -> dict:
     _log(f"[decode] round {r + 1}/{args.rounds}: greedy {searches[1]['times'][-1]:.2f}s "
          f"beam4 {searches[4]['times'][-1]:.2f}s encoder {enc_times[-1]:.3f}s")
 
+  out["toolkit"] = _toolkit_ratios(toolkit_times, searches[4]["times"], toolkit_tokens, searches[4]["output_tokens"])
+  _log(f"[decode] toolkit vs beam 4: {', '.join(f'{k} x{v:.2f}' for k, v in out['toolkit']['ratios'].items())}")
   enc_s = common.median(enc_times)
   out["encoder"] = {"file_s": enc_s, "sentences_per_s": len(sources) / enc_s}
   out["matmul_flops"] = common.median(matmul)
@@ -457,7 +500,10 @@ def ctranslate2(args) -> dict:
   corpus = common.load_corpus()
   cfg = common.preset_config(args.preset, args.vocab or corpus.vocab_size)
   params = jax.device_put(nn.unbox(init_params(cfg, jax.random.key(0))))
-  return ctranslate2_bench.run(args, corpus, cfg, params)
+  out = ctranslate2_bench.run(args, corpus, cfg, params) if args.sources else {}
+  if args.fixed_sources:
+    out["fixed"] = ctranslate2_bench.run_fixed(args, corpus, cfg, params)
+  return out
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -561,6 +607,9 @@ def main(argv=None):
   parser.add_argument("--gen_len", type=int, default=50)
   parser.add_argument("--threads", type=int, default=2, help="CTranslate2 intra-op threads")
   parser.add_argument("--ct2_batch", type=int, default=64, help="CTranslate2 max_batch_size (sentences)")
+  parser.add_argument("--fixed_sources", type=int, default=0,
+                      help="ctranslate2: also this many sources in one batch with fixed-length outputs (0: no)")
+  parser.add_argument("--fixed_len", type=int, default=50, help="ctranslate2: the fixed output length")
   parser.add_argument("--lengths", type=lambda s: [int(x) for x in s.split(",")], default=[64, 128, 256, 512])
   parser.add_argument("--batch_tokens", type=lambda s: [int(x) for x in s.split(",")],
                       default=[1024, 2048, 4096, 8192])

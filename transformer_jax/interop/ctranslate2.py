@@ -21,8 +21,8 @@ holds what CTranslate2 must add to what its documentation feeds a Marian model (
 * relative positions (Shaw et al.) go into each self-attention's `relative_position_keys` / `_values`
   (zeros for `relative_values=False`) for models with `position_embedding='none'`; with absolute positions too
   they are refused, as CTranslate2 then builds no position encoder (`check_relative_positions`).
-* the sinusoid tables hold `max(model.max_len, POSITIONS)` positions (the same function extended, like
-  Marian's), so no `max_decoding_length` or source up to `POSITIONS` runs past them. Outputs equal ours while
+* the sinusoid tables hold `max(model.max_len, marian.EXPORT_POSITIONS)` positions (the same function
+  extended, as the Marian export's), so no `max_decoding_length` or source up to that length runs past them. Outputs equal ours while
   they fit in `model.max_len` tokens (our decoder's own cap): give `max_decoding_length <= model.max_len`
   (written as `max_decoding_length` in `transformer_jax_export.json`) for identical output on every input.
 
@@ -53,9 +53,6 @@ from transformer_jax.interop import marian as marian_lib
 from transformer_jax.model import sinusoid_table
 
 QUANTIZATIONS = ("float32", "int8", "int8_float32", "int16", "float16", "bfloat16", "int8_float16")
-# Positions the exported sinusoid tables hold at least: CTranslate2's default `max_input_length` (1024), which
-# also covers its default `max_decoding_length` (256).
-POSITIONS = 1024
 # The output bias of pad and BOS: exp(-1e9) is 0 in float32 and float16, and no -inf reaches a softmax.
 BANNED_LOGIT = -1e9
 EXPORT_INFO = "transformer_jax_export.json"
@@ -91,9 +88,10 @@ class ExactMarianLoader(ct2_transformers.MarianMTLoader):
     config.add_source_eos = True  # every source ends with </s> in training and in our translation
 
   def set_position_encodings(self, spec, module):
-    """The module's sinusoids extended to `POSITIONS` rows with Marian's formula (sines, then cosines)."""
+    """The module's sinusoids extended to `marian.EXPORT_POSITIONS` rows with Marian's formula (sines, then
+    cosines)."""
     table = np.asarray(module.weight.detach().cpu().numpy(), np.float32)
-    rows = max(table.shape[0], POSITIONS)
+    rows = max(table.shape[0], marian_lib.EXPORT_POSITIONS)
     extended = sinusoid_table(rows, table.shape[1], "halves").astype(np.float32)
     if not np.allclose(extended[: table.shape[0]], table, atol=1e-5):
       raise ValueError("the model's position table is not Marian's sinusoids; cannot extend it")
@@ -236,7 +234,8 @@ def export_info(config, tokenizer_path: str) -> dict:
           "banned_outputs": "pad and BOS have output bias %g: never emitted, as in transformer_jax" % BANNED_LOGIT,
           "trained_positions": config.max_len,
           "position_table": (f"none: relative positions (max_relative_position={config.max_relative_position})"
-                             if config.max_relative_position else max(config.max_len, POSITIONS)),
+                             if config.max_relative_position
+                             else max(config.max_len, marian_lib.EXPORT_POSITIONS)),
           "max_decoding_length": config.max_len,
           "min_decoding_length": "CTranslate2's default 1 bars an empty output, which ours allows (0 matches ours)",
           "identical_outputs": "to transformer_jax's decoder for sources of up to max_decoding_length pieces with "

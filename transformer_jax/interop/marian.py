@@ -54,6 +54,11 @@ from transformer_jax.training.steps import init_params
 from transformer_jax.workdir import IMPORTED_DATASET
 
 MARIAN_LAYER_NORM_EPSILON = 1e-5  # torch.nn.LayerNorm's default; MarianMTModel does not make it configurable
+# Positions an exported model's sinusoid tables hold at least: CTranslate2's default `max_input_length` (1024,
+# which also covers its default `max_decoding_length`, 256) and more than `generate`'s defaults; the same function
+# extended, so no runtime cap up to this reads past the table. The trained length is kept beside it.
+EXPORT_POSITIONS = 1024
+TRAINED_MAX_LEN_KEY = "transformer_jax_max_len"  # config.json: our model.max_len, restored by the importer
 WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
 _ACTIVATIONS = {"swish": "swish", "silu": "swish", "relu": "relu"}
 
@@ -124,7 +129,8 @@ def model_config_from_marian(hf: Mapping[str, Any], source: str = "config.json")
         d_ff=int(hf["encoder_ffn_dim"]), num_heads=int(hf["encoder_attention_heads"]),
         dropout_rate=float(hf.get("dropout", 0.1)), attention_dropout_rate=float(hf.get("attention_dropout", 0.0)),
         relu_dropout_rate=float(hf.get("activation_dropout", 0.0)),
-        max_len=int(hf.get("max_position_embeddings", 512)), position_embedding="sinusoidal", pre_ln=False,
+        max_len=int(hf.get(TRAINED_MAX_LEN_KEY, hf.get("max_position_embeddings", 512))),
+        position_embedding="sinusoidal", pre_ln=False,
         share_embeddings=True, scale_embeddings=bool(hf.get("scale_embedding", True)),
         layer_norm_epsilon=MARIAN_LAYER_NORM_EPSILON,
         pad_id=int(hf["pad_token_id"]), bos_id=int(hf.get("decoder_start_token_id", hf["pad_token_id"])),
@@ -163,7 +169,8 @@ def marian_config_from_model(config: ModelConfig) -> dict:
       "encoder_layers": config.num_encoder_layers, "decoder_layers": config.num_decoder_layers,
       "encoder_ffn_dim": config.d_ff, "decoder_ffn_dim": config.d_ff,
       "encoder_attention_heads": config.num_heads, "decoder_attention_heads": config.num_heads,
-      "activation_function": config.activation, "max_position_embeddings": config.max_len,
+      "activation_function": config.activation,
+      "max_position_embeddings": max(config.max_len, EXPORT_POSITIONS), TRAINED_MAX_LEN_KEY: config.max_len,
       "scale_embedding": config.scale_embeddings, "dropout": config.dropout_rate,
       "attention_dropout": config.attention_dropout_rate, "activation_dropout": config.relu_dropout_rate,
       "pad_token_id": config.pad_id, "eos_token_id": config.eos_id, "forced_eos_token_id": None,
@@ -252,9 +259,9 @@ def _check_tied_and_positions(state: Mapping[str, np.ndarray], config: ModelConf
     if key in state and not np.array_equal(state[key], embedding):
       raise UnsupportedModelError(f"unsupported Marian variant: {key} differs from the shared embedding "
                                   "(untied embeddings)")
-  table = sinusoid_table(config.max_len, config.d_model, "halves")
   for key in ("model.encoder.embed_positions.weight", "model.decoder.embed_positions.weight"):
-    if key in state and not np.allclose(state[key], table, atol=1e-5):
+    if key in state and not np.allclose(state[key], sinusoid_table(len(state[key]), config.d_model, "halves"),
+                                        atol=1e-5):
       raise UnsupportedModelError(f"unsupported Marian variant: {key} is not the sinusoid table")
 
 

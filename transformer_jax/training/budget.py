@@ -2,7 +2,7 @@
 more just before the cool-down, kept by the run.
 
 A recipe that must finish inside an hour cannot fix its step count in advance when machines of the same kind
-differ in speed (the 2-core hosts of docs/results.md ran the same recipe at 2.2 and at 0.95-1.4 steps/s, the
+differ in speed (the 2-core hosts of docs/multi30k_runs.md ran the same recipe at 2.2 and at 0.95-1.4 steps/s, the
 slow one drifting by 20% within an hour). With `config.train_budget_minutes > 0` the trainer measures its own
 rate (steps per second of wall time, evaluations and checkpoints included, the first step's compilation not)
 and sets the run's length:

@@ -1,0 +1,83 @@
+"""The decoding flags that `translate`, `evaluate` and `tune_decoding` share, their checks, and ensembles.
+
+`define_flags(...)` adds `--sampling`, `--temperature`, `--top_k`, `--top_p`, `--seed`, `--ensemble` (and, where
+the program prints hypotheses, `--nbest`); `options(beam_size, alpha)` turns them into a checked
+`search.DecodeOptions` (one-line ValueError before any decoding); `load_models(workdir, checkpoint)` loads the
+model, or every model of `--ensemble` (refusing another architecture or vocabulary), as a list of parameters.
+"""
+
+from __future__ import annotations
+
+from absl import flags
+from etils import epath
+
+from experiments import common
+from transformer_jax import search
+
+FLAGS = flags.FLAGS
+
+
+def define_flags(*, nbest: bool) -> None:
+  """Defines the shared decoding flags (with `nbest`: also `--nbest`)."""
+  flags.DEFINE_enum("sampling", "beam", list(search.SAMPLINGS),
+                    "greedy | beam (beam search, --beam_size; 1 = greedy) | sample (ancestral sampling).")
+  flags.DEFINE_float("temperature", 1.0, "Sampling: softmax(logits / temperature); > 0.")
+  flags.DEFINE_integer("top_k", 0, "Sampling: only the k most probable tokens (0 = all).")
+  flags.DEFINE_float("top_p", 1.0, "Sampling: only the nucleus of this probability (Holtzman et al., 2020); "
+                     "in (0, 1], 1 = all.")
+  flags.DEFINE_integer("seed", 0, "Sampling's seed: line i samples with fold_in(PRNGKey(seed), i), the same "
+                       "outputs whatever the batching.")
+  flags.DEFINE_list("ensemble", [], "More models decoded with --workdir's as one (per-step log-probs averaged): "
+                    "steps of --workdir, checkpoint directories, or other workdirs of the same architecture and "
+                    "vocabulary. With --ensemble, --checkpoint is the first model.")
+  if nbest:
+    flags.DEFINE_integer("nbest", 1, "Hypotheses per input line (<= --beam_size; beam search only).")
+
+
+def options(beam_size: int, alpha: float, *, nbest: int = 1, alignment: bool = False,
+            token_log_probs: bool = False) -> search.DecodeOptions:
+  """The flags as a checked `DecodeOptions` (per-token log-probs only where the caller prints them);
+  ValueError names the flag of a bad value or combination."""
+  if FLAGS.sampling != "beam" and nbest > 1:
+    raise ValueError(f"--nbest={nbest} needs --sampling=beam (greedy search and sampling give one hypothesis)")
+  if FLAGS.sampling == "beam" and nbest > beam_size:
+    raise ValueError(f"--nbest={nbest} must be <= --beam_size={beam_size}")
+  sampled = FLAGS.temperature != 1.0 or FLAGS.top_k or FLAGS.top_p != 1.0
+  if sampled and FLAGS.sampling != "sample":
+    raise ValueError("--temperature, --top_k and --top_p apply to --sampling=sample only")
+  if not 0.0 < FLAGS.top_p <= 1.0:
+    raise ValueError(f"--top_p={FLAGS.top_p} must be in (0, 1]")
+  if not FLAGS.temperature > 0.0:
+    raise ValueError(f"--temperature={FLAGS.temperature} must be > 0")
+  if FLAGS.top_k < 0:
+    raise ValueError(f"--top_k={FLAGS.top_k} must be >= 0")
+  return search.DecodeOptions(sampling=FLAGS.sampling, beam_size=beam_size, alpha=float(alpha), nbest=nbest,
+                              temperature=FLAGS.temperature, top_k=FLAGS.top_k, top_p=FLAGS.top_p,
+                              alignment=alignment, token_log_probs=token_log_probs).check()
+
+
+def load_models(workdir: str, checkpoint: str | None):
+  """`(model_config, params list, tokenizer)`: `--workdir` at `checkpoint`, then each `--ensemble` entry.
+
+  An entry is a step of `workdir` (digits), a workdir (a folder with config.json: its latest checkpoint) or a
+  checkpoint directory (read with `workdir`'s config). ValueError when an entry's architecture or vocabulary
+  differs from the first model's, naming the entry.
+  """
+  model_config, params, tokenizer = common.load_for_inference(workdir, checkpoint)
+  params_list = [params]
+  for entry in FLAGS.ensemble:
+    if (epath.Path(entry) / "config.json").is_file():
+      other_config, other_params, other_tokenizer = common.load_for_inference(entry, None)
+    else:
+      other_config, other_params, other_tokenizer = common.load_for_inference(workdir, entry)
+    if other_config != model_config:
+      raise ValueError(f"--ensemble={entry}: another architecture than --workdir's model ({other_config} vs "
+                       f"{model_config}); an ensemble needs one architecture")
+    if _pieces(other_tokenizer) != _pieces(tokenizer):
+      raise ValueError(f"--ensemble={entry}: another vocabulary than --workdir's; an ensemble needs one vocabulary")
+    params_list.append(other_params)
+  return model_config, params_list, tokenizer
+
+
+def _pieces(tokenizer) -> list[str]:
+  return tokenizer.pieces(range(tokenizer.vocab_size))
