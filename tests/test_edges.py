@@ -301,4 +301,5 @@ def test_a_checkpoint_trained_with_another_vocabulary_is_refused_by_every_reader
   _run(["experiments.train", f"--workdir={same}", *QUICK, "--config.seed=7"])
   for checkpoint in (run10 / "checkpoints", same / "checkpoints"):
     result = _run(["experiments.translate", f"--workdir={run10}", f"--checkpoint={checkpoint}"], stdin="twelve\n")
-    assert result.returncode == 0 and result.stdout.strip()
+    # One translation line for the one input (a 10-step model may well decode it to the empty string).
+    assert result.returncode == 0 and result.stdout.count("\n") == 1
