@@ -181,8 +181,9 @@ def check_checkpoint_vocabulary(config, workdir: str, tokenizer, directory: str)
     ids = list(range(min(tokenizer.vocab_size, theirs.vocab_size)))
     ours_pieces, their_pieces = tokenizer.pieces(ids), theirs.pieces(ids)
     differing = next((i for i in ids if ours_pieces[i] != their_pieces[i]), None)
-    text_rules = [f"{name} {getattr(theirs, name)!r} there, {getattr(tokenizer, name)!r} here"
-                  for name in ("normalization", "lowercase") if getattr(theirs, name) != getattr(tokenizer, name)]
+    rules = {"normalization": (theirs.normalization, tokenizer.normalization),
+             "lowercase": (theirs.lowercase, tokenizer.lowercase)}
+    text_rules = [f"{name} {there!r} there, {here!r} here" for name, (there, here) in rules.items() if there != here]
     if theirs.vocab_size != tokenizer.vocab_size or differing is not None or text_rules:
       where = (f"id {differing} is {their_pieces[differing]!r} there, {ours_pieces[differing]!r} here"
                if differing is not None else "; ".join(text_rules) if text_rules

@@ -4,7 +4,6 @@ combinations. Numbers are checked against the model's teacher-forced log-probs a
 
 import json
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest

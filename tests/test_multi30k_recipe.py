@@ -42,7 +42,8 @@ def test_the_recipe_config_is_the_one_the_docs_report():
   assert rates[0] > config.model.dropout_rate
   assert config.checkpoint_keep >= config.decode.average_last
   # The learning curve needs val BLEU at >= 8 points (issue 14), on the slowest 2-core host measured too
-  # (docs/multi30k_runs.md, R7: 1.07 steps/s, evaluations included), where the time budget shortens the run most.
+  # (the slowest host in docs/multi30k_runs.md ran ~1.07 steps/s, evaluations included), where the time budget
+  # shortens the run most.
   assert config.train_budget_minutes > 0
   slowest_steps = min(config.num_train_steps, int(config.train_budget_minutes * 60 * 1.0))
   assert -(-slowest_steps // config.evals.bleu.every_steps) >= 8  # every N steps, and the last

@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from transformer_jax import decode, mbr, scoring
+from transformer_jax import mbr, scoring
 from transformer_jax import constraints as constraints_lib
 from transformer_jax import search as search_lib
 from transformer_jax.config import ModelConfig

@@ -95,8 +95,7 @@ class _LocalLockFile:
       os.remove(self.path)
     except FileNotFoundError:
       pass
-    if self.created_root:
-      self.forget_root()
+    self.forget_root()
 
   def forget_root(self) -> None:
     if self.created_root:
