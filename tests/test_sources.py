@@ -125,11 +125,18 @@ def test_training_ids_are_written_once_and_reused_only_for_the_same_data_and_voc
   assert third.stats == first.stats and pipeline.IdShards.open(shards.directory, key) is not None
 
 
-def test_parallel_text_dataset_is_built_once_and_reused(small_corpus, tmp_path):
+def test_parallel_text_dataset_is_built_once_and_reused(small_corpus, tmp_path, monkeypatch):
+  """A restart reads the prepared dataset: the files are hashed, not checked line by line again (at WMT scale
+  the check read every line into memory on every start)."""
   args = (str(small_corpus), "en", "de", str(tmp_path / "tfds"))
+  checked = []
+  check = parallel_text.check_split
+  monkeypatch.setattr(parallel_text, "check_split", lambda *a, **k: (checked.append(a[1]), check(*a, **k)))
   b1 = parallel_text.parallel_text_builder(*args)
+  assert sorted(checked) == ["train", "val"]
   stamp = os.path.getmtime(os.path.join(b1.data_dir, "dataset_info.json"))
   b2 = parallel_text.parallel_text_builder(*args)
+  assert sorted(checked) == ["train", "val"]  # not again
   assert b2.data_dir == b1.data_dir
   assert os.path.getmtime(os.path.join(b2.data_dir, "dataset_info.json")) == stamp
   assert sorted(b2.info.splits.keys()) == ["train", "val"]
