@@ -14,6 +14,7 @@ import pytest
 from etils import epath
 
 import grain
+from experiments.benchmarks import scale_probe
 from transformer_jax import config as C
 from transformer_jax.data import pipeline
 from transformer_jax.model import Transformer
@@ -112,6 +113,43 @@ def test_batches_are_first_fit_of_the_seeded_order_and_every_epoch_covers_every_
     assert _examples(batch)[:len(expected)] == expected
     assert all(row == [] for row in _examples(batch)[len(expected):])
   assert stream.epoch == 1
+
+
+@pytest.mark.parametrize("examples,seed,process_index,process_count", [(490, 3, 0, 1), (1000, 2**32 - 2, 1, 3),
+                                                                      (7, 0, 1, 2), (1, 5, 0, 1)])
+def test_epoch_order_is_grains_index_shuffle_chain(examples, seed, process_index, process_count):
+  """EpochOrder computes grain's `range.shuffle(seed)[p::n].repeat()` positions without its per-element calls:
+  equal over several epochs (the per-epoch seed wraps at 2**32 as grain's does)."""
+  order = pipeline.EpochOrder(examples, seed, process_index, process_count)
+  chain = grain.MapDataset.range(examples).shuffle(seed=seed)[process_index::process_count].repeat()
+  stop = 4 * order.share + 3
+  assert order(0, stop).tolist() == [chain[k] for k in range(stop)]
+  assert order(order.share - 2, order.share + 5).tolist() == [chain[k] for k in range(order.share - 2, order.share + 5)]
+
+
+@pytest.mark.parametrize("rows,row", [(8, 32), (3, 20), (16, 64)])
+def test_first_fit_batches_equal_grains_first_fit_packer(tmp_path, rows, row):
+  """FirstFitBatches replaces grain's FirstFitPackIterDataset + batch for speed (docs/performance.md): the
+  same batches, every key and value, across epoch boundaries, and from a restored state."""
+  sources, targets = _corpus(400, seed=rows, long_every=40)
+  stream = _stream(_shards(tmp_path, sources, targets), rows=rows, row=row)
+  chunks = pipeline._ReadChunk(stream.shards, stream.kept, stream.order)
+  ours, reference = iter(pipeline.FirstFitBatches(chunks, rows, row, PAD)), scale_probe.grain_first_fit(chunks, rows, row, PAD)
+  states = []
+  for _ in range(60):  # several epochs
+    states.append(ours.get_state())
+    mine, theirs = next(ours), next(reference)
+    assert mine.keys() == theirs.keys()
+    for key in mine:
+      np.testing.assert_array_equal(mine[key], theirs[key], err_msg=key)
+  again = iter(pipeline.FirstFitBatches(chunks, rows, row, PAD))
+  again.set_state(states[37])
+  replay = iter(pipeline.FirstFitBatches(chunks, rows, row, PAD))
+  for _ in range(37):
+    next(replay)
+  resumed, uninterrupted = next(again), next(replay)
+  for key in pipeline.BATCH_KEYS:
+    np.testing.assert_array_equal(resumed[key], uninterrupted[key], err_msg=key)
 
 
 @pytest.mark.parametrize("ids", IDS.values(), ids=IDS.keys())

@@ -25,7 +25,9 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Callable, Iterator
 
+import grain
 import numpy as np
 
 from experiments.configs import multi30k as multi30k_config
@@ -95,18 +97,58 @@ def run_train(corpus: Path, workdir: Path, steps: int, tokens: int) -> dict:
                                    r"target ([\d.]+)%", text)}
 
 
-def pipeline_rate(shards: pipeline.IdShards, tokens: int, row_length: int, batches: int) -> dict:
-  """Packed target tokens/s of `TrainStream` over `shards` after its first batch, and its packing efficiency."""
-  stream = pipeline.TrainStream(shards, tokens_per_batch=tokens, row_length=row_length, pad_id=tok_lib.PAD_ID)
-  next(stream)
+def last_step(workdir: Path) -> int:
+  """The newest checkpoint's step in `workdir` (a restart trains `--steps` past it)."""
+  return max(int(p.name) for p in (workdir / "checkpoints").iterdir() if p.name.isdigit())
+
+
+class _Unchunk(grain.experimental.FlatMapTransform):
+  max_fan_out = pipeline.READ_CHUNK
+
+  def flat_map(self, element):
+    return element
+
+
+def grain_first_fit(chunks: Callable[[int], list], rows: int, row_length: int, pad_id: int) -> Iterator[dict]:
+  """grain's own first-fit packer and batching over `chunks` (what `pipeline.FirstFitBatches` replaces), with
+  the pipeline's key names: the reference its batches equal (tests) and its speed is compared with."""
+  chunk_stream = grain.MapDataset.range(1 << 40).map(chunks).to_iter_dataset()
+  stream = grain.experimental.FlatMapIterDataset(chunk_stream, _Unchunk())
+  packed = grain.experimental.FirstFitPackIterDataset(
+      stream, length_struct={"inputs": row_length, "targets": row_length}, num_packing_bins=rows,
+      shuffle_bins=False, padding_struct={"inputs": pad_id, "targets": pad_id})
+  names = {"inputs_positions": "inputs_position", "targets_positions": "targets_position",
+           "inputs_segment_ids": "inputs_segmentation", "targets_segment_ids": "targets_segmentation"}
+  return iter(packed.batch(rows).map(lambda b: {names.get(k, k): v for k, v in b.items()}))
+
+
+def _rate(batches: Iterator[dict], count: int) -> tuple[float, np.ndarray, int]:
+  """(seconds, real (source, target) tokens, slots) of `count` batches after the first."""
+  next(batches)
   start, real, slots = time.perf_counter(), np.zeros(2), 0
-  for _ in range(batches):
-    batch = next(stream)
+  for _ in range(count):
+    batch = next(batches)
     real += [(batch["inputs_segmentation"] > 0).sum(), (batch["targets_segmentation"] > 0).sum()]
     slots += batch["inputs"].size
-  seconds = time.perf_counter() - start
+  return time.perf_counter() - start, real, slots
+
+
+def pipeline_rate(shards: pipeline.IdShards, tokens: int, row_length: int, batches: int, rounds: int = 3) -> dict:
+  """Packed target tokens/s of `TrainStream` over `shards` after its first batch, its packing efficiency, and
+  the same stream's reading and packing without the prefetch thread, `pipeline.FirstFitBatches` against grain's
+  `FirstFitPackIterDataset` (`grain_first_fit`), alternating, `rounds` each: the median ratio of their times."""
+  stream = pipeline.TrainStream(shards, tokens_per_batch=tokens, row_length=row_length, pad_id=tok_lib.PAD_ID)
+  seconds, real, slots = _rate(stream, batches)
+  chunks = pipeline._ReadChunk(shards, stream.kept, stream.order)  # pylint: disable=protected-access
+  rows = stream.rows_per_batch
+  times = {"ours": [], "grain": []}
+  for _ in range(rounds):
+    times["ours"].append(_rate(iter(pipeline.FirstFitBatches(chunks, rows, row_length, tok_lib.PAD_ID)),
+                               batches)[0])
+    times["grain"].append(_rate(grain_first_fit(chunks, rows, row_length, tok_lib.PAD_ID), batches)[0])
   return {"target_tokens_per_s": real[1] / seconds, "source_eff": real[0] / slots, "target_eff": real[1] / slots,
-          "index_bytes_per_pair": stream.kept.itemsize}
+          "grain_over_ours": float(np.median(np.asarray(times["grain"]) / np.asarray(times["ours"]))),
+          "grain_target_tokens_per_s": real[1] / float(np.median(times["grain"]))}
 
 
 def multi30k_packing(multi30k: Path, root: Path, batches: int) -> tuple[float, float]:
@@ -146,19 +188,21 @@ def main(argv=None) -> int:
     print(f"error: --pairs={args.pairs!r}: comma-separated integers expected", file=sys.stderr)
     return 1
   print("pairs | chars/line | first start: to step 1, peak RSS | restart: to first step, peak RSS | tokenise | "
-        "ids on disk | pipeline target tok/s | packing src/tgt (rows of 256)", flush=True)
+        "ids on disk | pipeline target tok/s | with grain's packer | packing src/tgt (rows of 256)", flush=True)
   for n in sizes:
     corpus, workdir = root / f"corpus_{n}", root / f"work_{n}"
     chars = build_corpus(multi30k, corpus, n)
     fresh = None if args.restart_only else run_train(corpus, workdir, args.steps, args.tokens)
-    restart = run_train(corpus, workdir, 2 * args.steps if fresh else 3 * args.steps, args.tokens)
+    restart = run_train(corpus, workdir, last_step(workdir) + args.steps, args.tokens)
     shards = pipeline.IdShards.newest(workdir / "data" / "train.ids")
     disk = sum(os.path.getsize(p) for p in shards.directory.iterdir())
     rate = pipeline_rate(shards, args.pipeline_tokens, 256, args.pipeline_batches)
     first = f"{fresh['first_step_s']:.1f} s, {fresh['peak_rss_gb']:.2f} GB" if fresh else "-"
     print(f"{n:,} | {chars:.0f} | {first} | {restart['first_step_s']:.1f} s, {restart['peak_rss_gb']:.2f} GB | "
           f"{fresh['tokenise_s'] if fresh else float('nan'):.1f} s | {disk / 2**20:.0f} MiB | "
-          f"{rate['target_tokens_per_s']:,.0f} | {100 * rate['source_eff']:.1f}% / {100 * rate['target_eff']:.1f}%",
+          f"{rate['target_tokens_per_s']:,.0f} | {rate['grain_target_tokens_per_s']:,.0f} "
+          f"({rate['grain_over_ours']:.2f}x our packer's time) | "
+          f"{100 * rate['source_eff']:.1f}% / {100 * rate['target_eff']:.1f}%",
           flush=True)
   src, tgt = multi30k_packing(multi30k, root, args.pipeline_batches)
   print(f"Multi30k recipe rows of 64: packing source {100 * src:.1f}%, target {100 * tgt:.1f}%", flush=True)

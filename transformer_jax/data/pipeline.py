@@ -15,11 +15,12 @@ The stream (`TrainStream`, grain): the kept pairs (both sides at most `row_lengt
 files; the index of kept records is the only per-pair state in memory, 4 bytes a pair) are shuffled globally by
 `(seed, epoch)` (`grain.MapDataset.shuffle`: an index permutation, nothing materialised), process `p` takes
 every `n`-th position of each epoch's order (a disjoint share, the shares' union is every kept pair once),
-reads and decodes its records in threads, packs them first-fit into `rows_per_batch // n` rows of `row_length`
-slots (`grain.experimental.FirstFitPackIterDataset`: the same first-fit as the paper-era planner, and across
-epoch boundaries) and batches those rows; a background thread keeps batches ready
-(`grain.experimental.ThreadPrefetchIterDataset`). The iterator state (grain's, a few integers) is the data
-position saved in every checkpoint; restoring it replays exactly the batches an uninterrupted run would see.
+reads and decodes its records in batched reads of `READ_CHUNK`, packs them first-fit into
+`rows_per_batch // n` rows of `row_length` slots (`FirstFitBatches`: the batches of grain's
+`FirstFitPackIterDataset`, at a fraction of its cost per pair; across epoch boundaries); a background thread
+keeps batches ready (`grain.experimental.ThreadPrefetchIterDataset`). The iterator state (one integer: the
+stream index of the next batch's first pair) is the data position saved in every checkpoint; restoring it
+replays exactly the batches an uninterrupted run would see.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ import hashlib
 import json
 import logging
 import os
+import struct
 import time
 import weakref
 from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
@@ -44,6 +46,7 @@ BATCH_KEYS = ("inputs", "targets", "inputs_position", "targets_position", "input
 FORMAT = 1
 SHARD_PAIRS = 200_000  # pairs per shard: ~40 MB of ids and text at WMT's ~125 characters a line
 _HEADER = 4  # uint32: source ids, target ids, source bytes, target bytes
+_HEADER_STRUCT = struct.Struct(f"<{_HEADER}I")
 
 
 # -- records ------------------------------------------------------------------------------------------------
@@ -51,14 +54,14 @@ def encode_record(source: Sequence[int], target: Sequence[int], source_text: str
                   dtype: Any) -> bytes:
   """One pair as bytes: header `[4]` uint32, both sides' ids as `dtype`, both texts as UTF-8."""
   src_bytes, tgt_bytes = source_text.encode("utf-8"), target_text.encode("utf-8")
-  header = np.asarray([len(source), len(target), len(src_bytes), len(tgt_bytes)], np.uint32)
+  header = _HEADER_STRUCT.pack(len(source), len(target), len(src_bytes), len(tgt_bytes))
   ids = np.asarray([*source, *target], dtype)
-  return header.tobytes() + ids.tobytes() + src_bytes + tgt_bytes
+  return header + ids.tobytes() + src_bytes + tgt_bytes
 
 
 def decode_record(raw: bytes, dtype: Any, texts: bool = False) -> dict[str, Any]:
   """`{"inputs", "targets"}` int32 `[len]` of a record (and `"texts"` (source, target) when asked)."""
-  n_src, n_tgt, b_src, b_tgt = (int(x) for x in np.frombuffer(raw, np.uint32, _HEADER))
+  n_src, n_tgt, b_src, b_tgt = _HEADER_STRUCT.unpack_from(raw)
   ids = np.frombuffer(raw, dtype, n_src + n_tgt, offset=4 * _HEADER).astype(np.int32)
   out = {"inputs": ids[:n_src], "targets": ids[n_src:]}
   if texts:
@@ -158,6 +161,7 @@ class IdShards:
   directory: epath.Path
   manifest: dict
   paths: list[str]
+  sizes: list[int]  # pairs per shard
   lengths: np.ndarray  # [pairs, 2] uint32
   skipped_blank: int
 
@@ -183,7 +187,8 @@ class IdShards:
     if len(lengths) != sum(d["pairs"] for d in dones):
       return None
     paths = [os.fspath(directory / shard_name("ids", i, count, "array_record")) for i in range(count)]
-    return cls(directory, manifest, paths, lengths, sum(d["skipped_blank"] for d in dones))
+    return cls(directory, manifest, paths, [d["pairs"] for d in dones], lengths,
+               sum(d["skipped_blank"] for d in dones))
 
   @classmethod
   def newest(cls, root: str | os.PathLike) -> "IdShards | None":
@@ -207,36 +212,148 @@ class IdShards:
 READ_CHUNK = 256  # pairs read in one batched ArrayRecord call (a single random read costs ~20x more per pair)
 
 
+@dataclasses.dataclass(frozen=True)
+class EpochOrder:
+  """Which kept pair a process reads at each place of its stream: stream element k is place `k % share` of
+  epoch `k // share`, whose order is grain's index shuffle (`grain.experimental.index_shuffle`, 4 rounds) of
+  the `examples` kept pairs with seed `seed + epoch`, of which this process takes every `process_count`-th place
+  from `process_index`. The same positions as grain's
+  `MapDataset.range(examples).shuffle(seed)[process_index::process_count].repeat()` (tests compare them)
+  without its per-element dataset calls: one C++ call per element, nothing materialised."""
+
+  examples: int
+  seed: int
+  process_index: int = 0
+  process_count: int = 1
+
+  @property
+  def share(self) -> int:
+    """This process's pairs per epoch."""
+    return len(range(self.process_index, self.examples, self.process_count))
+
+  def __call__(self, start: int, stop: int) -> np.ndarray:
+    """int64 `[stop - start]`: the positions (in the kept pairs) of stream elements `start .. stop - 1`."""
+    epoch, place = np.divmod(np.arange(start, stop, dtype=np.int64), self.share)
+    index = self.process_index + place * self.process_count
+    return np.fromiter((grain.experimental.index_shuffle(int(i), max_index=self.examples - 1,
+                                                         seed=(self.seed + int(e)) % 2**32, rounds=4)
+                        for i, e in zip(index, epoch)), np.int64, count=len(index))
+
+
+class RecordReader:
+  """Random reads of records across ArrayRecord shards, one record at a time: `seek` and `read` of a reader
+  opened with `max_parallelism:0` (no thread pool). Per record ~5 us on a 2-core host, where a batched
+  `ArrayRecordDataSource.__getitems__` costs ~20 us as soon as a batch spans several shards (each reader's
+  pooled `read(indices)` has a fixed cost of ~0.4 ms a call); measured in `docs/performance.md`.
+
+  Not thread-safe (one per reading thread); readers open on first use, each holding its shard's record index."""
+
+  OPTIONS = "readahead_buffer_size:0,max_parallelism:0"
+
+  def __init__(self, paths: Sequence[str], sizes: Sequence[int]):
+    self.paths = list(paths)
+    self.starts = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)  # [shards + 1]
+    self._readers: list[Any] = [None] * len(self.paths)
+
+  def read(self, keys: np.ndarray) -> list[bytes]:
+    """The records at global indices `keys` (int `[n]`: records of shard i start at `starts[i]`), in order."""
+    from array_record.python.array_record_module import ArrayRecordReader  # pylint: disable=g-import-not-at-top
+    shards = np.searchsorted(self.starts, keys, side="right") - 1
+    out = []
+    for key, shard in zip(keys.tolist(), shards.tolist()):
+      reader = self._readers[shard]
+      if reader is None:
+        reader = self._readers[shard] = ArrayRecordReader(self.paths[shard], self.OPTIONS)
+      reader.seek(key - int(self.starts[shard]))
+      out.append(reader.read())
+    return out
+
+
 class _ReadChunk:
-  """`(j, positions) -> pairs`: chunk `j` of a process's stream (stream elements `j * READ_CHUNK + i`), the kept
-  pairs at `positions` read in one batched call and decoded (with `sampler`, resegmented: `k` is the element's
-  stream index)."""
+  """`j -> pairs`: chunk `j` of a process's stream (stream elements `j * READ_CHUNK + i`), its kept pairs read in
+  one batched call and decoded (with `sampler`, resegmented: `k` is the element's stream index)."""
 
-  def __init__(self, paths: Sequence[str], kept: np.ndarray, dtype: np.dtype, sampler: Callable | None = None):
-    self.paths, self.kept, self.dtype, self.sampler = list(paths), kept, dtype, sampler
-    self._source = None
+  def __init__(self, shards: "IdShards", kept: np.ndarray, order: EpochOrder, sampler: Callable | None = None):
+    self.kept, self.dtype, self.order, self.sampler = kept, shards.dtype, order, sampler
+    self._reader = RecordReader(shards.paths, shards.sizes)
 
-  def __call__(self, j: int, positions: np.ndarray) -> list[dict[str, Any]]:
-    if self._source is None:  # opened where it is used (a grain worker process, or the prefetch thread)
-      self._source = grain.sources.ArrayRecordDataSource(self.paths)
-    raws = self._source.__getitems__([int(self.kept[i]) for i in positions])
+  def __call__(self, j: int) -> list[dict[str, Any]]:
+    positions = self.order(j * READ_CHUNK, (j + 1) * READ_CHUNK)
+    raws = self._reader.read(self.kept[positions])
     if self.sampler is None:
       return [decode_record(raw, self.dtype) for raw in raws]
     return [self.sampler(j * READ_CHUNK + i, decode_record(raw, self.dtype, texts=True))
             for i, raw in enumerate(raws)]
 
 
-class _Unchunk(grain.experimental.FlatMapTransform):
-  max_fan_out = READ_CHUNK
+class FirstFitBatches(grain.IterDataset):
+  """Packed batches of a pair stream, first-fit: each pair goes into the first of `rows` rows where both its
+  sides still fit; the first pair that fits in no row closes the batch and opens the next one. The same batches
+  as grain's `FirstFitPackIterDataset(num_packing_bins=rows, shuffle_bins=False)` followed by `.batch(rows)`
+  (`tests/test_pipeline.py` compares them), at a fraction of its cost per pair (see `docs/performance.md`, "The
+  input pipeline at WMT scale"): one boolean scan of the rows and six slice writes, no per-feature tree walks.
 
-  def flat_map(self, element):
-    return element
+  Args:
+    chunks: `j -> [{"inputs", "targets"}]`: chunk j of the stream (its `READ_CHUNK` pairs, int32 ids; e.g.
+      `_ReadChunk`).
+    rows, row_length: the batch's shape.
+    pad_id: what fills `inputs`/`targets` after a row's last pair.
+
+  Yields `{BATCH_KEYS}` int32 `[rows, row_length]` (see `TrainStream`); its state is one integer, the stream
+  index of the next batch's first pair.
+  """
+
+  def __init__(self, chunks: Callable[[int], Sequence[Mapping[str, np.ndarray]]], rows: int, row_length: int,
+               pad_id: int):
+    super().__init__()
+    self.chunks, self.rows, self.row_length, self.pad_id = chunks, rows, row_length, pad_id
+
+  def __iter__(self) -> "_FirstFitIterator":
+    return _FirstFitIterator(self)
 
 
-def _rename(batch: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-  return {"inputs": batch["inputs"], "targets": batch["targets"],
-          "inputs_position": batch["inputs_positions"], "targets_position": batch["targets_positions"],
-          "inputs_segmentation": batch["inputs_segment_ids"], "targets_segmentation": batch["targets_segment_ids"]}
+class _FirstFitIterator(grain.DatasetIterator):
+  """The iterator of `FirstFitBatches`: stream index `next_index`, the current chunk cached."""
+
+  def __init__(self, dataset: FirstFitBatches):
+    super().__init__()
+    self._dataset, self._next_index = dataset, 0
+    self._chunk_index, self._chunk = -1, []
+    self._arange = np.arange(dataset.row_length, dtype=np.int32)
+
+  def _pair(self, k: int) -> dict[str, np.ndarray]:
+    j, i = divmod(k, READ_CHUNK)
+    if j != self._chunk_index:
+      self._chunk_index, self._chunk = j, self._dataset.chunks(j)
+    return self._chunk[i]
+
+  def __next__(self) -> dict[str, np.ndarray]:
+    rows, length = self._dataset.rows, self._dataset.row_length
+    batch = {key: np.zeros((rows, length), np.int32) for key in BATCH_KEYS}
+    batch["inputs"][:], batch["targets"][:] = self._dataset.pad_id, self._dataset.pad_id
+    used = np.zeros((2, rows), np.int64)  # [side, row]: slots filled
+    examples = np.zeros(rows, np.int32)  # pairs in each row
+    while True:
+      pair = self._pair(self._next_index)
+      sizes = len(pair["inputs"]), len(pair["targets"])
+      fits = (used[0] <= length - sizes[0]) & (used[1] <= length - sizes[1])  # [rows]
+      row = int(fits.argmax())
+      if not fits[row]:
+        return batch
+      examples[row] += 1
+      for side, key, size in ((0, "inputs", sizes[0]), (1, "targets", sizes[1])):
+        start = int(used[side, row])
+        batch[key][row, start:start + size] = pair[key]
+        batch[f"{key}_position"][row, start:start + size] = self._arange[:size]
+        batch[f"{key}_segmentation"][row, start:start + size] = examples[row]
+        used[side, row] = start + size
+      self._next_index += 1
+
+  def get_state(self) -> dict[str, int]:
+    return {"stream_index": self._next_index}
+
+  def set_state(self, state: Mapping[str, int]) -> None:
+    self._next_index = int(state["stream_index"])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -273,15 +390,13 @@ class TrainStream:
     seed: epoch e is ordered by grain's index shuffle with seed `seed + e`.
     process_index, process_count: this process's share of every epoch and of every batch's rows.
     sampling: None, or `(tokenizer, alpha, from_epoch)` for subword regularisation in the pipeline.
-    read_threads: grain's reading threads (`grain.ReadOptions.num_threads`).
 
   Raises:
     ValueError: no pair fits `row_length`, or the rows do not divide among the processes.
   """
 
   def __init__(self, shards: IdShards, *, tokens_per_batch: int, row_length: int, pad_id: int, seed: int = 0,
-               process_index: int = 0, process_count: int = 1, sampling: tuple | None = None,
-               read_threads: int = 0):
+               process_index: int = 0, process_count: int = 1, sampling: tuple | None = None):
     rows = tokens_per_batch // row_length
     if rows < process_count or rows % process_count:
       raise ValueError(f"tokens_per_batch={tokens_per_batch} gives {rows} rows of {row_length} slots, which "
@@ -292,22 +407,17 @@ class TrainStream:
     self.shards, self.kept, self.row_length, self.rows_per_batch = shards, kept, row_length, rows
     self.pad_id, self.seed = int(pad_id), int(seed)
     self.process_index, self.process_count = process_index, process_count
-    self.share = len(range(process_index, len(kept), process_count))  # this process's pairs per epoch
+    self.order = EpochOrder(len(kept), self.seed, process_index, process_count)
+    self.share = self.order.share  # this process's pairs per epoch
     settings = (("subword_alpha", float(sampling[1]) if sampling else 0.0),
                 ("subword_from_epoch", int(sampling[2]) if sampling else 0))
     lengths = np.ascontiguousarray(shards.lengths[kept], np.uint32)  # 8 bytes a pair, only while hashing
     self.spec = StreamSpec(rows, row_length, process_count, len(kept),
                            hashlib.sha256(lengths.tobytes()).hexdigest(), settings)
     del lengths
-    self._sampling, self._read_threads = sampling, read_threads
+    self._sampling = sampling
     self._iterator = self._dataset().__iter__()
     weakref.finalize(self, self._iterator.close)  # stops the prefetch thread before the interpreter tears down
-
-  def _order(self) -> grain.MapDataset:
-    """Stream element k -> the position (in `kept`) of the pair this process reads there: grain's index shuffle
-    of epoch k // share with seed `seed + epoch`, every `process_count`-th position from `process_index`."""
-    order = grain.MapDataset.range(len(self.kept)).shuffle(seed=self.seed)
-    return order[self.process_index::self.process_count].repeat()
 
   def _dataset(self) -> grain.IterDataset:
     sampler = None
@@ -316,26 +426,17 @@ class TrainStream:
       sampler = subword_sampling.PairSampler(tokenizer, alpha=alpha, seed=self.seed,
                                              process_index=self.process_index, share=self.share,
                                              from_epoch=from_epoch, max_len=self.row_length)
-    chunks = self._order().batch(READ_CHUNK).map_with_index(
-        _ReadChunk(self.shards.paths, self.kept, self.shards.dtype, sampler))
-    chunks = chunks.to_iter_dataset(grain.ReadOptions(num_threads=self._read_threads,
-                                                      prefetch_buffer_size=4 if self._read_threads else 0))
-    stream = grain.experimental.FlatMapIterDataset(chunks, _Unchunk())
-    rows = self.rows_per_batch // self.process_count
-    packed = grain.experimental.FirstFitPackIterDataset(
-        stream, length_struct={"inputs": self.row_length, "targets": self.row_length}, num_packing_bins=rows,
-        shuffle_bins=False, padding_struct={"inputs": self.pad_id, "targets": self.pad_id})
-    batches = packed.batch(rows, drop_remainder=True).map(_rename)
+    chunks = _ReadChunk(self.shards, self.kept, self.order, sampler)
+    batches = FirstFitBatches(chunks, self.rows_per_batch // self.process_count, self.row_length, self.pad_id)
     return grain.experimental.ThreadPrefetchIterDataset(batches, prefetch_buffer_size=2)
 
   # -- position ------------------------------------------------------------------------------------------
   @staticmethod
   def _stream_index(state: Any) -> int:
-    """The number of elements this process's stream has consumed at `state`: the chunk being unpacked (grain's
-    `next_index` under the flat map) times READ_CHUNK plus the next element's place in it."""
+    """The number of elements this process's stream has consumed at `state` (`FirstFitBatches`' position)."""
     while isinstance(state, dict):
-      if "next_index_in_buffer" in state:
-        return int(state["parent"]["next_index"]) * READ_CHUNK + int(state["next_index_in_buffer"])
+      if "stream_index" in state:
+        return int(state["stream_index"])
       state = state.get("parent")
     raise ValueError(f"not a TrainStream state: {state!r}")
 
@@ -350,10 +451,8 @@ class TrainStream:
     return self.consumed // self.share
 
   def epoch_pairs(self, epoch: int) -> np.ndarray:
-    """The pairs (record indices in `shards`) this process reads in `epoch`, in reading order: the same grain
-    index chain as the stream's, over indices instead of records."""
-    order = self._order()
-    return self.kept[[order[k] for k in range(epoch * self.share, (epoch + 1) * self.share)]]
+    """The pairs (record indices in `shards`) this process reads in `epoch`, in reading order (`EpochOrder`)."""
+    return self.kept[self.order(epoch * self.share, (epoch + 1) * self.share)]
 
   def get_state(self) -> dict:
     """This process's position: grain's iterator state, the seed, the epoch and the stream spec (JSON)."""
