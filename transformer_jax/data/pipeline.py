@@ -31,6 +31,7 @@ import json
 import logging
 import os
 import struct
+import threading
 import time
 import weakref
 from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
@@ -246,7 +247,8 @@ class RecordReader:
   `ArrayRecordDataSource.__getitems__` costs ~20 us as soon as a batch spans several shards (each reader's
   pooled `read(indices)` has a fixed cost of ~0.4 ms a call); measured in `docs/performance.md`.
 
-  Not thread-safe (one per reading thread); readers open on first use, each holding its shard's record index."""
+  Readers open on first use, each holding its shard's record index; calls from several threads take turns (a
+  reader's position is shared state)."""
 
   OPTIONS = "readahead_buffer_size:0,max_parallelism:0"
 
@@ -254,18 +256,20 @@ class RecordReader:
     self.paths = list(paths)
     self.starts = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)  # [shards + 1]
     self._readers: list[Any] = [None] * len(self.paths)
+    self._lock = threading.Lock()
 
   def read(self, keys: np.ndarray) -> list[bytes]:
     """The records at global indices `keys` (int `[n]`: records of shard i start at `starts[i]`), in order."""
     from array_record.python.array_record_module import ArrayRecordReader  # pylint: disable=g-import-not-at-top
     shards = np.searchsorted(self.starts, keys, side="right") - 1
     out = []
-    for key, shard in zip(keys.tolist(), shards.tolist()):
-      reader = self._readers[shard]
-      if reader is None:
-        reader = self._readers[shard] = ArrayRecordReader(self.paths[shard], self.OPTIONS)
-      reader.seek(key - int(self.starts[shard]))
-      out.append(reader.read())
+    with self._lock:
+      for key, shard in zip(keys.tolist(), shards.tolist()):
+        reader = self._readers[shard]
+        if reader is None:
+          reader = self._readers[shard] = ArrayRecordReader(self.paths[shard], self.OPTIONS)
+        reader.seek(key - int(self.starts[shard]))
+        out.append(reader.read())
     return out
 
 
