@@ -18,7 +18,8 @@ from absl import logging as absl_logging
 
 from experiments.configs import default
 from transformer_jax import checkpoint as checkpoint_lib
-from transformer_jax import inference, metrics, trainer
+from transformer_jax import metrics, trainer
+from transformer_jax.decoding import inference
 from transformer_jax.data import datasets, parallel_text, sources
 from transformer_jax.data.tokenizer import VocabularyError, check_model_ids
 from transformer_jax.workdir import Workdir, config_diff, write_json_atomically

@@ -26,7 +26,8 @@ from absl import flags
 from experiments import common, launch
 from experiments.configs import default
 from transformer_jax import checkpoint as checkpoint_lib
-from transformer_jax import inference, mbr, metrics, search
+from transformer_jax import metrics
+from transformer_jax.decoding import generate, inference, mbr
 from transformer_jax.workdir import Workdir, write_json_atomically
 
 FLAGS = flags.FLAGS
@@ -117,7 +118,7 @@ def _ensemble_rows(counts, beams, alphas, sources, references, target_lang: str)
     model_config, tokenizer = models[0][0], models[0][2]
     for beam, alpha in [(b, a) for b in beams for a in (alphas if b > 1 else alphas[:1])]:
       start = time.perf_counter()
-      options = search.DecodeOptions(beam_size=beam, alpha=alpha, token_log_probs=False)
+      options = generate.DecodeOptions(beam_size=beam, alpha=alpha, token_log_probs=False)
       lists = inference.decode_texts([m[1] for m in models], model_config, tokenizer, sources, options,
                                      extra_len=FLAGS.extra_len)
       seconds = time.perf_counter() - start

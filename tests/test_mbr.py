@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import sacrebleu
 
-from transformer_jax import mbr
+from transformer_jax.decoding import mbr
 
 CANDIDATES = ["a man is riding a red bike .", "a man rides a red bike .", "two dogs play in the snow ."]
 

@@ -45,7 +45,8 @@ import optax
 from jax.experimental import multihost_utils
 
 from transformer_jax import checkpoint as checkpoint_lib
-from transformer_jax import diagnostics, early_stopping as early_stopping_lib, inference, metrics as metrics_lib
+from transformer_jax import diagnostics, early_stopping as early_stopping_lib, metrics as metrics_lib
+from transformer_jax.decoding import inference
 from transformer_jax import profiling, sharding
 from transformer_jax.config import RUNTIME_FIELDS, ModelConfig
 from transformer_jax.data import batching, datasets as datasets_lib, tokenizer as tokenizer_lib
