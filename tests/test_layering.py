@@ -1,8 +1,9 @@
 """The library's layers: no module imports one above it; project imports sit at the top of the file.
 
-    trainer / interop -> checkpoint -> sharding / data -> decoding (inference -> generate -> ensemble / prefix /
-    constraints / alignment -> step -> search) / training -> model -> early_stopping -> attention (layer -> kvcache
-    -> core) / trackers / owner_lock / metrics -> dropout / config / workdir / profiling
+    trainer / interop -> trained -> checkpoint -> sharding / data
+      -> decoding (inference -> generate -> ensemble / prefix / constraints / alignment -> step -> search)
+      / training -> model -> early_stopping -> attention (layer -> kvcache -> core) / trackers / owner_lock
+      / metrics -> dropout / config / workdir / profiling
 """
 
 import ast
@@ -37,6 +38,7 @@ RANKS = {
     "transformer_jax.decoding": 3.95,  # __init__: the searches' public names
     "transformer_jax.data": 4, "transformer_jax.sharding": 4,
     "transformer_jax.checkpoint": 5,
+    "transformer_jax.trained": 5.5,  # a trained workdir loaded for inference: checkpoint + tokenizer + config
     "transformer_jax.trainer": 6, "transformer_jax.interop": 6,
     "transformer_jax": 7,  # __init__: the public API, imports anything
 }
