@@ -119,7 +119,8 @@ def load_workdir_config(workdir: str) -> ml_collections.ConfigDict:
   return trained.workdir_config(workdir, default.get_config())
 
 
-def load_for_inference(workdir: str, checkpoint: str | None = None, ema: bool | None = None) -> trained.TrainedModel:
+def load_for_inference(workdir: str, checkpoint: str | None = None,
+                       ema: bool | None = None) -> trained.TrainedModel:
   """(model_config, params, tokenizer) of a trained workdir: `transformer_jax.trained.load` with the defaults of
   default.py (see there for `checkpoint`, `ema` and the errors raised)."""
   return trained.load(workdir, checkpoint, ema, defaults=default.get_config())

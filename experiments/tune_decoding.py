@@ -8,13 +8,13 @@ For every number of checkpoints N in `--average_last` (the newest N of the run, 
 `experiments.average_checkpoints` does, into a temporary directory; 1 = the newest checkpoint alone; `ema` = the
 moving average of the parameters a run with `ema_decay` > 0 keeps, from its newest checkpoint) and every
 beam size, α and MBR utility (`none` = beam search's best; `chrf`/`bleu` = the minimum-Bayes-risk choice from
-the beam's n-best list, `transformer_jax.mbr`), translates `--source` and scores cased sacreBLEU against
+the beam's n-best list, `transformer_jax.decoding.mbr`), translates `--source` and scores cased sacreBLEU against
 `--reference`; prints one table row per setting and the best one, and writes every row as JSON to `--report`
 (default `<workdir>/eval/tune_decoding.json`; the utilities of one beam size and α choose from one n-best list,
 decoded once, and share its seconds). Greedy (beam 1) ignores α and MBR. Score a test set once, afterwards, with
 the chosen settings (`experiments.evaluate`); tuning on it would fit the test set. `--ensemble_last=N` adds,
-per beam size and α, the ensemble of the newest N checkpoints (`transformer_jax.ensemble`: per-step log-probs
-averaged in one compiled search), to set beside the average of their weights.
+per beam size and α, the ensemble of the newest N checkpoints (`transformer_jax.decoding.ensemble`: per-step
+log-probs averaged in one compiled search), to set beside the average of their weights.
 """
 
 import os
@@ -41,7 +41,7 @@ flags.DEFINE_list("alphas", ["0.6"], "GNMT length penalty exponents.")
 flags.DEFINE_list("mbr_utilities", ["none"], "MBR utilities: none (the beam's best), chrf, bleu.")
 flags.DEFINE_integer("extra_len", 50, "Maximum output length = input length + extra_len.")
 flags.DEFINE_list("ensemble_last", [], "Also decode the ensemble of the newest N checkpoints (per-step log-probs "
-                  "averaged, transformer_jax.ensemble), for each N given (>= 2), beside their weight average.")
+                  "averaged, transformer_jax.decoding.ensemble), for each N given (>= 2), beside their weight average.")
 flags.DEFINE_string("report", None, "JSON file for every row (default: <workdir>/eval/tune_decoding.json).")
 flags.mark_flags_as_required(["workdir", "source", "reference"])
 launch.check_flags(extra_len="decode.extra_len")

@@ -65,7 +65,7 @@ class ModelConfig:
   dtype: str = "float32"
   # Rematerialise each layer's activations in the backward pass (saves memory for long sequences).
   remat: bool = False
-  # Long inputs (see attention.py; 0 = off). Relative position representations (Shaw et al., 2018): learned
+  # Long inputs (see attention/core.py; 0 = off). Relative position representations (Shaw et al., 2018): learned
   # key (and, with relative_values, value) embeddings of the distance clipped to +-max_relative_position, per
   # self-attention layer; with position_embedding='none' they replace the absolute sinusoids.
   max_relative_position: int = 0

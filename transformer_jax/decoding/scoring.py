@@ -2,8 +2,9 @@
 CTranslate2 `score_batch`), for data filtering and quality estimation.
 
 `token_log_probs` runs the decoder once, teacher forced, over the whole target (the same logits the cached
-search computes step by step) and returns each target token's log-probability; `sequence_log_probs`
-is their sum (an independent check of the searches' scores). Perplexity of a sentence is `exp(-sum / count)` over its tokens, EOS included.
+search computes step by step) and returns each target token's log-probability; `sequence_log_probs` is their
+sum (an independent check of the searches' scores). Perplexity of a sentence is `exp(-sum / count)` over its
+tokens, EOS included.
 """
 
 from __future__ import annotations

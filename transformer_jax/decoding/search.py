@@ -79,7 +79,7 @@ class DecodingState(NamedTuple):
 # (DecodingState) -> (logits [rows, vocab] float32, new cache)
 TokensToLogits = Callable[[DecodingState], "tuple[Array, Any]"]
 # (log_probs [rows, vocab] float32, DecodingState) -> log_probs [rows, vocab]: applied after the log-softmax,
-# before the choice (forced prefixes: `transformer_jax.prefix`); -inf makes a token impossible, and the
+# before the choice (forced prefixes: `decoding.prefix`); -inf makes a token impossible, and the
 # log-probabilities that are summed are the ones it returns (nothing is renormalised).
 LogProbsFn = Callable[[Array, DecodingState], Array]
 
