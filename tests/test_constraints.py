@@ -1,4 +1,4 @@
-"""Lexically constrained beam search (`constraints.py`): the hypothesis bookkeeping against a plain-Python
+"""Lexically constrained beam search (`decoding/constraints.py`): the hypothesis bookkeeping against a plain-Python
 reference (sockeye's ConstrainedHypothesis), and the search on a random model: every phrase in every output,
 sources without constraints decoded as plain beam search, an impossible constraint reported."""
 

@@ -1,4 +1,5 @@
-"""Numerical tests of greedy, beam and sampled decoding (`decode.py`) and batched translation (`inference.py`).
+"""Numerical tests of greedy, beam and sampled decoding (`decoding/search.py`, `decoding/step.py`) and batched
+translation (`decoding/inference.py`).
 
 Random-weight models are edited to decode like trained ones (see `make_params`): peaked distributions, no pad
 or BOS, and EOS becoming likely after a few tokens, so that hypotheses end at various lengths, every source

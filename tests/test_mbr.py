@@ -1,4 +1,4 @@
-"""transformer_jax.mbr: the expected utility over an n-best list and the choice it makes."""
+"""transformer_jax.decoding.mbr: the expected utility over an n-best list and the choice it makes."""
 
 import numpy as np
 import pytest
