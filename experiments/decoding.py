@@ -52,8 +52,8 @@ def options(beam_size: int, alpha: float, *, nbest: int = 1, alignment: bool = F
   if FLAGS.top_k < 0:
     raise ValueError(f"--top_k={FLAGS.top_k} must be >= 0")
   return generate.DecodeOptions(sampling=FLAGS.sampling, beam_size=beam_size, alpha=float(alpha), nbest=nbest,
-                              temperature=FLAGS.temperature, top_k=FLAGS.top_k, top_p=FLAGS.top_p,
-                              alignment=alignment, token_log_probs=token_log_probs).check()
+                                temperature=FLAGS.temperature, top_k=FLAGS.top_k, top_p=FLAGS.top_p,
+                                alignment=alignment, token_log_probs=token_log_probs).check()
 
 
 def load_models(workdir: str, checkpoint: str | None):

@@ -41,7 +41,7 @@ def reference_outputs() -> dict:
   out["greedy_limits"] = decoding.greedy_search(PARAMS, CFG, SRC, L, max_lengths=limits)
   for early_stop in ("best", "all", "none"):
     out[f"beam4_{early_stop}"] = decoding.beam_search(PARAMS, CFG, SRC, 4, 0.6, L, early_stop=early_stop,
-                                                    full_output=True)
+                                                      full_output=True)
   out["beam3_limits"] = decoding.beam_search(PARAMS, CFG, SRC, 3, 1.0, L, max_lengths=limits, full_output=True)
   out["beam1"] = decoding.beam_search(PARAMS, CFG, SRC, 1, 0.6, L, full_output=True)
   out["sample_t15_k3"] = decoding.sample(PARAMS, CFG, SRC, jax.random.key(0), L, temperature=1.5, top_k=3)

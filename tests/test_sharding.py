@@ -418,8 +418,9 @@ def test_decoding_toolkit_on_a_two_device_mesh_matches_single_device(reference):
               (generate.DecodeOptions(sampling="sample", top_p=0.8, temperature=1.3, alignment=True), None)]
 
   def run(params_list, options, cons):
-    fn = jax.jit(lambda ps, x, k: generate.generate(ps, CFG, x, limits, options, 8, keys=k, prefix_tokens=prefix_tokens,
-                                                prefix_lengths=prefix_lengths, constraints=cons))
+    fn = jax.jit(lambda ps, x, k: generate.generate(ps, CFG, x, limits, options, 8, keys=k,
+                                                    prefix_tokens=prefix_tokens, prefix_lengths=prefix_lengths,
+                                                    constraints=cons))
     return jax.tree_util.tree_map(np.asarray, fn(params_list, inputs, keys))
 
   mesh = sharding.make_mesh(data=1, tensor=2, devices=jax.devices()[:2])

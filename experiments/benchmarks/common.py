@@ -291,7 +291,7 @@ def fixed_length_search(cfg: ModelConfig, beam: int, length: int):
     if beam == 1:
       return decoding.greedy_search_over(step.tokens_to_logits, step.cache, **common)[0]
     return decoding.beam_search_over(step.tokens_to_logits, step.cache, beam_size=beam, alpha=0.6,
-                                   gather_cache=step.gather_cache, **common).tokens[:, 0]
+                                     gather_cache=step.gather_cache, **common).tokens[:, 0]
   return jax.jit(run)
 
 
