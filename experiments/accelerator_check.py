@@ -52,7 +52,8 @@ from experiments import common as program_common
 from experiments.benchmarks import common
 from experiments.configs import number_words
 from transformer_jax import checkpoint as checkpoint_lib
-from transformer_jax import inference, sharding, trainer
+from transformer_jax import sharding, trainer
+from transformer_jax.decoding import inference
 from transformer_jax.training.steps import init_params
 
 SECTIONS = ("devices", "matmul", "train", "attention", "decode", "number_words", "checkpoint")

@@ -11,7 +11,8 @@ import jax.numpy as jnp
 from absl import flags
 
 from experiments import common, launch
-from transformer_jax import diagnostics, inference, visualize
+from transformer_jax import diagnostics, visualize
+from transformer_jax.decoding import inference
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("workdir", None, "The training run's --workdir.")

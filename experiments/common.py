@@ -4,24 +4,22 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
 import re
 import sys
 import time
 from typing import Any, Callable
 
 import ml_collections
-from etils import epath
 import tensorflow_datasets as tfds
 from absl import app
 from absl import logging as absl_logging
 
 from experiments.configs import default
-from transformer_jax import checkpoint as checkpoint_lib
-from transformer_jax import inference, metrics, trainer
-from transformer_jax.data import datasets, parallel_text, sources
-from transformer_jax.data.tokenizer import VocabularyError, check_model_ids
-from transformer_jax.workdir import Workdir, config_diff, write_json_atomically
+from transformer_jax import metrics, trained, trainer
+from transformer_jax.data import parallel_text, sources
+from transformer_jax.data.tokenizer import VocabularyError
+from transformer_jax.decoding import inference
+from transformer_jax.workdir import Workdir, write_json_atomically
 
 # Exceptions that mean "bad input or state": printed as one line, exit status 1, no traceback.
 USER_ERRORS = (ValueError, OSError, VocabularyError, trainer.NonFiniteLossError, UnicodeDecodeError)
@@ -113,89 +111,19 @@ def read_lines(path: str | None) -> list[str]:
   return parallel_text.read_lines(path) if path else parallel_text.decode_lines(sys.stdin.buffer, "<stdin>")
 
 
-def _merged(defaults: dict, saved: dict) -> dict:
-  merged = dict(defaults)
-  for key, value in saved.items():
-    merged[key] = _merged(defaults[key], value) if isinstance(value, dict) and isinstance(
-        defaults.get(key), dict) else value
-  return merged
-
-
 def load_workdir_config(workdir: str) -> ml_collections.ConfigDict:
   """The config a training run saved in its workdir, keys it predates at their defaults (default.py).
 
   FileNotFoundError when the workdir holds no run.
   """
-  return ml_collections.ConfigDict(_merged(default.get_config().to_dict(), Workdir(workdir).require_config()))
+  return trained.workdir_config(workdir, default.get_config())
 
 
-def load_for_inference(workdir: str, checkpoint: str | None = None, ema: bool | None = None):
-  """(model_config, params, tokenizer) of a trained workdir; `checkpoint` = a step or a checkpoint dir.
-
-  `ema`: translate with the moving average of the parameters the run kept (`ema_decay` > 0) rather than the
-  parameters; None = the run's own choice (`trainer.inference_params`): the average for a run that kept one,
-  read from its own checkpoints (another directory, e.g. averaged checkpoints, holds parameters only).
-  The checkpoint's parameter tree must match the workdir's model (`checkpoint.CheckpointMismatchError`);
-  ValueError when `ema` asks for an average the checkpoint does not hold.
-  """
-  config = load_workdir_config(workdir)
-  tokenizer = datasets.open_tokenizer(config.data, workdir)  # ours, or an imported model's Marian files
-  model_config = trainer.model_config_from(config, config.model.vocab_size)
-  tokenizer.check_model_vocab(model_config.vocab_size)
-  check_model_ids(tokenizer, model_config)
-  directory, step = os.fspath(Workdir(workdir).checkpoints), None
-  if checkpoint:
-    if checkpoint.isdigit():
-      step = int(checkpoint)
-    else:
-      directory = checkpoint
-  if not epath.Path(directory).is_dir():
-    raise FileNotFoundError(f"--checkpoint: {directory} is not a checkpoint directory")
-  with checkpoint_lib.Checkpointer(directory, read_only=True) as checkpointer:
-    saved = checkpointer.all_steps()
-  if not saved or (step is not None and step not in saved):
-    raise FileNotFoundError(f"--checkpoint: {directory} holds no step {step if step is not None else ''} "
-                            f"(saved steps: {saved or 'none'})")
-  if ema is None:  # a step of the run's own checkpoints holds the average; another directory holds parameters
-    ema = bool(config.ema_decay) and not (checkpoint and not checkpoint.isdigit())
-  if checkpoint and not checkpoint.isdigit():
-    check_checkpoint_vocabulary(config, workdir, tokenizer, directory)
-  params = checkpoint_lib.restore_params(directory, model_config, step=step, ema=ema)
-  return model_config, params, tokenizer
-
-
-def check_checkpoint_vocabulary(config, workdir: str, tokenizer, directory: str) -> None:
-  """A `--checkpoint` directory outside the workdir must have been trained with the workdir's vocabulary.
-
-  Of another workdir (`<run>/checkpoints`, `<run>/averaged`): its tokenizer must give every id the same piece
-  and normalise text the same way (`TextTokenizer.normalization`, `.lowercase`).
-  Elsewhere: the data keys that fix the vocabulary (`trainer.DATA_KEYS`) in the checkpoint's saved config must
-  equal the workdir's. Same parameter shapes, another vocabulary, would translate into the wrong pieces without
-  any error; raises ValueError naming the first difference.
-  """
-  other = epath.Path(directory).parent
-  if other.resolve() == epath.Path(workdir).resolve():
-    return
-  if (other / "config.json").exists():
-    theirs = datasets.open_tokenizer(load_workdir_config(os.fspath(other)).data, os.fspath(other))
-    ids = list(range(min(tokenizer.vocab_size, theirs.vocab_size)))
-    ours_pieces, their_pieces = tokenizer.pieces(ids), theirs.pieces(ids)
-    differing = next((i for i in ids if ours_pieces[i] != their_pieces[i]), None)
-    rules = {"normalization": (theirs.normalization, tokenizer.normalization),
-             "lowercase": (theirs.lowercase, tokenizer.lowercase)}
-    text_rules = [f"{name} {there!r} there, {here!r} here" for name, (there, here) in rules.items() if there != here]
-    if theirs.vocab_size != tokenizer.vocab_size or differing is not None or text_rules:
-      where = (f"id {differing} is {their_pieces[differing]!r} there, {ours_pieces[differing]!r} here"
-               if differing is not None else "; ".join(text_rules) if text_rules
-               else f"{theirs.vocab_size} pieces there, {tokenizer.vocab_size} here")
-      raise ValueError(f"--checkpoint={directory} was trained with another vocabulary than {workdir}'s ({where}); "
-                       f"translate it with --workdir={other}")
-    return
-  saved = checkpoint_lib.read_config(directory) or {}
-  differences = config_diff(saved, config.to_dict(), trainer.DATA_KEYS) if saved.get("data") else []
-  if differences:
-    raise ValueError(f"--checkpoint={directory} was trained on other data or vocabulary settings than "
-                     f"{workdir} ({'; '.join(differences)})")
+def load_for_inference(workdir: str, checkpoint: str | None = None,
+                       ema: bool | None = None) -> trained.TrainedModel:
+  """(model_config, params, tokenizer) of a trained workdir: `transformer_jax.trained.load` with the defaults of
+  default.py (see there for `checkpoint`, `ema` and the errors raised)."""
+  return trained.load(workdir, checkpoint, ema, defaults=default.get_config())
 
 
 def report_final_eval(config, workdir: str, result: trainer.TrainResult) -> dict:

@@ -30,8 +30,8 @@ import numpy as np
 from absl import flags
 
 from experiments import common, launch
-from transformer_jax import inference
-from transformer_jax.decode import length_penalty
+from transformer_jax.decoding import inference
+from transformer_jax.decoding import length_penalty
 from transformer_jax.interop import ctranslate2 as ct2
 from transformer_jax.interop import marian
 from transformer_jax.interop.ctranslate2 import translate_pieces

@@ -2,7 +2,7 @@
 
 `define_flags(...)` adds `--sampling`, `--temperature`, `--top_k`, `--top_p`, `--seed`, `--ensemble` (and, where
 the program prints hypotheses, `--nbest`); `options(beam_size, alpha)` turns them into a checked
-`search.DecodeOptions` (one-line ValueError before any decoding); `load_models(workdir, checkpoint)` loads the
+`generate.DecodeOptions` (one-line ValueError before any decoding); `load_models(workdir, checkpoint)` loads the
 model, or every model of `--ensemble` (refusing another architecture or vocabulary), as a list of parameters.
 """
 
@@ -12,14 +12,14 @@ from absl import flags
 from etils import epath
 
 from experiments import common
-from transformer_jax import search
+from transformer_jax.decoding import generate
 
 FLAGS = flags.FLAGS
 
 
 def define_flags(*, nbest: bool) -> None:
   """Defines the shared decoding flags (with `nbest`: also `--nbest`)."""
-  flags.DEFINE_enum("sampling", "beam", list(search.SAMPLINGS),
+  flags.DEFINE_enum("sampling", "beam", list(generate.SAMPLINGS),
                     "greedy | beam (beam search, --beam_size; 1 = greedy) | sample (ancestral sampling).")
   flags.DEFINE_float("temperature", 1.0, "Sampling: softmax(logits / temperature); > 0.")
   flags.DEFINE_integer("top_k", 0, "Sampling: only the k most probable tokens (0 = all).")
@@ -35,7 +35,7 @@ def define_flags(*, nbest: bool) -> None:
 
 
 def options(beam_size: int, alpha: float, *, nbest: int = 1, alignment: bool = False,
-            token_log_probs: bool = False) -> search.DecodeOptions:
+            token_log_probs: bool = False) -> generate.DecodeOptions:
   """The flags as a checked `DecodeOptions` (per-token log-probs only where the caller prints them);
   ValueError names the flag of a bad value or combination."""
   if FLAGS.sampling != "beam" and nbest > 1:
@@ -51,9 +51,9 @@ def options(beam_size: int, alpha: float, *, nbest: int = 1, alignment: bool = F
     raise ValueError(f"--temperature={FLAGS.temperature} must be > 0")
   if FLAGS.top_k < 0:
     raise ValueError(f"--top_k={FLAGS.top_k} must be >= 0")
-  return search.DecodeOptions(sampling=FLAGS.sampling, beam_size=beam_size, alpha=float(alpha), nbest=nbest,
-                              temperature=FLAGS.temperature, top_k=FLAGS.top_k, top_p=FLAGS.top_p,
-                              alignment=alignment, token_log_probs=token_log_probs).check()
+  return generate.DecodeOptions(sampling=FLAGS.sampling, beam_size=beam_size, alpha=float(alpha), nbest=nbest,
+                                temperature=FLAGS.temperature, top_k=FLAGS.top_k, top_p=FLAGS.top_p,
+                                alignment=alignment, token_log_probs=token_log_probs).check()
 
 
 def load_models(workdir: str, checkpoint: str | None):

@@ -28,7 +28,8 @@ from etils import epath
 from experiments import common, docblock, launch
 from experiments.benchmarks import common as bench_common
 from transformer_jax import checkpoint as checkpoint_lib
-from transformer_jax import inference, metrics, trainer, visualize
+from transformer_jax import metrics, trainer, visualize
+from transformer_jax.decoding import inference
 from transformer_jax.data.parallel_text import read_lines
 from transformer_jax.training import budget as budget_lib
 from transformer_jax.workdir import Workdir, write_json_atomically

@@ -18,7 +18,7 @@ from absl import flags
 from etils import epath
 
 from experiments import common, launch
-from transformer_jax import inference
+from transformer_jax.decoding import inference
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("workdir", None, "The training run's --workdir.")

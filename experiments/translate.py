@@ -24,7 +24,7 @@ from etils import epath
 from tqdm import tqdm
 
 from experiments import common, decoding, launch
-from transformer_jax import alignment, constraints, inference
+from transformer_jax.decoding import alignment, constraints, inference
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("workdir", None, "The training run's --workdir.")

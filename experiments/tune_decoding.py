@@ -8,13 +8,13 @@ For every number of checkpoints N in `--average_last` (the newest N of the run, 
 `experiments.average_checkpoints` does, into a temporary directory; 1 = the newest checkpoint alone; `ema` = the
 moving average of the parameters a run with `ema_decay` > 0 keeps, from its newest checkpoint) and every
 beam size, α and MBR utility (`none` = beam search's best; `chrf`/`bleu` = the minimum-Bayes-risk choice from
-the beam's n-best list, `transformer_jax.mbr`), translates `--source` and scores cased sacreBLEU against
+the beam's n-best list, `transformer_jax.decoding.mbr`), translates `--source` and scores cased sacreBLEU against
 `--reference`; prints one table row per setting and the best one, and writes every row as JSON to `--report`
 (default `<workdir>/eval/tune_decoding.json`; the utilities of one beam size and α choose from one n-best list,
 decoded once, and share its seconds). Greedy (beam 1) ignores α and MBR. Score a test set once, afterwards, with
 the chosen settings (`experiments.evaluate`); tuning on it would fit the test set. `--ensemble_last=N` adds,
-per beam size and α, the ensemble of the newest N checkpoints (`transformer_jax.ensemble`: per-step log-probs
-averaged in one compiled search), to set beside the average of their weights.
+per beam size and α, the ensemble of the newest N checkpoints (`transformer_jax.decoding.ensemble`: per-step
+log-probs averaged in one compiled search), to set beside the average of their weights.
 """
 
 import os
@@ -26,7 +26,8 @@ from absl import flags
 from experiments import common, launch
 from experiments.configs import default
 from transformer_jax import checkpoint as checkpoint_lib
-from transformer_jax import inference, mbr, metrics, search
+from transformer_jax import metrics
+from transformer_jax.decoding import generate, inference, mbr
 from transformer_jax.workdir import Workdir, write_json_atomically
 
 FLAGS = flags.FLAGS
@@ -40,7 +41,7 @@ flags.DEFINE_list("alphas", ["0.6"], "GNMT length penalty exponents.")
 flags.DEFINE_list("mbr_utilities", ["none"], "MBR utilities: none (the beam's best), chrf, bleu.")
 flags.DEFINE_integer("extra_len", 50, "Maximum output length = input length + extra_len.")
 flags.DEFINE_list("ensemble_last", [], "Also decode the ensemble of the newest N checkpoints (per-step log-probs "
-                  "averaged, transformer_jax.ensemble), for each N given (>= 2), beside their weight average.")
+                  "averaged, transformer_jax.decoding.ensemble), for each N given (>= 2), beside their weight average.")
 flags.DEFINE_string("report", None, "JSON file for every row (default: <workdir>/eval/tune_decoding.json).")
 flags.mark_flags_as_required(["workdir", "source", "reference"])
 launch.check_flags(extra_len="decode.extra_len")
@@ -117,7 +118,7 @@ def _ensemble_rows(counts, beams, alphas, sources, references, target_lang: str)
     model_config, tokenizer = models[0][0], models[0][2]
     for beam, alpha in [(b, a) for b in beams for a in (alphas if b > 1 else alphas[:1])]:
       start = time.perf_counter()
-      options = search.DecodeOptions(beam_size=beam, alpha=alpha, token_log_probs=False)
+      options = generate.DecodeOptions(beam_size=beam, alpha=alpha, token_log_probs=False)
       lists = inference.decode_texts([m[1] for m in models], model_config, tokenizer, sources, options,
                                      extra_len=FLAGS.extra_len)
       seconds = time.perf_counter() - start

@@ -1,4 +1,4 @@
-"""Lexically constrained beam search (`constraints.py`): the hypothesis bookkeeping against a plain-Python
+"""Lexically constrained beam search (`decoding/constraints.py`): the hypothesis bookkeeping against a plain-Python
 reference (sockeye's ConstrainedHypothesis), and the search on a random model: every phrase in every output,
 sources without constraints decoded as plain beam search, an impossible constraint reported."""
 
@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from transformer_jax import constraints, inference, search
+from transformer_jax.decoding import constraints, generate, inference
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 from test_decode import CFG, PARAMS, _random_sources  # noqa: E402
@@ -59,7 +59,7 @@ def test_every_phrase_appears_and_unconstrained_sources_decode_as_plain_beam():
   rng = np.random.default_rng(1)
   phrases = [[[int(t) for t in rng.integers(4, CFG.vocab_size, size=rng.integers(1, 3))]
               for _ in range(rng.integers(0, 3))] for _ in sources]
-  options = search.DecodeOptions(beam_size=4, nbest=4)
+  options = generate.DecodeOptions(beam_size=4, nbest=4)
   plain = inference.decode_ids(PARAMS, CFG, sources, options, extra_len=12, batch_size=4)
   out = inference.decode_ids(PARAMS, CFG, sources, options, constraints=phrases, extra_len=12, batch_size=4)
   assert sum(bool(p) for p in phrases) >= 5
@@ -76,11 +76,11 @@ def test_every_phrase_appears_and_unconstrained_sources_decode_as_plain_beam():
 def test_an_impossible_constraint_is_reported_not_hidden():
   sources = _random_sources(3, 2, CFG.vocab_size, 3, 5)
   too_long = [[[5] * 8], []]  # 8 tokens + EOS do not fit an output limit of len(source) + 2
-  out = inference.decode_ids(PARAMS, CFG, sources, search.DecodeOptions(beam_size=3), constraints=too_long,
+  out = inference.decode_ids(PARAMS, CFG, sources, generate.DecodeOptions(beam_size=3), constraints=too_long,
                              extra_len=2)
   assert not constraints.satisfied(out[0][0].ids, too_long[0])
 
 
 def test_constraints_need_beam_search():
   with pytest.raises(ValueError, match="lexical constraints need beam search"):
-    inference.decode_ids(PARAMS, CFG, [[4, 5]], search.DecodeOptions(sampling="greedy"), constraints=[[[4]]])
+    inference.decode_ids(PARAMS, CFG, [[4, 5]], generate.DecodeOptions(sampling="greedy"), constraints=[[[4]]])

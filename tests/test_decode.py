@@ -1,4 +1,5 @@
-"""Numerical tests of greedy, beam and sampled decoding (`decode.py`) and batched translation (`inference.py`).
+"""Numerical tests of greedy, beam and sampled decoding (`decoding/search.py`, `decoding/step.py`) and batched
+translation (`decoding/inference.py`).
 
 Random-weight models are edited to decode like trained ones (see `make_params`): peaked distributions, no pad
 or BOS, and EOS becoming likely after a few tokens, so that hypotheses end at various lengths, every source
@@ -14,7 +15,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from transformer_jax import decode, inference
+from transformer_jax import decoding
+from transformer_jax.decoding import inference
 from transformer_jax.config import tiny
 from transformer_jax.model import Transformer
 
@@ -82,11 +84,11 @@ L = 16
 
 def beam(src, beam_size=4, alpha=0.6, **kwargs):
   """The shared beam-search setting (one compilation for most tests)."""
-  return decode.beam_search(PARAMS, CFG, src, beam_size, alpha, L, full_output=True, **kwargs)
+  return decoding.beam_search(PARAMS, CFG, src, beam_size, alpha, L, full_output=True, **kwargs)
 
 
 def test_models_are_not_degenerate():
-  tokens, _ = decode.greedy_search(PARAMS, CFG, SRC, L)
+  tokens, _ = decoding.greedy_search(PARAMS, CFG, SRC, L)
   out = beam(SRC)
   finished = (np.asarray(tokens) == EOS).any(-1)
   assert finished.sum() >= 6 and len(set(lengths(tokens).tolist())) >= 3  # EOS at various lengths
@@ -96,7 +98,7 @@ def test_models_are_not_degenerate():
 
 
 def test_greedy_tokens_end_with_eos_then_pad_and_log_prob_is_teacher_forced():
-  tokens, log_probs = decode.greedy_search(PARAMS, CFG, SRC, L)
+  tokens, log_probs = decoding.greedy_search(PARAMS, CFG, SRC, L)
   tokens = np.asarray(tokens)
   for row in tokens:
     if EOS in row.tolist():
@@ -108,7 +110,7 @@ def test_greedy_tokens_end_with_eos_then_pad_and_log_prob_is_teacher_forced():
 
 
 def test_beam_size_one_is_greedy():
-  tokens, log_probs = decode.greedy_search(PARAMS, CFG, SRC, L)
+  tokens, log_probs = decoding.greedy_search(PARAMS, CFG, SRC, L)
   out = beam(SRC, beam_size=1)
   np.testing.assert_array_equal(out.tokens[:, 0], tokens)
   np.testing.assert_allclose(out.log_probs[:, 0], log_probs, rtol=1e-6, atol=1e-6)
@@ -117,15 +119,15 @@ def test_beam_size_one_is_greedy():
 
 
 def test_cached_equals_uncached_greedy():
-  tokens, log_probs = decode.greedy_search(PARAMS, CFG, SRC, L)
-  ref_tokens, ref_log_probs = decode.greedy_search_uncached(PARAMS, CFG, SRC, L)
+  tokens, log_probs = decoding.greedy_search(PARAMS, CFG, SRC, L)
+  ref_tokens, ref_log_probs = decoding.greedy_search_uncached(PARAMS, CFG, SRC, L)
   np.testing.assert_array_equal(tokens, ref_tokens)
   np.testing.assert_allclose(log_probs, ref_log_probs, rtol=1e-5, atol=1e-5)
 
 
 def test_cached_equals_uncached_beam():
   out = beam(SRC)
-  ref = decode.beam_search_uncached(PARAMS, CFG, SRC, 4, 0.6, L, full_output=True)
+  ref = decoding.beam_search_uncached(PARAMS, CFG, SRC, 4, 0.6, L, full_output=True)
   np.testing.assert_array_equal(out.tokens, ref.tokens)
   np.testing.assert_allclose(out.scores, ref.scores, rtol=1e-5, atol=1e-5)
   np.testing.assert_allclose(out.log_probs, ref.log_probs, rtol=1e-5, atol=1e-5)
@@ -175,9 +177,9 @@ def test_beam_search_finds_the_brute_force_optimum():
   penalty = np.array([((5.0 + len(c)) / 6.0) ** alpha for c in candidates])
 
   # Beam 108 = 4 candidate tokens x 27 live beams: nothing is ever pruned.
-  out = decode.beam_search(params, cfg, src, 108, alpha, max_len, full_output=True)
+  out = decoding.beam_search(params, cfg, src, 108, alpha, max_len, full_output=True)
   tokens, scores, log_probs = np.asarray(out.tokens), np.asarray(out.scores), np.asarray(out.log_probs)
-  all_tokens, all_scores = decode.beam_search(params, cfg, src, 108, alpha, max_len, early_stop="all")
+  all_tokens, all_scores = decoding.beam_search(params, cfg, src, 108, alpha, max_len, early_stop="all")
   best_lengths, penalty_changed_winner = [], []
   for i in range(src.shape[0]):
     ref_log_probs = np.asarray(teacher_forced_log_probs(
@@ -200,7 +202,7 @@ def test_beam_search_finds_the_brute_force_optimum():
 
 def test_max_lengths_cap_each_row():
   limits = jnp.array([1, 3, 5, L, 2, 7, L, 4], jnp.int32)
-  tokens, _ = decode.greedy_search(PARAMS, CFG, SRC, L, max_lengths=limits)
+  tokens, _ = decoding.greedy_search(PARAMS, CFG, SRC, L, max_lengths=limits)
   assert (lengths(tokens) <= np.asarray(limits)).all()
   beam_tokens = beam(SRC, max_lengths=limits).tokens
   assert (lengths(beam_tokens) <= np.asarray(limits)[:, None]).all()
@@ -211,15 +213,15 @@ def test_max_lengths_cap_each_row():
 
 
 def test_sampling_top_k_one_is_greedy():
-  tokens, log_probs = decode.greedy_search(PARAMS, CFG, SRC, L)
-  sampled, sampled_log_probs = decode.sample(PARAMS, CFG, SRC, jax.random.key(7), L, temperature=0.7, top_k=1)
+  tokens, log_probs = decoding.greedy_search(PARAMS, CFG, SRC, L)
+  sampled, sampled_log_probs = decoding.sample(PARAMS, CFG, SRC, jax.random.key(7), L, temperature=0.7, top_k=1)
   np.testing.assert_array_equal(sampled, tokens)
   np.testing.assert_allclose(sampled_log_probs, log_probs, rtol=1e-6, atol=1e-6)
 
 
 def test_sampling_is_random_and_scores_model_log_probs():
-  a, log_probs = decode.sample(PARAMS, CFG, SRC, jax.random.key(0), L, temperature=1.5, top_k=3)
-  b, _ = decode.sample(PARAMS, CFG, SRC, jax.random.key(1), L, temperature=1.5, top_k=3)
+  a, log_probs = decoding.sample(PARAMS, CFG, SRC, jax.random.key(0), L, temperature=1.5, top_k=3)
+  b, _ = decoding.sample(PARAMS, CFG, SRC, jax.random.key(1), L, temperature=1.5, top_k=3)
   assert (np.asarray(a) != np.asarray(b)).any()
   assert not np.isin(np.asarray(a), [BOS]).any()
   np.testing.assert_allclose(log_probs, teacher_forced_log_probs(CFG, PARAMS, SRC, a), rtol=1e-5, atol=1e-5)
@@ -243,9 +245,9 @@ def _reference(params, cfg, sources, beam_size, extra_len):
   limits = jnp.asarray([len(s) + extra_len for s in sources], jnp.int32)
   max_len = width - 1 + extra_len
   if beam_size == 1:
-    tokens, _ = decode.greedy_search(params, cfg, jnp.asarray(ids), max_len, max_lengths=limits)
+    tokens, _ = decoding.greedy_search(params, cfg, jnp.asarray(ids), max_len, max_lengths=limits)
   else:
-    tokens, _ = decode.beam_search(params, cfg, jnp.asarray(ids), beam_size, 0.6, max_len, max_lengths=limits)
+    tokens, _ = decoding.beam_search(params, cfg, jnp.asarray(ids), beam_size, 0.6, max_len, max_lengths=limits)
     tokens = tokens[:, 0]
   return [[t for t in row if t not in (PAD, EOS)] for row in np.asarray(tokens).tolist()]
 
@@ -316,7 +318,7 @@ TOY_TABLE = (np.random.default_rng(3).normal(size=(TOY_VOCAB, TOY_VOCAB)) * 2).a
 TOY_BONUS = np.random.default_rng(4).normal(size=(TOY_BUCKETS, TOY_VOCAB)).astype(np.float32)
 
 
-def toy_step(state: decode.DecodingState):
+def toy_step(state: decoding.DecodingState):
   """Logits depend on the last token and on a hash of the whole history kept in the cache `[rows]` int32,
   so a wrong beam reorder of the cache changes the result."""
   history = (3 * state.cache + state.cur_token) % TOY_BUCKETS
@@ -337,7 +339,7 @@ def toy_log_probs(start: int, tokens) -> np.ndarray:
 
 def test_greedy_search_over_a_toy_step_function_matches_numpy():
   starts, length = np.array([0, 5, 9]), 6
-  tokens, log_probs = jax.jit(lambda cache: decode.greedy_search_over(
+  tokens, log_probs = jax.jit(lambda cache: decoding.greedy_search_over(
       toy_step, cache, batch_size=3, max_decode_len=length, bos_id=BOS, eos_id=EOS, pad_id=PAD))(
           jnp.asarray(starts, jnp.int32))
   for i, start in enumerate(starts):
@@ -354,8 +356,8 @@ def test_greedy_search_over_a_toy_step_function_matches_numpy():
 def test_beam_search_over_a_toy_step_function_ranks_every_hypothesis():
   # Outputs of at most 3 tokens: 21 finished ones (0-2 of unk, 4, 5, 6, then EOS). Beam 80 never prunes.
   starts, length, alpha, beam_size = np.array([0, 7]), 3, 0.6, 80
-  cache = decode.repeat_rows(jnp.asarray(starts, jnp.int32), beam_size)
-  out = jax.jit(lambda cache: decode.beam_search_over(
+  cache = decoding.repeat_rows(jnp.asarray(starts, jnp.int32), beam_size)
+  out = jax.jit(lambda cache: decoding.beam_search_over(
       toy_step, cache, batch_size=2, beam_size=beam_size, alpha=alpha, max_decode_len=length, bos_id=BOS,
       eos_id=EOS, pad_id=PAD, early_stop="none"))(cache)
   bodies = [list(b) for n in range(length) for b in itertools.product([UNK, 4, 5, 6], repeat=n)]
@@ -381,8 +383,8 @@ def _while_carry(fn, *args) -> list:
 
 def test_beam_per_token_log_probs_match_numpy_and_cost_nothing_when_not_asked_for():
   starts, length, beam_size = np.array([0, 7, 3]), 5, 3
-  cache = decode.repeat_rows(jnp.asarray(starts, jnp.int32), beam_size)
-  search = lambda per_token: (lambda cache: decode.beam_search_over(  # noqa: E731
+  cache = decoding.repeat_rows(jnp.asarray(starts, jnp.int32), beam_size)
+  search = lambda per_token: (lambda cache: decoding.beam_search_over(  # noqa: E731
       toy_step, cache, batch_size=3, beam_size=beam_size, alpha=0.6, max_decode_len=length, bos_id=BOS,
       eos_id=EOS, pad_id=PAD, per_token=per_token))
   tracked, plain = jax.jit(search(True))(cache), jax.jit(search(False))(cache)

@@ -7,7 +7,7 @@ searches that built `Transformer(config)` themselves):
     git archive 7ae5a38 | tar -x -C /tmp/old
     PYTHONPATH=/tmp/old python tests/test_decode_reference.py tests/data/decode_reference.npz
 
-`reference_outputs` calls only the Transformer-level wrappers (`decode.greedy_search`, `beam_search`,
+`reference_outputs` calls only the Transformer-level wrappers (`decoding.greedy_search`, `beam_search`,
 `sample`), whose signatures both implementations share. Tokens and step counts must match exactly; scores
 and log-probs to 1e-5 (the cached attention may sum in another order).
 """
@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from test_decode import CFG, L, PARAMS, SRC, make_sources, small
-from transformer_jax import decode
+from transformer_jax import decoding
 from transformer_jax.model import Transformer
 
 REFERENCE = os.path.join(os.path.dirname(__file__), "data", "decode_reference.npz")
@@ -37,18 +37,18 @@ def _second_model():
 def reference_outputs() -> dict:
   out = {}
   limits = jnp.array([1, 3, 5, L, 2, 7, L, 4], jnp.int32)
-  out["greedy"] = decode.greedy_search(PARAMS, CFG, SRC, L)
-  out["greedy_limits"] = decode.greedy_search(PARAMS, CFG, SRC, L, max_lengths=limits)
+  out["greedy"] = decoding.greedy_search(PARAMS, CFG, SRC, L)
+  out["greedy_limits"] = decoding.greedy_search(PARAMS, CFG, SRC, L, max_lengths=limits)
   for early_stop in ("best", "all", "none"):
-    out[f"beam4_{early_stop}"] = decode.beam_search(PARAMS, CFG, SRC, 4, 0.6, L, early_stop=early_stop,
-                                                    full_output=True)
-  out["beam3_limits"] = decode.beam_search(PARAMS, CFG, SRC, 3, 1.0, L, max_lengths=limits, full_output=True)
-  out["beam1"] = decode.beam_search(PARAMS, CFG, SRC, 1, 0.6, L, full_output=True)
-  out["sample_t15_k3"] = decode.sample(PARAMS, CFG, SRC, jax.random.key(0), L, temperature=1.5, top_k=3)
-  out["sample_t07"] = decode.sample(PARAMS, CFG, SRC, jax.random.key(1), L, temperature=0.7)
+    out[f"beam4_{early_stop}"] = decoding.beam_search(PARAMS, CFG, SRC, 4, 0.6, L, early_stop=early_stop,
+                                                      full_output=True)
+  out["beam3_limits"] = decoding.beam_search(PARAMS, CFG, SRC, 3, 1.0, L, max_lengths=limits, full_output=True)
+  out["beam1"] = decoding.beam_search(PARAMS, CFG, SRC, 1, 0.6, L, full_output=True)
+  out["sample_t15_k3"] = decoding.sample(PARAMS, CFG, SRC, jax.random.key(0), L, temperature=1.5, top_k=3)
+  out["sample_t07"] = decoding.sample(PARAMS, CFG, SRC, jax.random.key(1), L, temperature=0.7)
   cfg, params, src = _second_model()
-  out["tied_greedy"] = decode.greedy_search(params, cfg, src, 12)
-  out["tied_beam5"] = decode.beam_search(params, cfg, src, 5, 0.6, 12, full_output=True)
+  out["tied_greedy"] = decoding.greedy_search(params, cfg, src, 12)
+  out["tied_beam5"] = decoding.beam_search(params, cfg, src, 5, 0.6, 12, full_output=True)
   flat = {}
   for name, arrays in out.items():
     for i, array in enumerate(arrays):
@@ -78,5 +78,5 @@ def test_searches_match_the_saved_reference():
 
 
 if __name__ == "__main__":
-  print("decode from", decode.__file__)
+  print("decode from", decoding.__file__)
   np.savez(sys.argv[1], **reference_outputs())

@@ -10,7 +10,8 @@ import pytest
 
 from experiments import common
 from tests.test_experiments import TINY_OVERRIDES, _run
-from transformer_jax import decode, ensemble, inference, scoring, search
+from transformer_jax import decoding
+from transformer_jax.decoding import ensemble, generate, inference, scoring
 from transformer_jax.model import Transformer
 from transformer_jax.training import loss as loss_lib
 
@@ -39,12 +40,12 @@ def _jsonl(text):
 
 
 def _teacher_forced(model, source: str, ids: list[int]) -> np.ndarray:
-  """Per-token log-probs of `ids + [EOS]` given `source`, straight from the model (decode.sequence_log_probs'
+  """Per-token log-probs of `ids + [EOS]` given `source`, straight from the model (decoding.sequence_log_probs'
   terms)."""
   config, params, tokenizer = model
   src = jnp.asarray([tokenizer.encode(source)], jnp.int32)
   tgt = jnp.asarray([ids + [config.eos_id]], jnp.int32)
-  total = float(decode.sequence_log_probs(params, config, src, tgt)[0])
+  total = float(decoding.sequence_log_probs(params, config, src, tgt)[0])
   per_token = np.asarray(scoring.token_log_probs(params, config, src, tgt))[0]
   assert per_token.sum() == pytest.approx(total, abs=1e-4)
   return per_token
@@ -68,7 +69,7 @@ def test_nbest_jsonl_is_sorted_scored_and_its_first_is_todays_output(workdir, mo
       expected = _teacher_forced(model, record["source"], h["ids"])
       assert h["log_prob"] == pytest.approx(float(expected.sum()), abs=1e-4)
       np.testing.assert_allclose(h["token_log_probs"], expected, atol=1e-4)
-      assert h["score"] == pytest.approx(h["log_prob"] / decode.length_penalty(len(h["ids"]) + 1, 0.6), abs=1e-5)
+      assert h["score"] == pytest.approx(h["log_prob"] / decoding.length_penalty(len(h["ids"]) + 1, 0.6), abs=1e-5)
       assert config.eos_id not in h["ids"]
 
 
@@ -89,7 +90,7 @@ def test_nucleus_truncation_matches_numpy():
   scaled = rng.normal(size=(5, 11)).astype(np.float32) * 2
   scaled[0, 3] = -np.inf
   for top_p in (0.05, 0.3, 0.7, 0.95):
-    got = np.asarray(decode.truncate(jnp.asarray(scaled), 0, top_p))
+    got = np.asarray(decoding.truncate(jnp.asarray(scaled), 0, top_p))
     for row, out in zip(scaled, got):
       probs = np.exp(row - row.max()) / np.exp(row - row.max()).sum()
       order = np.argsort(-probs, kind="stable")
@@ -109,7 +110,7 @@ def test_top_p_one_is_plain_sampling_top_p_to_zero_is_greedy_and_seeds_reproduce
 def test_same_seed_same_samples_whatever_the_batching(model):
   config, params, tokenizer = model
   ids = [tokenizer.encode(t) for t in LINES if t] * 3
-  options = search.DecodeOptions(sampling="sample", temperature=1.5, top_k=20, top_p=0.9)
+  options = generate.DecodeOptions(sampling="sample", temperature=1.5, top_k=20, top_p=0.9)
   runs = [inference.decode_ids(params, config, ids, options, seed=7, batch_size=b) for b in (1, 3, 16)]
   texts = [[h[0].ids for h in run] for run in runs]
   assert texts[0] == texts[1] == texts[2]
@@ -250,9 +251,9 @@ def test_ensemble_of_a_model_with_itself_is_the_model_and_of_two_is_the_mean(wor
 def test_ensemble_of_one_step_is_that_step(model):
   config, params, tokenizer = model
   ids = [tokenizer.encode(t) for t in LINES if t]
-  options = search.DecodeOptions(sampling="beam", beam_size=2, nbest=2)
+  options = generate.DecodeOptions(sampling="beam", beam_size=2, nbest=2)
   assert inference.decode_ids([params], config, ids, options) == inference.decode_ids(params, config, ids, options)
-  step = decode.transformer_step_fn(params, config, jnp.asarray([ids[0]]), 8)
+  step = decoding.transformer_step_fn(params, config, jnp.asarray([ids[0]]), 8)
   assert ensemble.ensemble_step([step]) is step
 
 

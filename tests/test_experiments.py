@@ -397,7 +397,7 @@ def test_workdir_from_before_normalisation_translates_as_before(workdir, tmp_pat
   """A vocabulary without a normalisation stamp (trained before it existed) keeps encoding raw text."""
   import sentencepiece as spm
   from experiments import common
-  from transformer_jax import inference
+  from transformer_jax.decoding import inference
   from transformer_jax.config import EOS_ID
   old = tmp_path / "old"
   shutil.copytree(workdir, old, ignore=shutil.ignore_patterns("tensorboard"))

@@ -24,7 +24,7 @@ spm = pytest.importorskip("sentencepiece")
 import flax.linen as nn  # noqa: E402
 
 from transformer_jax import config as presets  # noqa: E402
-from transformer_jax import inference  # noqa: E402
+from transformer_jax.decoding import inference  # noqa: E402
 from transformer_jax.data import tokenizer as tokenizer_lib  # noqa: E402
 from transformer_jax.data.tokenizer import VocabularyError  # noqa: E402
 from transformer_jax.interop import ctranslate2 as ct2_lib  # noqa: E402

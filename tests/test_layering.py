@@ -1,7 +1,9 @@
 """The library's layers: no module imports one above it; project imports sit at the top of the file.
 
-    trainer / interop -> checkpoint -> sharding / data / inference -> training / decode -> model
-            -> early_stopping / mbr -> attention / trackers / owner_lock / metrics -> dropout / config / workdir / profiling
+    trainer / interop -> trained -> checkpoint -> sharding / data
+      -> decoding (inference -> generate -> ensemble / prefix / constraints / alignment -> step -> search)
+      / training -> model -> early_stopping -> attention (layer -> kvcache -> core) / trackers / owner_lock
+      / metrics -> dropout / config / workdir / profiling
 """
 
 import ast
@@ -12,26 +14,31 @@ import pytest
 PACKAGE = pathlib.Path(__file__).resolve().parents[1] / "transformer_jax"
 
 # Rank of each module (or package prefix); a module may import only modules of a strictly lower rank, or
-# siblings inside its own package (`data.*`, `training.*`, `interop.*`) that do not climb above it.
+# siblings inside its own package (`data.*`, `training.*`, `interop.*`) of the same rank (the package's own).
 RANKS = {
     "transformer_jax.config": 0, "transformer_jax.workdir": 0, "transformer_jax.metrics": 1,
-    "transformer_jax.mbr": 2,  # n-best selection by a sentence metric (metrics' BLEU), no model code
     "transformer_jax.dropout": 0, "transformer_jax.data.normalize": 0,  # text normalisation: a leaf
-    "transformer_jax.attention": 1,
+    # attention: the math, below the decoding caches (typed entries + the decoder's accessors), below the layer
+    "transformer_jax.attention.core": 1, "transformer_jax.attention.kvcache": 1.2,
+    "transformer_jax.attention.layer": 1.4, "transformer_jax.attention": 1.5,
     "transformer_jax.profiling": 0,  # jax.profiler around chosen steps: a leaf
     "transformer_jax.trackers": 1,   # metrics.jsonl, TensorBoard, W&B: writers that know only the workdir
     "transformer_jax.owner_lock": 1,  # train.lock: one trainer per workdir, local or gs://
     "transformer_jax.early_stopping": 2,  # the rule over a metric's values (metrics' direction table)
     "transformer_jax.model": 2,
-    "transformer_jax.training": 3, "transformer_jax.decode": 3, "transformer_jax.visualize": 3,
-    "transformer_jax.diagnostics": 3,
-    # decoding toolkit: wrappers over decode's step seam, then the one compiled search that combines them
-    "transformer_jax.ensemble": 3.5, "transformer_jax.prefix": 3.5, "transformer_jax.alignment": 3.5,
-    "transformer_jax.constraints": 3.5,
-    "transformer_jax.scoring": 3,  # forced decoding: the model only
-    "transformer_jax.search": 3.7,
-    "transformer_jax.data": 4, "transformer_jax.sharding": 4, "transformer_jax.inference": 4,
+    "transformer_jax.training": 3, "transformer_jax.visualize": 3, "transformer_jax.diagnostics": 3,
+    # decoding, above the model: the model-agnostic searches, the Transformer's step, the toolkit's wrappers
+    # over the step seam, the one compiled decoding that combines them, host-side inference on top
+    "transformer_jax.decoding.search": 3, "transformer_jax.decoding.scoring": 3,  # scoring: the model only
+    "transformer_jax.decoding.mbr": 3,  # n-best selection by a sentence metric (metrics' BLEU), no model code
+    "transformer_jax.decoding.step": 3.2,
+    "transformer_jax.decoding.ensemble": 3.5, "transformer_jax.decoding.prefix": 3.5,
+    "transformer_jax.decoding.alignment": 3.5, "transformer_jax.decoding.constraints": 3.5,
+    "transformer_jax.decoding.generate": 3.7, "transformer_jax.decoding.inference": 3.9,
+    "transformer_jax.decoding": 3.95,  # __init__: the searches' public names
+    "transformer_jax.data": 4, "transformer_jax.sharding": 4,
     "transformer_jax.checkpoint": 5,
+    "transformer_jax.trained": 5.5,  # a trained workdir loaded for inference: checkpoint + tokenizer + config
     "transformer_jax.trainer": 6, "transformer_jax.interop": 6,
     "transformer_jax": 7,  # __init__: the public API, imports anything
 }
@@ -80,7 +87,7 @@ def test_no_module_imports_one_above_it(module, path):
     if module == "transformer_jax" or imported.startswith(module + "."):
       continue  # a package's __init__ re-exporting its own modules
     same_package = module.rsplit(".", 1)[0] == imported.rsplit(".", 1)[0] and module.count(".") > 1
-    if same_package:
+    if same_package and _rank(imported) == _rank(module):
       continue
     assert _rank(imported) < _rank(module), (
         f"{path.name}:{line}: {module} (layer {_rank(module)}) imports {imported} (layer {_rank(imported)})")

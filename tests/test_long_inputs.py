@@ -14,7 +14,8 @@ import pytest
 from test_model import _batch, _ids, cached_decode_logits, logits_fn, params_for, small
 from transformer_jax.attention import (AttentionMask, RelativePositions, blocked_attention,
                                        dot_product_attention, full_attention_weights)
-from transformer_jax import decode, diagnostics
+from transformer_jax import decoding, diagnostics
+from transformer_jax.attention import kvcache
 from transformer_jax import dropout as dropout_lib
 from transformer_jax.config import ModelConfig
 from transformer_jax.model import Transformer
@@ -250,8 +251,10 @@ def test_windowed_cache_is_a_ring_buffer_of_the_window():
   bos = jnp.full((2, 1), cfg.bos_id, jnp.int32)
   _, variables = model.apply({"params": params}, encoded, src, bos, use_cache=True, max_decode_len=100,
                              mutable=["cache"], method=Transformer.decode)
-  self_cache = variables["cache"]["decoder"]["layer_0"]["self_attention"]
-  assert self_cache["cached_key"].shape == (2, cfg.num_heads, cfg.attention_window, cfg.head_dim)
+  caches = kvcache.entries(variables["cache"], kvcache.SelfAttentionCache)  # one per decoder layer
+  assert len(caches) == cfg.num_decoder_layers
+  for entry in caches.values():
+    assert entry.key.shape == entry.value.shape == (2, cfg.num_heads, cfg.attention_window, cfg.head_dim)
 
 
 @pytest.mark.parametrize("name", sorted(OPTIONS))
@@ -357,7 +360,7 @@ def test_beam_search_with_every_option_cached_equals_uncached():
   """The ring-buffer cache survives the beam search's reordering: same beams as recomputing every prefix."""
   cfg = OPTIONS["all"]
   params, src = params_for(cfg), _ids(3, (2, 7))
-  out = decode.beam_search(params, cfg, src, 3, 0.6, 9, full_output=True)
-  ref = decode.beam_search_uncached(params, cfg, src, 3, 0.6, 9, full_output=True)
+  out = decoding.beam_search(params, cfg, src, 3, 0.6, 9, full_output=True)
+  ref = decoding.beam_search_uncached(params, cfg, src, 3, 0.6, 9, full_output=True)
   np.testing.assert_array_equal(out.tokens, ref.tokens)
   np.testing.assert_allclose(out.scores, ref.scores, rtol=1e-5, atol=1e-5)

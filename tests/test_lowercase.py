@@ -11,7 +11,8 @@ import types
 import pytest
 
 from experiments.configs import default
-from transformer_jax import inference, metrics, trainer
+from transformer_jax import metrics, trainer
+from transformer_jax.decoding import inference
 from transformer_jax.data import datasets, normalize, tokenizer as tok_lib
 
 GERMAN = ["Die Straße ist größer", "Fünf Äpfel für Müller", "Ein Café am Fluss", "ZWÖLF Öfen über Nacht"]

@@ -23,7 +23,8 @@ from test_interop import transformers  # noqa: E402  (skips the module where the
 
 from experiments import common  # noqa: E402
 from experiments.configs import default, number_words  # noqa: E402
-from transformer_jax import inference, trainer  # noqa: E402
+from transformer_jax import trainer  # noqa: E402
+from transformer_jax.decoding import inference
 from transformer_jax.data import datasets as datasets_lib  # noqa: E402
 from transformer_jax.data.marian_vocab import MarianVocabulary  # noqa: E402
 from transformer_jax.interop import marian  # noqa: E402

@@ -1,10 +1,10 @@
-"""transformer_jax.mbr: the expected utility over an n-best list and the choice it makes."""
+"""transformer_jax.decoding.mbr: the expected utility over an n-best list and the choice it makes."""
 
 import numpy as np
 import pytest
 import sacrebleu
 
-from transformer_jax import mbr
+from transformer_jax.decoding import mbr
 
 CANDIDATES = ["a man is riding a red bike .", "a man rides a red bike .", "two dogs play in the snow ."]
 

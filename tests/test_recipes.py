@@ -19,7 +19,7 @@ import pytest
 import tensorflow_datasets as tfds
 
 from transformer_jax import checkpoint as checkpoint_lib
-from transformer_jax import inference
+from transformer_jax.decoding import inference
 from transformer_jax import trainer
 from transformer_jax.workdir import Workdir
 from transformer_jax.training import schedule as schedule_lib

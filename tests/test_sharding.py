@@ -21,7 +21,8 @@ from jax.experimental import multihost_utils
 from jax.sharding import PartitionSpec as P
 
 import distributed_workers
-from transformer_jax import constraints, search, sharding
+from transformer_jax import decoding, sharding
+from transformer_jax.decoding import constraints, generate
 from transformer_jax.config import tiny
 from transformer_jax.training.schedule import adam, adam_with_schedule, ema_params, param_ema, rsqrt_schedule
 
@@ -386,22 +387,19 @@ def test_distributed_initialisation_only_when_asked():
 # ----------------------------------------------------------------------------------------------------------
 
 def test_greedy_decoding_on_sharded_params_matches_single_device(reference):
-  decode = pytest.importorskip("transformer_jax.decode")
-  if not hasattr(decode, "greedy_search"):
-    pytest.skip("transformer_jax.decode has no greedy_search yet")
   params = reference["state"].params  # after one step
   inputs = reference["batch"]["inputs"][:8]
-  tokens, log_probs = decode.greedy_search(jax.device_put(params, jax.devices()[0]), CFG, inputs, 8)
+  tokens, log_probs = decoding.greedy_search(jax.device_put(params, jax.devices()[0]), CFG, inputs, 8)
 
   mesh, _, shardings = _sharded("data4_tensor2")
   sharded_params = jax.device_put(params, shardings.params)
   sharded_inputs = sharding.shard_batch({"inputs": inputs}, mesh, process_local=False)["inputs"]
   with sharding.mesh_context(mesh):  # the model's activation constraints apply while decoding
-    sharded_tokens, sharded_log_probs = decode.greedy_search(sharded_params, CFG, sharded_inputs, 8)
+    sharded_tokens, sharded_log_probs = decoding.greedy_search(sharded_params, CFG, sharded_inputs, 8)
   np.testing.assert_array_equal(np.asarray(sharded_tokens), np.asarray(tokens))
   np.testing.assert_allclose(np.asarray(sharded_log_probs), np.asarray(log_probs), rtol=1e-5, atol=1e-5)
   # Without the context too (jit follows the parameters' shardings; host inputs are replicated).
-  plain_tokens, _ = decode.greedy_search(sharded_params, CFG, inputs, 8)
+  plain_tokens, _ = decoding.greedy_search(sharded_params, CFG, inputs, 8)
   np.testing.assert_array_equal(np.asarray(plain_tokens), np.asarray(tokens))
 
 
@@ -415,13 +413,14 @@ def test_decoding_toolkit_on_a_two_device_mesh_matches_single_device(reference):
   prefix_tokens, prefix_lengths = np.full((4, 8), 5, np.int32), np.array([0, 1, 2, 0], np.int32)
   keys = jax.vmap(lambda i: jax.random.fold_in(jax.random.PRNGKey(3), i))(np.arange(4))
   phrases = constraints.pack([[[7, 9]], [], [[11]], [[5], [6]]], 8)
-  settings = [(search.DecodeOptions(beam_size=3, nbest=2, alignment=True), None),
-              (search.DecodeOptions(beam_size=3, nbest=2), phrases),
-              (search.DecodeOptions(sampling="sample", top_p=0.8, temperature=1.3, alignment=True), None)]
+  settings = [(generate.DecodeOptions(beam_size=3, nbest=2, alignment=True), None),
+              (generate.DecodeOptions(beam_size=3, nbest=2), phrases),
+              (generate.DecodeOptions(sampling="sample", top_p=0.8, temperature=1.3, alignment=True), None)]
 
   def run(params_list, options, cons):
-    fn = jax.jit(lambda ps, x, k: search.search(ps, CFG, x, limits, options, 8, keys=k, prefix_tokens=prefix_tokens,
-                                                prefix_lengths=prefix_lengths, constraints=cons))
+    fn = jax.jit(lambda ps, x, k: generate.generate(ps, CFG, x, limits, options, 8, keys=k,
+                                                    prefix_tokens=prefix_tokens, prefix_lengths=prefix_lengths,
+                                                    constraints=cons))
     return jax.tree_util.tree_map(np.asarray, fn(params_list, inputs, keys))
 
   mesh = sharding.make_mesh(data=1, tensor=2, devices=jax.devices()[:2])

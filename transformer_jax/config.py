@@ -8,7 +8,7 @@ under `experiments/configs/`, not here.
 from __future__ import annotations
 
 import dataclasses
-from typing import Literal
+from typing import Any, Literal, Mapping
 
 import jax.numpy as jnp
 
@@ -65,7 +65,7 @@ class ModelConfig:
   dtype: str = "float32"
   # Rematerialise each layer's activations in the backward pass (saves memory for long sequences).
   remat: bool = False
-  # Long inputs (see attention.py; 0 = off). Relative position representations (Shaw et al., 2018): learned
+  # Long inputs (see attention/core.py; 0 = off). Relative position representations (Shaw et al., 2018): learned
   # key (and, with relative_values, value) embeddings of the distance clipped to +-max_relative_position, per
   # self-attention layer; with position_embedding='none' they replace the absolute sinusoids.
   max_relative_position: int = 0
@@ -144,6 +144,21 @@ class ModelConfig:
 
   def replace(self, **changes) -> "ModelConfig":
     return dataclasses.replace(self, **changes)
+
+  @classmethod
+  def from_mapping(cls, values: Mapping[str, Any], **overrides) -> "ModelConfig":
+    """A `ModelConfig` from a mapping of its fields (a run config's `config.model` ConfigDict, or the `model`
+    section of a saved `config.json`), with `overrides` (e.g. `vocab_size=` the tokenizer's) on top; fields
+    the mapping lacks keep their defaults.
+
+    Raises ValueError naming the unknown fields (and `ModelConfig`'s own range errors).
+    """
+    values = dict(values.to_dict() if hasattr(values, "to_dict") else values)
+    fields = {f.name for f in dataclasses.fields(cls)}
+    unknown = set(values) - fields
+    if unknown:
+      raise ValueError(f"config.model has unknown fields {sorted(unknown)}; ModelConfig fields are {sorted(fields)}")
+    return cls(**{**values, **overrides})
 
 
 def base(vocab_size: int = 37000, **overrides) -> ModelConfig:

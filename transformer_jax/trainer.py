@@ -45,7 +45,8 @@ import optax
 from jax.experimental import multihost_utils
 
 from transformer_jax import checkpoint as checkpoint_lib
-from transformer_jax import diagnostics, early_stopping as early_stopping_lib, inference, metrics as metrics_lib
+from transformer_jax import diagnostics, early_stopping as early_stopping_lib, metrics as metrics_lib
+from transformer_jax.decoding import inference
 from transformer_jax import profiling, sharding
 from transformer_jax.config import RUNTIME_FIELDS, ModelConfig
 from transformer_jax.data import batching, datasets as datasets_lib, pipeline, tokenizer as tokenizer_lib
@@ -55,13 +56,12 @@ from transformer_jax.training import budget as budget_lib
 from transformer_jax.training import schedule as schedule_lib
 from transformer_jax.training import steps
 from transformer_jax.trackers import MetricWriter
-from transformer_jax.workdir import (IMPORTED_DATASET, Workdir, config_diff, to_jsonable,
+from transformer_jax.workdir import (DATA_KEYS, IMPORTED_DATASET, Workdir, config_diff, to_jsonable,
                                     write_json_atomically)
 
-# Keys of the saved config that must match to reuse a workdir: the data and vocabulary first (checked
+# Keys of the saved config that must match to reuse a workdir: the data and vocabulary first (DATA_KEYS, checked
 # before the datasets are built), then the model (checked once the vocabulary fixes its size). A config
 # saved before `data.tokenizer` existed used SentencePiece.
-DATA_KEYS = ("data.vocab_size", "data.dataset", "data.tokenizer", "data.lowercase")
 DATA_DEFAULTS = {"data": {"tokenizer": "sentencepiece", "lowercase": False}}
 MODEL_KEYS = ("model",)
 # In a workdir that holds an imported model no run has trained yet, the first fine-tune may choose its
@@ -105,13 +105,7 @@ def model_config_from(config: Any, vocab_size: int) -> ModelConfig:
 
   Raises ValueError naming unknown `config.model` fields (and ModelConfig's own range errors).
   """
-  fields = {f.name for f in dataclasses.fields(ModelConfig)}
-  values = dict(config.model.to_dict() if hasattr(config.model, "to_dict") else config.model)
-  unknown = set(values) - fields
-  if unknown:
-    raise ValueError(f"config.model has unknown fields {sorted(unknown)}; ModelConfig fields are {sorted(fields)}")
-  values["vocab_size"] = vocab_size
-  return ModelConfig(**values)
+  return ModelConfig.from_mapping(config.model, vocab_size=vocab_size)
 
 
 def holds_imported_model(saved: Mapping | None) -> bool:

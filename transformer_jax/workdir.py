@@ -48,6 +48,10 @@ PathLike = str | os.PathLike
 # the config item of its checkpoint say so): a fine-tune may choose any dataset and starts a fresh optimizer.
 IMPORTED_DATASET = "marian_import"
 
+# Keys of a run's config that fix its vocabulary: a workdir is reused (`trainer`), and a checkpoint is
+# translated with another workdir's tokenizer (`trained.check_checkpoint_vocabulary`), only where they match.
+DATA_KEYS = ("data.vocab_size", "data.dataset", "data.tokenizer", "data.lowercase")
+
 
 @dataclasses.dataclass(frozen=True)
 class Workdir:

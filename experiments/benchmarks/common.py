@@ -27,7 +27,7 @@ import numpy as np
 
 from experiments.configs import default as default_config
 from transformer_jax import config as presets
-from transformer_jax import decode, sharding, trainer
+from transformer_jax import decoding, sharding, trainer
 from transformer_jax.config import ModelConfig
 from transformer_jax.data import number_words as nw
 from transformer_jax.data import pipeline
@@ -292,18 +292,18 @@ def machine_info() -> dict:
 
 def fixed_length_search(cfg: ModelConfig, beam: int, length: int):
   """The library's greedy (`beam` 1) or beam search with every output exactly `length` tokens (EOS barred until
-  then by a `decode.LogProbsFn`, as CTranslate2's `min_decoding_length`): jitted `(params, inputs [batch,
+  then by a `decoding.LogProbsFn`, as CTranslate2's `min_decoding_length`): jitted `(params, inputs [batch,
   src_len]) -> tokens [batch, length]`, the best hypothesis of each source."""
   ids = dict(bos_id=cfg.bos_id, eos_id=cfg.eos_id, pad_id=cfg.pad_id)
-  no_eos = lambda logp, state: logp.at[:, cfg.eos_id].set(decode.NEG_INF)  # noqa: E731
+  no_eos = lambda logp, state: logp.at[:, cfg.eos_id].set(decoding.NEG_INF)  # noqa: E731
 
   def run(params, inputs):
-    step = decode.transformer_step_fn(params, cfg, inputs, length, copies=beam)
+    step = decoding.transformer_step_fn(params, cfg, inputs, length, copies=beam)
     common = dict(batch_size=inputs.shape[0], max_decode_len=length, log_probs_fn=no_eos, **ids)
     if beam == 1:
-      return decode.greedy_search_over(step.tokens_to_logits, step.cache, **common)[0]
-    return decode.beam_search_over(step.tokens_to_logits, step.cache, beam_size=beam, alpha=0.6,
-                                   gather_cache=step.gather_cache, **common).tokens[:, 0]
+      return decoding.greedy_search_over(step.tokens_to_logits, step.cache, **common)[0]
+    return decoding.beam_search_over(step.tokens_to_logits, step.cache, beam_size=beam, alpha=0.6,
+                                     gather_cache=step.gather_cache, **common).tokens[:, 0]
   return jax.jit(run)
 
 

@@ -36,8 +36,9 @@ import jax
 import numpy as np
 
 from experiments.benchmarks import common
-from transformer_jax import inference, sharding
-from transformer_jax.search import DecodeOptions
+from transformer_jax import sharding
+from transformer_jax.decoding import inference
+from transformer_jax.decoding.generate import DecodeOptions
 from transformer_jax.training.steps import init_params
 
 # First match wins: the finer module paths before the blocks that contain them.

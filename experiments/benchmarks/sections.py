@@ -317,7 +317,7 @@ def peer(args) -> dict:
 
 def _encoder_batches(sources, max_tokens, max_len):
   """The (bucket, rows) batches `translate_ids` forms for `sources` (EOS already appended)."""
-  from transformer_jax import inference
+  from transformer_jax.decoding import inference
   order = sorted(range(len(sources)), key=lambda i: -len(sources[i]))
   batches = []
   for i in order:
@@ -348,8 +348,8 @@ def _toolkit_searches(params, cfg, sources, args) -> tuple[dict, dict]:
   flatter distribution that stops at other lengths, and the ratio would measure lengths, not the work per
   step. Returns the runners and the output tokens of each (EOS counted), to compare with plain beam 4's."""
   from flax import linen as nn
-  from transformer_jax import inference
-  from transformer_jax.search import DecodeOptions
+  from transformer_jax.decoding import inference
+  from transformer_jax.decoding.generate import DecodeOptions
   leaves, tree = jax.tree_util.tree_flatten(params)
   keys = jax.random.split(jax.random.key(1), len(leaves))
   second = jax.tree_util.tree_unflatten(tree, [x + 0.01 * jnp.std(x) * jax.random.normal(k, x.shape, x.dtype)
@@ -377,8 +377,8 @@ def _toolkit_ratios(times: dict, beam4_times: list, tokens: dict, beam4_tokens: 
 
 def decode(args) -> dict:
   from flax import linen as nn
-  from transformer_jax import decode as decode_lib
-  from transformer_jax import inference
+  from transformer_jax import decoding as decode_lib
+  from transformer_jax.decoding import inference
   from transformer_jax.model import Transformer
   from transformer_jax.training.steps import init_params
 

@@ -17,7 +17,8 @@ import math
 
 import ml_collections
 
-from transformer_jax import mbr, trackers
+from transformer_jax import trackers
+from transformer_jax.decoding import mbr
 from transformer_jax import metrics as metrics_lib
 from transformer_jax.config import ModelConfig
 from transformer_jax.training.schedule import COOLDOWN_SHAPES, check_cooldown, check_dropout_schedule

@@ -1,7 +1,7 @@
 """Ensembles of step functions: several models decode as one, inside one compiled search.
 
-`ensemble_step(steps)` wraps the `decode.TransformerStep`s of N models (or any step functions with the same
-vocabulary) into one step function for the searches of `transformer_jax.decode`: at every step each model runs
+`ensemble_step(steps)` wraps the `step.TransformerStep`s of N models (or any step functions with the same
+vocabulary) into one step function for the searches of `decoding.search`: at every step each model runs
 its own step on its own cache (the cache carried by the search is the tuple of the N caches, reordered by each
 model's own `gather_cache`), and the ensemble's next-token distribution is the renormalised mean of the models'
 log-probabilities (a log-linear, equal-weight combination, as OpenNMT-py's ensemble decoder averages log-probs),
@@ -20,16 +20,16 @@ from typing import Sequence
 import jax
 import jax.numpy as jnp
 
-from transformer_jax import decode
+from transformer_jax.decoding import search, step as step_lib
 
 Array = jax.Array
 
 
-def ensemble_step(steps: Sequence[decode.TransformerStep]) -> decode.TransformerStep:
+def ensemble_step(steps: Sequence[step_lib.TransformerStep]) -> step_lib.TransformerStep:
   """One step function over N models: `(tokens_to_logits, cache, gather_cache)`.
 
   Args:
-    steps: each model's `TransformerStep` (`decode.transformer_step_fn`) over the same rows and vocabulary.
+    steps: each model's `TransformerStep` (`step.transformer_step_fn`) over the same rows and vocabulary.
 
   Returns a `TransformerStep` whose `tokens_to_logits` returns the mean of the models' logits `[rows, vocab]`
   float32 (whose log-softmax is the renormalised mean of their log-probs) and whose cache is the tuple of the
@@ -41,7 +41,7 @@ def ensemble_step(steps: Sequence[decode.TransformerStep]) -> decode.Transformer
   if len(steps) == 1:
     return steps[0]
 
-  def tokens_to_logits(state: decode.DecodingState):
+  def tokens_to_logits(state: search.DecodingState):
     logits, caches = [], []
     for step, cache in zip(steps, state.cache):
       model_logits, new_cache = step.tokens_to_logits(state._replace(cache=cache))
@@ -52,4 +52,4 @@ def ensemble_step(steps: Sequence[decode.TransformerStep]) -> decode.Transformer
   def gather_cache(cache, parent: Array):
     return tuple(step.gather_cache(c, parent) for step, c in zip(steps, cache))
 
-  return decode.TransformerStep(tokens_to_logits, tuple(step.cache for step in steps), gather_cache)
+  return step_lib.TransformerStep(tokens_to_logits, tuple(step.cache for step in steps), gather_cache)

@@ -1,17 +1,11 @@
-"""Greedy, beam and sampled decoding over a step function, and the Transformer's step function (pure, jitted).
+"""Greedy, beam and sampled decoding over any step function: model-agnostic, pure, one `lax.while_loop`.
 
-Two layers, as in flax `examples/wmt/decode.py` and t5x `decoding.py`:
-
-* **Searches over a step function** (`greedy_search_over`, `sample_over`, `beam_search_over`) know nothing about
-  the model. They call `tokens_to_logits(DecodingState(cur_index, sequences, cur_token, cache))`, which returns
-  next-token logits `[rows, vocab]` and the new cache, and run the whole decoding as one `lax.while_loop`: no
-  Python work per token. Beam search reorders the cache with `gather_cache(cache, parent)` (default:
-  `gather_beams`, every non-scalar leaf).
-* **The Transformer glue** (`transformer_step_fn`): encode the source once, create the KV cache, the cached
-  one-token step (or the uncached teacher-forced step), tiled to `copies` rows per source for beam search. The
-  familiar entry points `greedy_search(params, config, ...)`, `beam_search(...)` and `sample(...)` are thin
-  jitted wrappers: `transformer_step_fn` then the search. `config`, `beam_size`, `alpha`, `max_decode_len` (and
-  the other switches) are static; `params`, `inputs`, `max_lengths` and `rng` are traced.
+As in flax `examples/wmt/decode.py` and t5x `decoding.py`, the searches (`greedy_search_over`, `sample_over`,
+`beam_search_over`) know nothing about the model. They call
+`tokens_to_logits(DecodingState(cur_index, sequences, cur_token, cache))`, which returns next-token logits
+`[rows, vocab]` and the new cache, and run the whole decoding as one `lax.while_loop`: no Python work per token.
+Beam search reorders the cache with `gather_cache(cache, parent)` (default: `gather_beams`, every non-scalar
+leaf). The Transformer's step function is `transformer_jax.decoding.step`.
 
 Conventions (shared by every search here):
 
@@ -42,29 +36,15 @@ tensor2tensor's stop_early), or its worst kept one (`'all'`: the whole n-best li
 never stops early), using `score(any completion) <= log_probs(live) / max(lp(len + 1), lp(max_len))`
 (log-probs only fall as a hypothesis grows). The loop ends when every source has stopped or after
 `max_decode_len` tokens.
-
-The Transformer's cached step encodes each source once and projects its cross-attention K/V once; those are
-loop constants closed over by the step (not part of the loop state), so XLA keeps them in the layout the
-attention wants instead of re-laying them out at every step, and a beam reorder gathers only the
-self-attention K/V. The `cached=False` step recomputes the full teacher-forced decoder over the prefix
-(padded to `max_decode_len`) at every step: O(L^2) work instead of O(L); it is the reference for tests and
-the baseline of the cached-vs-uncached benchmark.
 """
 
 from __future__ import annotations
 
-import functools
 from typing import Any, Callable, NamedTuple, Optional, Protocol
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
-from flax import traverse_util
 from jax import lax
-
-from transformer_jax import attention
-from transformer_jax.config import ModelConfig
-from transformer_jax.model import Transformer
 
 Array = jax.Array
 
@@ -99,7 +79,7 @@ class DecodingState(NamedTuple):
 # (DecodingState) -> (logits [rows, vocab] float32, new cache)
 TokensToLogits = Callable[[DecodingState], "tuple[Array, Any]"]
 # (log_probs [rows, vocab] float32, DecodingState) -> log_probs [rows, vocab]: applied after the log-softmax,
-# before the choice (forced prefixes: `transformer_jax.prefix`); -inf makes a token impossible, and the
+# before the choice (forced prefixes: `decoding.prefix`); -inf makes a token impossible, and the
 # log-probabilities that are summed are the ones it returns (nothing is renormalised).
 LogProbsFn = Callable[[Array, DecodingState], Array]
 
@@ -326,7 +306,7 @@ def _gather_beams(x: Array, index: Array) -> Array:
   return jnp.take_along_axis(x, index.reshape(index.shape + (1,) * (x.ndim - 2)), axis=1)
 
 
-def _check_beam_options(beam_size: int, early_stop: str):
+def check_beam_options(beam_size: int, early_stop: str):
   if beam_size < 1:
     raise ValueError(f"beam_size={beam_size} must be >= 1")
   if early_stop not in ("best", "all", "none"):
@@ -450,7 +430,7 @@ def beam_search_over(tokens_to_logits: TokensToLogits, cache, *, batch_size: int
   Returns a `BeamSearchOutput`. Raises ValueError for `beam_size < 1`, an unknown `early_stop` or equal ids.
   """
   _check_ids(bos_id, eos_id, pad_id)
-  _check_beam_options(beam_size, early_stop)
+  check_beam_options(beam_size, early_stop)
   batch, k, length = batch_size, beam_size, max_decode_len
   limits = _row_limits(max_lengths, batch, length)
   # Best possible score of a live beam's completion: log_probs / max over the remaining lengths of lp.
@@ -491,205 +471,3 @@ def beam_search_over(tokens_to_logits: TokensToLogits, cache, *, batch_size: int
   s = lax.while_loop(cond, body, init)
   return _beam_finalize(s, alpha, pad_id, None if selector is None else selector.complete(s.selection))
 
-
-# ----------------------------------------------------------------------------------------------------------
-# The Transformer glue: encode once, the cache, the cached (or uncached) step, rows per source
-# ----------------------------------------------------------------------------------------------------------
-
-def _check_lengths(config: ModelConfig, inputs: Array, max_decode_len: int):
-  if inputs.ndim != 2:
-    raise ValueError(f"inputs must be [batch, src_len], got shape {inputs.shape}")
-  if not 0 < max_decode_len <= config.max_len:
-    raise ValueError(f"max_decode_len={max_decode_len} must be in [1, config.max_len={config.max_len}] "
-                     "(the positional table covers config.max_len positions)")
-  if inputs.shape[1] > config.max_len:
-    raise ValueError(f"source length {inputs.shape[1]} exceeds config.max_len={config.max_len}")
-
-
-def _split_cache(cache) -> tuple[dict, dict]:
-  """The flax cache -> (cross-attention K/V: constant while decoding, the rest: changes every step), flat."""
-  flat = traverse_util.flatten_dict(nn.unbox(cache))
-  constant = {path: x for path, x in flat.items() if "cross_attention" in path}
-  return constant, {path: x for path, x in flat.items() if path not in constant}
-
-
-def _beam_form(changing: dict, batch: int, copies: int) -> dict:
-  """Every self-attention cache entry (flat paths) in `attention.beam_self_attention_cache` form."""
-  tree = traverse_util.unflatten_dict(changing)
-
-  def convert(node):
-    if isinstance(node, dict) and "cached_key" in node:
-      return attention.beam_self_attention_cache(node, batch, copies)
-    return {name: convert(child) for name, child in node.items()} if isinstance(node, dict) else node
-
-  return traverse_util.flatten_dict(convert(tree))
-
-
-def _reorder_beam_form(changing: dict, parent: Array) -> dict:
-  """The beam reorder of a `_beam_form` cache: only the ancestry tables `[batch, beams, L]` move."""
-  tree = traverse_util.unflatten_dict(changing)
-
-  def reorder(node):
-    if isinstance(node, dict) and "beam_ancestry" in node:
-      return attention.reorder_beam_self_attention_cache(node, parent)
-    return {name: reorder(child) for name, child in node.items()} if isinstance(node, dict) else node
-
-  return traverse_util.flatten_dict(reorder(tree))
-
-
-def _cached_step_fn(model: Transformer, params, config: ModelConfig, encoded: Array, inputs: Array,
-                    max_decode_len: int, copies: int) -> "TransformerStep":
-  """The KV-cached decoder over `batch * copies` rows; with copies > 1 the K/V cache is never reordered."""
-  # Create the cache on the un-tiled batch (cross-attention K/V projected once per source), then tile it.
-  bos = jnp.full((inputs.shape[0], 1), config.bos_id, jnp.int32)
-  _, variables = model.apply({"params": params}, encoded, inputs, bos, use_cache=True,
-                             max_decode_len=max_decode_len, method=Transformer.decode, mutable=["cache"])
-  constant, changing = _split_cache(repeat_rows(variables["cache"], copies))
-  # Materialise the cross-attention K/V in their stored layout before the loop: otherwise XLA folds the
-  # store/read transposes away and re-lays out the projections inside the loop, at every step.
-  constant = lax.optimization_barrier(constant)
-  # The beam form needs a plain position-indexed cache: not the ring buffer of a window, nor the positions
-  # that relative attention reads; those caches are gathered per beam instead (`gather_beams`).
-  beam_form = copies > 1 and not config.attention_window and not config.max_relative_position
-  if beam_form:
-    changing = _beam_form(changing, inputs.shape[0], copies)
-  # The decoder reads only the cached cross-attention K/V and the source mask in decode mode.
-  encoded_rows, inputs_rows = repeat_rows(encoded, copies), repeat_rows(inputs, copies)
-
-  def tokens_to_logits(state: DecodingState):
-    cache = traverse_util.unflatten_dict({**constant, **state.cache})
-    logits, variables = model.apply({"params": params, "cache": cache}, encoded_rows, inputs_rows,
-                                    state.cur_token[:, None], use_cache=True, method=Transformer.decode,
-                                    mutable=["cache"])  # logits [rows, 1, vocab]
-    _, changing = _split_cache(variables["cache"])
-    return logits[:, 0], changing
-
-  return TransformerStep(tokens_to_logits, changing, _reorder_beam_form if beam_form else gather_beams)
-
-
-def _uncached_step_fn(model: Transformer, params, config: ModelConfig, encoded: Array, inputs: Array,
-                      max_decode_len: int, copies: int) -> "TransformerStep":
-  """The teacher-forced decoder over the whole prefix at every step (cache `()`)."""
-  encoded_rows, inputs_rows = repeat_rows(encoded, copies), repeat_rows(inputs, copies)
-  positions = jnp.arange(max_decode_len)[None, :]
-
-  def tokens_to_logits(state: DecodingState):
-    # Teacher forcing on the prefix. Positions >= t hold a non-pad placeholder: the model masks *keys* by
-    # `targets != pad`, and position t's key (input y_t) is flagged by targets[t]; the causal mask hides
-    # everything after t, so the placeholder's value never matters.
-    targets = jnp.where(positions < state.cur_index, state.sequences, config.eos_id)  # [rows, L]
-    logits = model.apply({"params": params}, encoded_rows, inputs_rows, targets, method=Transformer.decode)
-    return lax.dynamic_index_in_dim(logits, state.cur_index, axis=1, keepdims=False), state.cache
-
-  return TransformerStep(tokens_to_logits, (), gather_beams)
-
-
-class TransformerStep(NamedTuple):
-  """The Transformer as the searches see it (what `transformer_step_fn` returns)."""
-  tokens_to_logits: TokensToLogits
-  cache: Any  # the initial cache, batch * copies rows
-  gather_cache: Callable  # the beam reorder to pass to `beam_search_over`
-
-
-def transformer_step_fn(params, config: ModelConfig, inputs: Array, max_decode_len: int, *,
-                        copies: int = 1, cached: bool = True) -> TransformerStep:
-  """The Transformer as a step function for the searches: `(tokens_to_logits, cache, gather_cache)`.
-
-  Encodes `inputs` `[batch, src_len]` (pad = `config.pad_id`) once and returns a step over `batch * copies`
-  decoder rows (row `i * copies + j` decodes source i; `copies` = the beam size for beam search).
-  `cached=True`: the KV-cached one-token step (`Transformer.decode(..., use_cache=True)`); the cross-attention
-  K/V are projected once and closed over, the cache carried between steps holds the self-attention K/V
-  `[rows, heads, cache_len, head_dim]` and the position counters. With `copies > 1` (and neither an
-  attention window nor relative positions) the self-attention caches take the never-reordered beam form
-  (`attention.beam_self_attention_cache`: K/V side by side per source plus a `beam_ancestry` table) and
-  `gather_cache` moves only the ancestry tables. `cached=False`: the teacher-forced decoder over the prefix
-  padded to `max_decode_len` (cache `()`). Call it under `jax.jit`.
-
-  Raises ValueError when `inputs` is not 2-D or a length exceeds `config.max_len`.
-  """
-  _check_lengths(config, inputs, max_decode_len)
-  params = nn.unbox(params)
-  model = Transformer(config)
-  encoded = model.apply({"params": params}, inputs, method=Transformer.encode)  # [batch, src_len, d_model]
-  make = _cached_step_fn if cached else _uncached_step_fn
-  return make(model, params, config, encoded, inputs, max_decode_len, copies)
-
-
-def _ids(config: ModelConfig) -> dict:
-  return dict(bos_id=config.bos_id, eos_id=config.eos_id, pad_id=config.pad_id)
-
-
-@functools.partial(jax.jit, static_argnames=("config", "max_decode_len", "cached"))
-def greedy_search(params, config: ModelConfig, inputs: Array, max_decode_len: int, *,
-                  max_lengths: Optional[Array] = None, cached: bool = True):
-  """Greedy decoding of the Transformer: `(tokens [batch, max_decode_len] int32, log_probs [batch] float32)`.
-
-  `tokens` exclude BOS and end with EOS then pad; `log_probs` sums the emitted tokens' log-probabilities,
-  EOS included. `transformer_step_fn` + `greedy_search_over`; see the module docstring for the conventions.
-  """
-  step, cache, _ = transformer_step_fn(params, config, inputs, max_decode_len, cached=cached)
-  return greedy_search_over(step, cache, batch_size=inputs.shape[0], max_decode_len=max_decode_len,
-                            max_lengths=max_lengths, **_ids(config))
-
-
-def greedy_search_uncached(params, config: ModelConfig, inputs: Array, max_decode_len: int, *,
-                           max_lengths: Optional[Array] = None):
-  """Reference greedy search that recomputes the teacher-forced decoder over the prefix at every step."""
-  return greedy_search(params, config, inputs, max_decode_len, max_lengths=max_lengths, cached=False)
-
-
-@functools.partial(jax.jit, static_argnames=("config", "max_decode_len", "temperature", "top_k", "cached"))
-def sample(params, config: ModelConfig, inputs: Array, rng: Array, max_decode_len: int,
-           temperature: float = 1.0, top_k: int = 0, *, max_lengths: Optional[Array] = None,
-           cached: bool = True):
-  """Ancestral sampling from the Transformer: `transformer_step_fn` + `sample_over` (see there).
-
-  Returns `(tokens [batch, max_decode_len], log_probs [batch])`; `log_probs` are the *model's* log-probs of
-  the sampled tokens (untempered, untruncated). `top_k=1` is greedy search. Step t uses
-  `jax.random.fold_in(rng, t)`.
-  """
-  step, cache, _ = transformer_step_fn(params, config, inputs, max_decode_len, cached=cached)
-  return sample_over(step, cache, rng, batch_size=inputs.shape[0], max_decode_len=max_decode_len,
-                     temperature=temperature, top_k=top_k, max_lengths=max_lengths, **_ids(config))
-
-
-@functools.partial(jax.jit, static_argnames=("config", "beam_size", "alpha", "max_decode_len", "cached",
-                                             "early_stop", "full_output"))
-def beam_search(params, config: ModelConfig, inputs: Array, beam_size: int = 4, alpha: float = 0.6,
-                max_decode_len: int = 64, *, max_lengths: Optional[Array] = None, cached: bool = True,
-                early_stop: str = "best", full_output: bool = False):
-  """Beam search of the Transformer with the GNMT length penalty (`transformer_step_fn` + `beam_search_over`).
-
-  Returns `(tokens [batch, beam, max_decode_len], scores [batch, beam])`, best first; with `full_output`, a
-  `BeamSearchOutput` that adds `log_probs [batch, beam]` (the raw sum of token log-probs, EOS included),
-  `steps` (decoder steps run) and `token_log_probs [batch, beam, max_decode_len]` (each token's log-prob).
-  `scores = log_probs / ((5 + |Y|) / 6) ** alpha` with `|Y|` the number of emitted tokens INCLUDING EOS
-  (excluding BOS). Slots without any hypothesis have score -inf and pad tokens.
-  `early_stop`: 'best' (default), 'all' or 'none', see the module docstring.
-  """
-  _check_beam_options(beam_size, early_stop)
-  step, cache, gather_cache = transformer_step_fn(params, config, inputs, max_decode_len, copies=beam_size,
-                                                  cached=cached)
-  out = beam_search_over(step, cache, batch_size=inputs.shape[0], beam_size=beam_size, alpha=alpha,
-                         max_decode_len=max_decode_len, max_lengths=max_lengths, early_stop=early_stop,
-                         gather_cache=gather_cache, per_token=full_output, **_ids(config))
-  return out if full_output else (out.tokens, out.scores)
-
-
-def beam_search_uncached(params, config: ModelConfig, inputs: Array, beam_size: int = 4, alpha: float = 0.6,
-                         max_decode_len: int = 64, **kwargs):
-  """Reference beam search that recomputes the teacher-forced decoder over the prefix at every step."""
-  return beam_search(params, config, inputs, beam_size, alpha, max_decode_len, cached=False, **kwargs)
-
-
-# ----------------------------------------------------------------------------------------------------------
-# Scoring a given target (teacher forcing): an independent check of the searches
-# ----------------------------------------------------------------------------------------------------------
-
-@functools.partial(jax.jit, static_argnames=("config",))
-def sequence_log_probs(params, config: ModelConfig, inputs: Array, targets: Array) -> Array:
-  """Sum of the model's log-probs of `targets` [batch, tgt_len] (pad after EOS ignored), teacher forced."""
-  logits = Transformer(config).apply({"params": nn.unbox(params)}, inputs, targets)
-  logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
-  token_logp = jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]
-  return jnp.sum(jnp.where(targets != config.pad_id, token_logp, 0.0), axis=-1)

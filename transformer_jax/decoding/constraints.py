@@ -7,7 +7,7 @@ tracks which constraint tokens it has met (`met [C]`) and the last one it met (`
 phrase is under way only its next token advances it (another token undoes the partial phrase); otherwise any
 unmet phrase may start. EOS is impossible until every constraint is met.
 
-At every step `DynamicBeamAllocation.select` (a `decode.BeamSelector`, so any model's step function gets it)
+At every step `DynamicBeamAllocation.select` (a `search.BeamSelector`, so any model's step function gets it)
 collects candidates: the plain 2k best extensions, for every live beam each token that would advance one of its
 constraints, and each beam's single best token; it drops duplicates, puts each candidate in the bank of its
 number of met constraint tokens, and gives each bank `k // banks` slots (the rest to the bank that met the
@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from transformer_jax import decode
+from transformer_jax.decoding import search
 
 Array = jax.Array
 
@@ -90,7 +90,7 @@ class _State(NamedTuple):
 
 
 class DynamicBeamAllocation:
-  """The `decode.BeamSelector` of lexically constrained beam search (module docstring); `eos_id` is banned
+  """The `search.BeamSelector` of lexically constrained beam search (module docstring); `eos_id` is banned
   until every constraint is met."""
 
   def __init__(self, constraints: Constraints, eos_id: int):
@@ -113,7 +113,7 @@ class DynamicBeamAllocation:
     """One source: alive [k], logp [k, V], state rows [k, ...] -> the k chosen extensions and their state."""
     k, vocab = logp.shape
     complete = jnp.sum(state.met, axis=-1) >= needed  # [k]
-    logp = logp.at[:, self.eos_id].set(jnp.where(complete, logp[:, self.eos_id], decode.NEG_INF))
+    logp = logp.at[:, self.eos_id].set(jnp.where(complete, logp[:, self.eos_id], search.NEG_INF))
     scores = alive[:, None] + logp  # [k, V]
     top = lax.top_k(scores.reshape(-1), min(2 * k, k * vocab))[1]
     allowed = jax.vmap(_allowed, in_axes=(0, 0, None))(state.met, state.last, cons)  # [k, C]
@@ -121,10 +121,10 @@ class DynamicBeamAllocation:
     parent = jnp.concatenate([top // vocab, jnp.repeat(jnp.arange(k), width), jnp.arange(k)])
     token = jnp.concatenate([top % vocab, jnp.tile(cons.tokens, k), jnp.argmax(scores, axis=-1)])
     ok = jnp.concatenate([jnp.ones_like(top, bool), allowed.reshape(-1), jnp.ones((k,), bool)])
-    score = jnp.where(ok, scores[parent, token], decode.NEG_INF)
+    score = jnp.where(ok, scores[parent, token], search.NEG_INF)
     key = parent * vocab + token  # a candidate seen earlier in the list is dropped
     earlier = jnp.tril(key[:, None] == key[None, :], k=-1) & ok[None, :]
-    score = jnp.where(jnp.any(earlier, axis=1), decode.NEG_INF, score)
+    score = jnp.where(jnp.any(earlier, axis=1), search.NEG_INF, score)
     met, last = jax.vmap(_advance, in_axes=(0, 0, 0, None))(state.met[parent], state.last[parent], token, cons)
     chosen = self._allocate(score, jnp.sum(met, axis=-1), needed, k, width)
     return (score[chosen], parent[chosen].astype(jnp.int32), token[chosen].astype(jnp.int32),
@@ -135,7 +135,7 @@ class DynamicBeamAllocation:
     """Indices `[k]` of the chosen candidates: each bank's best up to its share (sockeye's bank sizes: an even
     split, the remainder to the top bank, the slots a bank cannot fill passed down to the bank below), then the
     best of the rest."""
-    live = score > decode.NEG_INF  # bank: met constraint tokens, in [0, width]
+    live = score > search.NEG_INF  # bank: met constraint tokens, in [0, width]
     count = jnp.sum((bank[None, :] == jnp.arange(width + 1)[:, None]) & live[None, :], axis=1)  # [banks]
     banks = jnp.arange(width + 1)
     share = jnp.where(banks <= needed, k // (needed + 1), 0)

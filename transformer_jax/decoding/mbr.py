@@ -46,7 +46,7 @@ def expected_utilities(candidates: Sequence[str], log_probs: Sequence[float],
   Args:
     candidates: the n-best texts, detokenised.
     log_probs: `[n]` the model's log-probability of each (the raw sum of its token log-probs, EOS included:
-      `decode.BeamSearchOutput.log_probs`), not length-normalised.
+      `search.BeamSearchOutput.log_probs`), not length-normalised.
     utility: `(hypothesis, reference) -> float`, e.g. `utility_fn('chrf')`.
 
   Raises ValueError when the lengths differ, the list is empty or a log-prob is not finite.

@@ -1,11 +1,11 @@
 """One compiled decoding of a batch with every option of the decoding toolkit, for the host-side batching.
 
 `DecodeOptions` (static, hashable) says how to decode: greedy search, beam search or sampling (temperature,
-top-k, nucleus top-p), how many hypotheses to return, whether to compute alignments. `search(...)` is the
-traced body: the Transformer's step for one model or an ensemble (`transformer_jax.ensemble`), an optional
-forced prefix (`transformer_jax.prefix`), the search of `transformer_jax.decode`, then the alignment of the
-returned hypotheses (`transformer_jax.alignment`). Everything runs inside one jitted function per static
-setting and shape; `transformer_jax.inference` compiles it once per (length bucket, row count).
+top-k, nucleus top-p), how many hypotheses to return, whether to compute alignments. `generate(...)` is the
+traced body: the Transformer's step for one model or an ensemble (`decoding.ensemble`), an optional
+forced prefix (`decoding.prefix`), the searches of `decoding.search`, then the alignment of the
+returned hypotheses (`decoding.alignment`). Everything runs inside one jitted function per static
+setting and shape; `decoding.inference` compiles it once per (length bucket, row count).
 """
 
 from __future__ import annotations
@@ -17,8 +17,9 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from transformer_jax import alignment, decode, ensemble, prefix
-from transformer_jax import constraints as constraints_lib
+from transformer_jax.decoding import alignment, ensemble, prefix, search
+from transformer_jax.decoding import constraints as constraints_lib
+from transformer_jax.decoding import step as step_lib
 from transformer_jax.config import ModelConfig
 
 Array = jax.Array
@@ -34,7 +35,7 @@ class DecodeOptions:
   beam_size, alpha: beam width and GNMT length-penalty exponent (alpha also normalises every returned score).
   nbest: hypotheses returned per source (<= beam_size; 1 for greedy search and sampling).
   temperature, top_k, top_p: sampling's distribution `softmax(logits / T)`, truncated to the k most probable
-    tokens (0 = all), then to the nucleus of probability `top_p` (1 = all); `decode.truncate`.
+    tokens (0 = all), then to the nucleus of probability `top_p` (1 = all); `search.truncate`.
   alignment: also return each target token's source position (`alignment.cross_attention_alignment`).
   token_log_probs: also return each token's log-prob; off, the search carries no per-token buffers (plain
     beam search then costs what it did before the toolkit) and `Hypotheses.token_log_probs` is None.
@@ -85,7 +86,7 @@ class Hypotheses(NamedTuple):
   alignment: Optional[Array]  # [batch, n, max_decode_len] int32 source positions, or None
 
 
-def search(params_list: Sequence, config: ModelConfig, inputs: Array, max_lengths: Array, options: DecodeOptions,
+def generate(params_list: Sequence, config: ModelConfig, inputs: Array, max_lengths: Array, options: DecodeOptions,
            max_decode_len: int, *, keys: Optional[Array] = None, prefix_tokens: Optional[Array] = None,
            prefix_lengths: Optional[Array] = None,
            constraints: Optional[constraints_lib.Constraints] = None) -> Hypotheses:
@@ -97,18 +98,18 @@ def search(params_list: Sequence, config: ModelConfig, inputs: Array, max_length
   (`constraints.DynamicBeamAllocation`). Returns `Hypotheses`.
   """
   copies = options.rows_per_source
-  steps = [decode.transformer_step_fn(p, config, inputs, max_decode_len, copies=copies) for p in params_list]
+  steps = [step_lib.transformer_step_fn(p, config, inputs, max_decode_len, copies=copies) for p in params_list]
   step = ensemble.ensemble_step(steps)
   log_probs_fn = None
   if prefix_tokens is not None:
-    log_probs_fn = prefix.forced_prefix(decode.repeat_rows(prefix_tokens, copies),
-                                        decode.repeat_rows(prefix_lengths, copies))
+    log_probs_fn = prefix.forced_prefix(search.repeat_rows(prefix_tokens, copies),
+                                        search.repeat_rows(prefix_lengths, copies))
   ids = dict(bos_id=config.bos_id, eos_id=config.eos_id, pad_id=config.pad_id)
   common = dict(batch_size=inputs.shape[0], max_decode_len=max_decode_len, max_lengths=max_lengths,
                 log_probs_fn=log_probs_fn, **ids)
   if options.beam:
     selector = None if constraints is None else constraints_lib.DynamicBeamAllocation(constraints, config.eos_id)
-    out = decode.beam_search_over(step.tokens_to_logits, step.cache, beam_size=options.beam_size,
+    out = search.beam_search_over(step.tokens_to_logits, step.cache, beam_size=options.beam_size,
                                   alpha=options.alpha, gather_cache=step.gather_cache, selector=selector,
                                   per_token=options.token_log_probs, **common)
     n = options.nbest
@@ -119,18 +120,18 @@ def search(params_list: Sequence, config: ModelConfig, inputs: Array, max_length
       raise ValueError("lexical constraints need beam search (sampling='beam', beam_size >= 2)")
     common["full_output"] = options.token_log_probs  # a SequenceOutput, else (tokens, log_probs)
     if options.sampling == "sample":
-      out = decode.sample_over(step.tokens_to_logits, step.cache, keys, temperature=options.temperature,
+      out = search.sample_over(step.tokens_to_logits, step.cache, keys, temperature=options.temperature,
                                top_k=options.top_k, top_p=options.top_p, **common)
     else:
-      out = decode.greedy_search_over(step.tokens_to_logits, step.cache, **common)
+      out = search.greedy_search_over(step.tokens_to_logits, step.cache, **common)
     tokens, log_probs = out[0], out[1]
-    scores = log_probs / decode.length_penalty(jnp.maximum(jnp.sum(tokens != config.pad_id, axis=-1), 1),
+    scores = log_probs / search.length_penalty(jnp.maximum(jnp.sum(tokens != config.pad_id, axis=-1), 1),
                                                options.alpha)
     per_token = out.token_log_probs[:, None] if options.token_log_probs else None
     hyps = Hypotheses(tokens[:, None], log_probs[:, None], scores[:, None], per_token, None)
   if options.alignment:
     batch, n, length = hyps.tokens.shape
     aligned = alignment.cross_attention_alignment([nn.unbox(p) for p in params_list], config,
-                                                  decode.repeat_rows(inputs, n), hyps.tokens.reshape(batch * n, length))
+                                                  search.repeat_rows(inputs, n), hyps.tokens.reshape(batch * n, length))
     hyps = hyps._replace(alignment=aligned.reshape(batch, n, length))
   return hyps

@@ -1,4 +1,4 @@
-"""Host-side batched translation of token-id sequences with the searches of `transformer_jax.decode`.
+"""Host-side batched translation of token-id sequences with the searches of `transformer_jax.decoding`.
 
 `translate_ids` sorts the sources by length, groups them into batches whose source length is padded to a
 bucket (8, 16, 24, 32, 48, 64, 96, 128, ...) and whose row count is fixed (a last, smaller batch of a bucket
@@ -20,9 +20,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from transformer_jax import mbr, scoring
-from transformer_jax import constraints as constraints_lib
-from transformer_jax import search as search_lib
+from transformer_jax.decoding import constraints as constraints_lib
+from transformer_jax.decoding import generate, mbr, scoring
 from transformer_jax.config import ModelConfig
 
 # Number of traces of each search function, keyed like `_search_fn` plus the traced shapes.
@@ -65,10 +64,10 @@ def _rows_bucket(n: int, rows: int) -> int:
 
 
 @functools.lru_cache(maxsize=None)
-def _search_fn(config: ModelConfig, options: search_lib.DecodeOptions, max_decode_len: int, models: int = 1,
+def _search_fn(config: ModelConfig, options: generate.DecodeOptions, max_decode_len: int, models: int = 1,
                with_prefix: bool = False, constraint_width: int = 0) -> Callable:
   """Jitted `(params_tuple, inputs, max_lengths, indices, seed, prefix_tokens, prefix_lengths) -> Hypotheses`
-  (`search.search`), one per static setting; `indices` `[rows]` are the sources' input indices, whose keys
+  (`generate.generate`), one per static setting; `indices` `[rows]` are the sources' input indices, whose keys
   `fold_in(PRNGKey(seed), index)` sampling draws from (the same outputs whatever the batching)."""
   def run(params_tuple, inputs, max_lengths, indices, seed, prefix_tokens, prefix_lengths, constraints=None):
     _TRACES[(options, max_decode_len, models, with_prefix, constraint_width) + tuple(inputs.shape)] += 1
@@ -77,7 +76,7 @@ def _search_fn(config: ModelConfig, options: search_lib.DecodeOptions, max_decod
       base = jax.random.PRNGKey(seed)
       keys = jax.vmap(lambda i: jax.random.fold_in(base, i))(indices)
     prefix = dict(prefix_tokens=prefix_tokens, prefix_lengths=prefix_lengths) if with_prefix else {}
-    return search_lib.search(params_tuple, config, inputs, max_lengths, options, max_decode_len, keys=keys,
+    return generate.generate(params_tuple, config, inputs, max_lengths, options, max_decode_len, keys=keys,
                              constraints=constraints if constraint_width else None, **prefix)
   return jax.jit(run)
 
@@ -86,7 +85,7 @@ class Hypothesis(NamedTuple):
   """One decoded hypothesis of `decode_ids`."""
   ids: list  # token ids, EOS excluded
   log_prob: float  # natural log, sum over the tokens and the final EOS (the model's own, or the ensemble's)
-  score: float  # log_prob / ((5 + |Y|) / 6) ** alpha, |Y| counting EOS (`decode.length_penalty`)
+  score: float  # log_prob / ((5 + |Y|) / 6) ** alpha, |Y| counting EOS (`search.length_penalty`)
   token_log_probs: Optional[list]  # one float per token, then EOS's (if finished); None unless asked for
   alignment: Optional[list]  # source position of each token of `ids` (`alignment.pharaoh`), or None
 
@@ -123,7 +122,7 @@ def translate_ids(params, config: ModelConfig, sources: Sequence[Sequence[int]],
   Sources longer than `config.max_len` (EOS included) are truncated, with a warning. `decode_ids` does the
   work and has every other decoding option.
   """
-  options = search_lib.DecodeOptions(sampling="beam", beam_size=beam_size, alpha=float(alpha), token_log_probs=False)
+  options = generate.DecodeOptions(sampling="beam", beam_size=beam_size, alpha=float(alpha), token_log_probs=False)
   lists = decode_ids(params, config, sources, options, extra_len=extra_len, max_tokens_per_batch=max_tokens_per_batch,
                      batch_size=batch_size, append_eos=append_eos, progress=progress)
   return [hyps[0].ids if hyps else [] for hyps in lists]
@@ -136,8 +135,8 @@ def n_best_ids(params, config: ModelConfig, sources: Sequence[Sequence[int]], *,
   """Beam search's whole n-best list of each source: `[(ids without EOS, log_prob), ...]`, best first.
 
   The order is beam search's (length-penalised score, `alpha`); `log_prob` is the model's raw log-probability
-  of the hypothesis (float, natural log, EOS included; `decode.BeamSearchOutput.log_probs`), what MBR
-  weighs (`transformer_jax.mbr`). Each list holds the finished hypotheses (those that emitted EOS, at most
+  of the hypothesis (float, natural log, EOS included; `search.BeamSearchOutput.log_probs`), what MBR
+  weighs (`decoding.mbr`). Each list holds the finished hypotheses (those that emitted EOS, at most
   `beam_size`): the unfinished ones the search ranks after them (stopped early, or at the length limit) have
   the log-probability of a prefix, so they are dropped, unless no hypothesis finished: then the list is the
   best one alone. An empty source gives `[]`. Arguments and batching as `translate_ids`; raises ValueError unless
@@ -145,7 +144,7 @@ def n_best_ids(params, config: ModelConfig, sources: Sequence[Sequence[int]], *,
   """
   if beam_size < 2:
     raise ValueError(f"beam_size={beam_size}: an n-best list needs beam search (beam_size >= 2)")
-  options = search_lib.DecodeOptions(sampling="beam", beam_size=beam_size, alpha=float(alpha), nbest=beam_size,
+  options = generate.DecodeOptions(sampling="beam", beam_size=beam_size, alpha=float(alpha), nbest=beam_size,
                                      token_log_probs=False)
   lists = decode_ids(params, config, sources, options, extra_len=extra_len, max_tokens_per_batch=max_tokens_per_batch,
                      batch_size=batch_size, append_eos=append_eos, progress=progress)
@@ -153,21 +152,21 @@ def n_best_ids(params, config: ModelConfig, sources: Sequence[Sequence[int]], *,
 
 
 def decode_ids(params, config: ModelConfig, sources: Sequence[Sequence[int]],
-               options: search_lib.DecodeOptions, *, prefixes: Optional[Sequence[Sequence[int]]] = None,
+               options: generate.DecodeOptions, *, prefixes: Optional[Sequence[Sequence[int]]] = None,
                constraints: Optional[Sequence[Sequence[Sequence[int]]]] = None,
                seed: int = 0, extra_len: int = 50, max_tokens_per_batch: int = 4096,
                batch_size: Optional[int] = None, append_eos: bool = True,
                progress: Optional[Callable[[int], None]] = None) -> list[list[Hypothesis]]:
-  """Decodes token-id sequences with every option of `search.DecodeOptions`: per source its `Hypothesis` list.
+  """Decodes token-id sequences with every option of `generate.DecodeOptions`: per source its `Hypothesis` list.
 
   Args:
     params: the model's (unboxed) parameters, or a list of several models' (an ensemble,
-      `transformer_jax.ensemble`; same `config` and vocabulary).
+      `decoding.ensemble`; same `config` and vocabulary).
     options: how to decode (`DecodeOptions.check` runs first).
     prefixes: optional target ids (EOS excluded) per source that each output must start with (`[]` = none);
       each must leave room for one more token within the output limit.
     constraints: optional phrases (target ids, EOS excluded) per source that each output must contain, by
-      lexically constrained beam search (`transformer_jax.constraints`; beam search only); check the outputs
+      lexically constrained beam search (`decoding.constraints`; beam search only); check the outputs
       with `constraints.satisfied` (a phrase that cannot fit the length limit leaves the output unfinished).
     seed: sampling's seed; source i samples with `fold_in(PRNGKey(seed), i)`, whatever the batching.
     The rest as `translate_ids`.
@@ -190,7 +189,7 @@ def decode_ids(params, config: ModelConfig, sources: Sequence[Sequence[int]],
 
 
 def _hypotheses(row, config: ModelConfig) -> list[Hypothesis]:
-  """One source's row of `search.Hypotheses` (numpy) -> its finished hypotheses (or the best one alone)."""
+  """One source's row of `generate.Hypotheses` (numpy) -> its finished hypotheses (or the best one alone)."""
   filled = [k for k in range(len(row.log_probs)) if np.isfinite(row.log_probs[k])]
   finished = [k for k in filled if np.any(row.tokens[k] == config.eos_id)] or filled[:1]
   out = []
@@ -284,7 +283,7 @@ def _group_by_bucket(prepared: list[_Prepared], config: ModelConfig, rows_for) -
 
 
 def _run_batch(params_tuple, config: ModelConfig, batch: list[_Prepared], bucket: int, rows: int, *,
-               options: search_lib.DecodeOptions, extra_len: int, prefixes, seed: int, constraints=None,
+               options: generate.DecodeOptions, extra_len: int, prefixes, seed: int, constraints=None,
                constraint_width: int = 0):
   """Dispatches one padded batch `[rows bucket, bucket]` to the compiled search; returns its output (async)."""
   eos, pad = config.eos_id, config.pad_id
@@ -345,7 +344,7 @@ def translate_texts(params, config: ModelConfig, tokenizer, texts: Sequence[str]
   return [tokenizer.decode(o) if src else "" for o, src in zip(outputs, ids)]
 
 
-def decode_texts(params, config: ModelConfig, tokenizer, texts: Sequence[str], options: search_lib.DecodeOptions,
+def decode_texts(params, config: ModelConfig, tokenizer, texts: Sequence[str], options: generate.DecodeOptions,
                  *, prefixes: Optional[Sequence[str]] = None, constraints: Optional[Sequence[Sequence[str]]] = None,
                  **kwargs) -> list[list[Hypothesis]]:
   """`decode_ids` of `texts` (encoded as `translate_texts` does), with optional target `prefixes` (text, one per
@@ -414,7 +413,7 @@ def n_best_texts(params, config: ModelConfig, tokenizer, texts: Sequence[str], *
 def choose(n_best: Sequence[Sequence[tuple[str, float]]], mbr_utility: str = "",
            target_lang: str = "") -> list[str]:
   """One translation per `n_best_texts` list: the first (beam search's best) with `mbr_utility` '', else the
-  minimum-Bayes-risk choice under 'chrf' or 'bleu' for `target_lang` (`transformer_jax.mbr.select`); '' for
+  minimum-Bayes-risk choice under 'chrf' or 'bleu' for `target_lang` (`decoding.mbr.select`); '' for
   an empty list. Raises ValueError for another utility."""
   if not mbr_utility:
     return [candidates[0][0] if candidates else "" for candidates in n_best]

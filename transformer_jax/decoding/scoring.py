@@ -2,8 +2,9 @@
 CTranslate2 `score_batch`), for data filtering and quality estimation.
 
 `token_log_probs` runs the decoder once, teacher forced, over the whole target (the same logits the cached
-search computes step by step) and returns each target token's log-probability; `decode.sequence_log_probs`
-is their sum. Perplexity of a sentence is `exp(-sum / count)` over its tokens, EOS included.
+search computes step by step) and returns each target token's log-probability; `sequence_log_probs` is their
+sum (an independent check of the searches' scores). Perplexity of a sentence is `exp(-sum / count)` over its
+tokens, EOS included.
 """
 
 from __future__ import annotations
@@ -33,3 +34,12 @@ def token_log_probs(params, config: ModelConfig, inputs: Array, targets: Array) 
   logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
   token_logp = jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]
   return jnp.where(targets != config.pad_id, token_logp, 0.0)
+
+
+@functools.partial(jax.jit, static_argnames=("config",))
+def sequence_log_probs(params, config: ModelConfig, inputs: Array, targets: Array) -> Array:
+  """Sum of the model's log-probs of `targets` [batch, tgt_len] (pad after EOS ignored), teacher forced."""
+  logits = Transformer(config).apply({"params": nn.unbox(params)}, inputs, targets)
+  logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+  token_logp = jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]
+  return jnp.sum(jnp.where(targets != config.pad_id, token_logp, 0.0), axis=-1)

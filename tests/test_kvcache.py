@@ -1,0 +1,95 @@
+"""attention.kvcache: the decoder reaches the caches through typed entries, never by module or variable name.
+
+A model whose attention submodules carry other names decodes exactly as the original (greedy, beam 4 with its
+never-reordered cache, sampling, the toolkit's compiled decoding); per-row cache state that is not a kvcache
+entry is refused before beam search could leave it behind its beam.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from test_decode import CFG, L, PARAMS, SRC
+from transformer_jax import decoding
+from transformer_jax import model as model_lib
+from transformer_jax.attention import MultiHeadAttention, kvcache
+from transformer_jax.decoding import inference
+from transformer_jax.decoding.generate import DecodeOptions
+
+RENAMES = {"self_attention": "masked_attention", "cross_attention": "source_attention"}
+
+
+def _renamed_attention(config, is_cross=False, name=None):
+  """`MultiHeadAttention` as model.py builds it, under another submodule name."""
+  return MultiHeadAttention(config, is_cross=is_cross, name=RENAMES.get(name, name))
+
+
+def _rename(tree):
+  if not isinstance(tree, dict):
+    return tree
+  return {RENAMES.get(key, key): _rename(value) for key, value in tree.items()}
+
+
+def _outputs(params):
+  greedy = decoding.greedy_search(params, CFG, SRC, L)
+  beam = decoding.beam_search(params, CFG, SRC, 4, 0.6, L, full_output=True)
+  sampled = decoding.sample(params, CFG, SRC, jax.random.key(3), L, temperature=0.8, top_k=5)
+  sources = [list(row[row != 0]) for row in np.asarray(SRC)]
+  nbest = inference.decode_ids(params, CFG, sources, DecodeOptions(beam_size=4, nbest=3), extra_len=6)
+  return jax.tree_util.tree_map(np.asarray, (greedy, beam, sampled)), nbest
+
+
+def test_renamed_attention_submodules_decode_the_same(monkeypatch):
+  expected, expected_nbest = _outputs(PARAMS)
+  monkeypatch.setattr(model_lib, "MultiHeadAttention", _renamed_attention)
+  renamed = _rename(PARAMS)
+  assert "masked_attention" in renamed["decoder"]["layer_0"] and "self_attention" not in renamed["decoder"]["layer_0"]
+  encoded = model_lib.Transformer(CFG).apply({"params": renamed}, SRC, method=model_lib.Transformer.encode)
+  _, variables = model_lib.Transformer(CFG).apply(
+      {"params": renamed}, encoded, SRC, jnp.full((SRC.shape[0], 1), CFG.bos_id), use_cache=True,
+      max_decode_len=L, method=model_lib.Transformer.decode, mutable=["cache"])
+  paths = kvcache.entries(variables["cache"], kvcache.SelfAttentionCache)
+  assert [path[-2] for path in paths] == ["masked_attention"]  # the renamed model really keeps renamed caches
+  assert [path[-2] for path in kvcache.entries(variables["cache"], kvcache.CrossAttentionCache)] == [
+      "source_attention"]
+
+  got, got_nbest = _outputs(renamed)
+  for want, have in zip(jax.tree_util.tree_leaves(expected), jax.tree_util.tree_leaves(got), strict=True):
+    np.testing.assert_array_equal(have, want)  # bitwise: the same program, under other names
+  assert got_nbest == expected_nbest
+
+
+def _self_cache(rows, length=5):
+  return kvcache.SelfAttentionCache.create(rows, 2, length, 3, jnp.float32, jnp.float32)
+
+
+def test_split_finds_entries_by_type_wherever_they_sit():
+  cache = {"anywhere": {"cross": {"x": kvcache.CrossAttentionCache(jnp.ones((2, 2, 3, 4)), jnp.ones((2, 2, 3, 4)))},
+                        "self": {"y": _self_cache(2)}}, "counter": {"position": jnp.array(3)}}
+  constant, changing = kvcache.split(cache)
+  assert list(constant) == [("anywhere", "cross", "x")]
+  assert sorted(changing) == [("anywhere", "self", "y"), ("counter", "position")]
+  assert kvcache.merge(constant, changing)["counter"]["position"] == 3
+
+
+def test_beam_form_refuses_per_row_state_it_could_not_reorder():
+  with pytest.raises(ValueError, match="holds none"):
+    kvcache.to_beams({("decoder", "mine", "keys"): jnp.zeros((8, 3))}, batch=2, beams=4)
+  with pytest.raises(ValueError, match="decoder/mine/keys holds per-row state"):
+    kvcache.to_beams({("decoder", "attn", "kv"): _self_cache(8), ("decoder", "mine", "keys"): jnp.zeros((8, 3))},
+                     batch=2, beams=4)
+  with pytest.raises(ValueError, match="expected batch \\* beams = 2 \\* 4"):
+    kvcache.to_beams({("decoder", "attn", "kv"): _self_cache(6)}, batch=2, beams=4)
+
+
+def test_reorder_beams_moves_only_the_ancestry_rows():
+  changing = kvcache.to_beams({("a", "kv"): _self_cache(6), ("position",): jnp.array(2)}, batch=2, beams=3)
+  entry = changing[("a", "kv")]
+  ancestry = np.arange(2 * 3 * 5, dtype=np.int32).reshape(2, 3, 5)
+  changing[("a", "kv")] = entry.replace(ancestry=jnp.asarray(ancestry), key=entry.key + 1.0)
+  parent = np.array([[2, 2, 0], [1, 0, 1]], np.int32)
+  out = kvcache.reorder_beams(changing, jnp.asarray(parent))
+  np.testing.assert_array_equal(out[("a", "kv")].ancestry, ancestry[np.arange(2)[:, None], parent])
+  np.testing.assert_array_equal(out[("a", "kv")].key, entry.key + 1.0)  # the K/V stay where they are
+  assert out[("position",)] == 2
