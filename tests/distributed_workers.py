@@ -24,9 +24,11 @@ PREAMBLE = textwrap.dedent("""
 """)
 
 
-def run_workers(script: str, tmp_path, *, num_processes: int = 2, devices_per_process: int = 1,
-                timeout: float = 180, args: tuple[str, ...] = ()) -> list[dict]:
-  """`PREAMBLE + script` in `num_processes` processes of `devices_per_process` CPU devices each."""
+def start_workers(script: str, tmp_path, *, num_processes: int = 2, devices_per_process: int = 1,
+                  args: tuple[str, ...] = (), log_to=None) -> list[subprocess.Popen]:
+  """`PREAMBLE + script` started in `num_processes` processes of `devices_per_process` CPU devices each; their
+  output goes to pipes, or with `log_to` (a directory) to `log_to/<process>.log` (a process nobody reads from
+  then never blocks on a full pipe)."""
   worker = tmp_path / "worker.py"
   worker.write_text(PREAMBLE.replace("NUM_PROCESSES", str(num_processes)) + textwrap.dedent(script))
   with socket.socket() as s:
@@ -37,9 +39,17 @@ def run_workers(script: str, tmp_path, *, num_processes: int = 2, devices_per_pr
   env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=os.pathsep.join([root, tests]),
              XLA_FLAGS=(os.environ.get("XLA_FLAGS", "") +
                         f" --xla_force_host_platform_device_count={devices_per_process}").strip())
-  procs = [subprocess.Popen([sys.executable, str(worker), str(i), str(port), *args], env=env, cwd=root,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-           for i in range(num_processes)]
+  return [subprocess.Popen([sys.executable, str(worker), str(i), str(port), *args], env=env, cwd=root,
+                           stdout=open(log_to / f"{i}.log", "w") if log_to else subprocess.PIPE,
+                           stderr=subprocess.STDOUT, text=True)
+          for i in range(num_processes)]
+
+
+def run_workers(script: str, tmp_path, *, num_processes: int = 2, devices_per_process: int = 1,
+                timeout: float = 180, args: tuple[str, ...] = ()) -> list[dict]:
+  """`PREAMBLE + script` in `num_processes` processes of `devices_per_process` CPU devices each."""
+  procs = start_workers(script, tmp_path, num_processes=num_processes, devices_per_process=devices_per_process,
+                        args=args)
   outputs = []
   try:
     for proc in procs:

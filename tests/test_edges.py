@@ -91,8 +91,8 @@ def test_a_non_finite_grad_norm_names_the_quantity_step_and_batch(monkeypatch, t
   config.model.d_model, config.model.d_ff, config.model.num_heads = 32, 64, 2
   config.num_train_steps, config.log_every_steps, config.evals.loss.every_steps = 10, 5, 0
   with pytest.raises(trainer.NonFiniteLossError,
-                     match=r"training grad_norm is inf at step 4 \(non-finite: grad_norm\); its batch is batch 3 "
-                           r"of epoch 0"):
+                     match=r"training grad_norm is inf at step 4 \(non-finite: grad_norm\); its batch was read in "
+                           r"epoch 0 of the data stream \(seed 0, process 0's position"):
     trainer.train_and_evaluate(config, str(tmp_path / "run"))
 
 
@@ -301,4 +301,5 @@ def test_a_checkpoint_trained_with_another_vocabulary_is_refused_by_every_reader
   _run(["experiments.train", f"--workdir={same}", *QUICK, "--config.seed=7"])
   for checkpoint in (run10 / "checkpoints", same / "checkpoints"):
     result = _run(["experiments.translate", f"--workdir={run10}", f"--checkpoint={checkpoint}"], stdin="twelve\n")
-    assert result.returncode == 0 and result.stdout.strip()
+    # One translation line for the one input (a 10-step model may well decode it to the empty string).
+    assert result.returncode == 0 and result.stdout.count("\n") == 1

@@ -104,7 +104,7 @@ def test_train_resume_and_translate_on_gcs(gcs, tmp_path):
 
   names = gcs.list(prefix + "/")
   assert _complete_steps(gcs, prefix) == [4, 6]
-  for name in ("config.json", "vocab/spm.model", "vocab/spm.normalization.json", "data/train.ids.npz"):
+  for name in ("config.json", "vocab/spm.model", "vocab/spm.normalization.json"):  # ids: a local cache (ArrayRecord)
     assert f"{prefix}/{name}" in names, name
   assert any("/tfds/number_words/tiny/" in n and ".tfrecord-" in n for n in names)  # TFRecord on gs://
   assert any(n.startswith(f"{prefix}/tensorboard/events.out.tfevents.") for n in names)

@@ -6,10 +6,8 @@ disagree are refused in one line, as is resuming a workdir with the other settin
 """
 
 import json
-import os
 import types
 
-import numpy as np
 import pytest
 
 from experiments.configs import default
@@ -100,12 +98,11 @@ def test_training_pairs_are_lowercased_and_a_mismatched_vocabulary_is_refused(tm
   data = datasets.build_datasets(cfg, work, seed=0)
   tok = data.tokenizer
   assert tok.lowercase
-  assert data.train.sources[0].tolist() == tok.encode(en[0].lower())
-  assert data.train.targets[3].tolist() == tok.encode(de[3].lower())
+  sources, targets = data.train.shards.read_all()
+  assert sources[0].tolist() == tok.encode(en[0].lower())
+  assert targets[3].tolist() == tok.encode(de[3].lower())
   assert data.eval_sets["val"].pairs[0] == (en[0], de[0])  # the texts stay as written; their ids are lowercased
-  with np.load(os.path.join(work, "data", "train.ids.npz")) as cache:
-    key = json.loads(str(cache["key"]))
-  assert key["normalization"] == normalize.signature(lowercase=True)
+  assert data.train.shards.manifest["normalization"] == normalize.signature(lowercase=True)
   cfg.lowercase = False  # the same vocabulary (data.vocab_path of another run, or a changed flag) for a cased run
   with pytest.raises(tok_lib.VocabularyError, match=r"is a lowercased vocabulary but "
                                                     r"--config.data.lowercase=False") as error:

@@ -3,10 +3,11 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
+from etils import epath
 
 from transformer_jax.config import tiny
 from transformer_jax.data import number_words
-from transformer_jax.data.batching import PackedBatches
+from transformer_jax.data.pipeline import TrainStream, write_id_arrays
 from transformer_jax.data.tokenizer import encode_pairs, train_tokenizer
 from transformer_jax import sharding
 from transformer_jax.training import schedule
@@ -40,9 +41,10 @@ def test_bf16_training_on_the_builtin_task_tracks_fp32(tmp_path):
            for n in np.random.default_rng(0).choice(1_000_000, 4000, replace=False)]
   tok = train_tokenizer((s for p in pairs for s in p), str(tmp_path / "spm.model"), vocab_size=128)
   sources, targets = encode_pairs(tok, pairs)
+  shards = write_id_arrays(epath.Path(tmp_path) / "ids", {"test": 1}, sources, targets, tok.vocab_size)
 
   def batches():
-    it = PackedBatches(sources, targets, tokens_per_batch=1024, row_length=32, pad_id=tok.pad_id, seed=0)
+    it = TrainStream(shards, tokens_per_batch=1024, row_length=32, pad_id=tok.pad_id, seed=0)
     return [next(it) for _ in range(STEPS)]
 
   fp32_state, fp32 = _train("float32", batches, tok.vocab_size)

@@ -16,7 +16,7 @@ import sentencepiece as spm
 from experiments.configs import default
 from transformer_jax import config as C
 from transformer_jax import metrics
-from transformer_jax.data import datasets, normalize, parallel_text, token_cache, tokenizer as tok_lib
+from transformer_jax.data import datasets, normalize, parallel_text, pipeline, token_cache, tokenizer as tok_lib
 
 GERMAN = ["fünf Äpfel für Müller", "die Straße ist größer", "ein Café am Fluss", "zwölf Öfen über Nacht",
           "déjà vu im Büro", "naïve Ideen, schöne Grüße"]
@@ -246,10 +246,10 @@ def test_invisible_only_training_lines_are_blank_and_variants_encode_alike(tmp_p
   assert data.stats["skipped_blank"] == 3 and data.stats["train_pairs"] == 37
   tok = data.tokenizer
   assert tok.normalization == normalize.VERSION
-  srcs = data.train.sources
+  srcs, tgts = data.train.shards.read_all()
   np.testing.assert_array_equal(srcs[0], tok.encode("the red house number 0"))
-  np.testing.assert_array_equal(data.train.targets[2], tok.encode("das grüne haus nummer 5"))
-  assert all(C.UNK_ID not in t for t in data.train.targets)  # the vocabulary saw the same NFC text
+  np.testing.assert_array_equal(tgts[2], tok.encode("das grüne haus nummer 5"))
+  assert all(C.UNK_ID not in t for t in tgts)  # the vocabulary saw the same NFC text
 
 
 def test_training_files_with_only_invisible_pairs_are_refused(tmp_path):
@@ -259,24 +259,21 @@ def test_training_files_with_only_invisible_pairs_are_refused(tmp_path):
   assert not os.path.exists(tmp_path / "tfds")  # refused before anything was written
 
 
-def test_token_cache_is_keyed_by_the_normalisation(tmp_path):
+def test_token_ids_are_keyed_by_the_normalisation(tmp_path):
   en = [f"the house number {i}" for i in range(30)]
   de = [f"das haus nummer {i}" for i in range(30)]
   _write_corpus(tmp_path / "corpus", en, de)
   cfg, work = _data_config(tmp_path / "corpus", tmp_path), str(tmp_path / "w")
-  datasets.build_datasets(cfg, work, seed=0)
-  cache = os.path.join(work, "data", "train.ids.npz")
-  with np.load(cache) as data:
-    meta = json.loads(str(data["key"]))
+  shards = datasets.build_datasets(cfg, work, seed=0).train.shards
+  meta = shards.manifest
   assert meta["normalization"] == normalize.signature()
-  key = {k: meta[k] for k in ("format", "dataset", "split", "source", "target", "vocab_sha256", "normalization")}
-  assert token_cache.load(cache, key) is not None
-  assert token_cache.load(cache, dict(key, normalization="none")) is None
-  # A cache written before the key had a normalisation is not reused.
-  old_key = {k: v for k, v in key.items() if k != "normalization"}
-  token_cache.save(cache, old_key, [np.asarray([9, 3], np.int32)] * 30, [np.asarray([9, 3], np.int32)] * 30, 0)
+  key = {k: meta[k] for k in ("dataset", "split", "source", "target", "vocab_sha256", "normalization")}
+  assert pipeline.IdShards.open(shards.directory, key) is not None
+  assert pipeline.IdShards.open(shards.directory, dict(key, normalization="none")) is None
+  other = pipeline.key_directory(shards.directory.parent, dict(key, normalization="none"))
+  assert other != shards.directory  # ids of another normalisation would live elsewhere, never be read here
   rebuilt = datasets.build_datasets(cfg, work, seed=0)
-  assert rebuilt.train.sources[0].tolist() == rebuilt.tokenizer.encode(en[0])
+  assert rebuilt.train.shards.read_all()[0][0].tolist() == rebuilt.tokenizer.encode(en[0])
 
 
 def test_old_workdir_resumes_with_unnormalised_ids(tmp_path):
@@ -290,10 +287,9 @@ def test_old_workdir_resumes_with_unnormalised_ids(tmp_path):
   again = datasets.build_datasets(cfg, work, seed=0)
   assert again.tokenizer.normalization == normalize.LEGACY_VERSION
   raw = spm.SentencePieceProcessor(model_file=first.tokenizer.path)
-  assert again.train.sources[0].tolist() == raw.encode(en[0]) + [C.EOS_ID]
-  assert again.train.sources[0].tolist() != first.train.sources[0].tolist()  # the BOM is a token here
-  with np.load(os.path.join(work, "data", "train.ids.npz")) as data:
-    assert json.loads(str(data["key"]))["normalization"] == "none"
+  assert again.train.shards.read_all()[0][0].tolist() == raw.encode(en[0]) + [C.EOS_ID]
+  assert again.train.shards.read_all()[0][0].tolist() != first.train.shards.read_all()[0][0].tolist()  # BOM: a token
+  assert again.train.shards.manifest["normalization"] == "none"
 
 
 # -- scoring ------------------------------------------------------------------------------------------------

@@ -1,6 +1,7 @@
 """`experiments.benchmarks.recipe_speed`: variants of a recipe timed side by side on a workdir's cached ids.
 
-A workdir is faked with what a run leaves (`data/train.ids.npz` through `token_cache.save`, `config.json`); the
+A workdir is faked with what a run leaves (id shards in `data/train.ids/` through `pipeline.write_id_arrays`,
+`config.json`); the
 probe must build each variant's own batches and compiled step, report one row per variant with the reference
 first, and refuse bad variants and missing workdirs in one line without writing anything.
 """
@@ -12,9 +13,10 @@ import sys
 
 import numpy as np
 import pytest
+from etils import epath
 
 from experiments.benchmarks import recipe_speed
-from transformer_jax.data import token_cache
+from transformer_jax.data import pipeline
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = "model.d_model=32,model.d_ff=64,model.num_heads=2,model.num_encoder_layers=1,model.num_decoder_layers=1"
@@ -26,14 +28,15 @@ def workdir(tmp_path):
   pairs = [(rng.integers(4, 200, rng.integers(3, 30)), rng.integers(4, 200, rng.integers(3, 30)))
            for _ in range(300)]
   eos = np.array([3])
-  token_cache.save(str(tmp_path / "data" / "train.ids.npz"), {"format": "test"},
-                   [np.concatenate([s, eos]) for s, _ in pairs], [np.concatenate([t, eos]) for _, t in pairs], 0)
+  pipeline.write_id_arrays(epath.Path(tmp_path) / "data" / "train.ids" / "k", {"test": 1},
+                           [np.concatenate([s, eos]) for s, _ in pairs], [np.concatenate([t, eos]) for _, t in pairs],
+                           vocab_size=200)
   (tmp_path / "config.json").write_text(json.dumps({"model": {"vocab_size": 200}}))
   return tmp_path
 
 
-def test_token_cache_read_returns_what_was_saved(workdir):
-  sources, targets = token_cache.read(str(workdir / "data" / "train.ids.npz"))
+def test_the_workdirs_id_shards_are_found(workdir):
+  sources, targets = pipeline.IdShards.newest(workdir / "data" / "train.ids").read_all()
   assert len(sources) == len(targets) == 300
   assert all(s.dtype == np.int32 and s[-1] == 3 for s in sources)
 

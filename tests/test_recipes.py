@@ -216,9 +216,9 @@ def test_recipe_dry_run_train_resume_average_translate(name, tmp_path, caplog, q
     config = _reduced(name, tmp_path, 6, evaluate=False)  # resume to more steps
     second = trainer.train_and_evaluate(config, workdir)
   assert "Resumed from the checkpoint at step 4" in caplog.text
-  # The packing logged on the resume is that of the epoch the data position continues in, not epoch 0's.
-  resumed_epoch = re.search(r"data position \{'epoch': (\d+)", caplog.text).group(1)
-  assert re.findall(r"padding efficiency of epoch (\d+)", caplog.text) == ["0", resumed_epoch]
+  # The packing logged on the resume is that of the batches the data position continues with, in its epoch.
+  resumed_epoch = re.search(r"Resumed from the checkpoint at step 4 .*?'epoch': (\d+)", caplog.text).group(1)
+  assert re.findall(r"padding efficiency of the next \d+ batches \(epoch (\d+)\)", caplog.text) == ["0", resumed_epoch]
   assert second.final_step == 6
   steps = _saved_steps(ckpt_dir)
   assert steps == [2, 4, 6]

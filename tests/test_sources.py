@@ -91,24 +91,24 @@ def test_parallel_text_pipeline_skips_blank_in_training_keeps_in_eval(small_corp
   assert batch["inputs"].shape == (8, 32)
 
 
-def test_training_ids_are_cached_and_reused_only_for_the_same_data_and_vocabulary(small_corpus, tmp_path,
-                                                                                   monkeypatch):
-  from transformer_jax.data import token_cache
+def test_training_ids_are_written_once_and_reused_only_for_the_same_data_and_vocabulary(small_corpus, tmp_path,
+                                                                                        monkeypatch):
+  from transformer_jax.data import pipeline
   cfg = _data_config(dir=str(small_corpus))
   work = str(tmp_path / "work")
   first = datasets.build_datasets(cfg, work, seed=0)
-  cache = tmp_path / "work" / "data" / "train.ids.npz"
-  assert cache.exists()
+  shards = first.train.shards
+  assert shards.directory.parent == tmp_path / "work" / "data" / "train.ids" and len(shards.paths) == 1
 
-  # A restart loads the ids without reading the training text (reading it would fail here) ...
+  # A restart reads the ids without reading the training text (reading it would fail here) ...
   real_read = records.read_pairs
   def read_eval_only(builder, split, *args, **kwargs):
-    assert split != "train", "the training text was read despite the cache"
+    assert not split.startswith("train"), "the training text was read despite the stored ids"
     return real_read(builder, split, *args, **kwargs)
   monkeypatch.setattr(records, "read_pairs", read_eval_only)
   second = datasets.build_datasets(cfg, work, seed=0)
   assert second.stats == first.stats  # blank and over-long pairs counted the same way
-  for a, b in zip(first.train.sources + first.train.targets, second.train.sources + second.train.targets):
+  for a, b in zip(sum(shards.read_all(), []), sum(second.train.shards.read_all(), [])):
     np.testing.assert_array_equal(a, b)
   batch_a, batch_b = next(first.train), next(second.train)
   for k in batch_a:
@@ -116,38 +116,27 @@ def test_training_ids_are_cached_and_reused_only_for_the_same_data_and_vocabular
   assert second.eval_sets["val"].pairs == first.eval_sets["val"].pairs
   monkeypatch.setattr(records, "read_pairs", real_read)
 
-  # ... and ignores it for another vocabulary (or dataset, split, languages).
-  key = token_cache.cache_key("parallel_text/x/1.0.0", "train", "en", "de", str(tmp_path / "work" / "vocab" /
-                                                                              "spm.model"), "nfc-v1")
-  assert token_cache.load(str(cache), dict(key, vocab_sha256="0" * 64)) is None
-  assert token_cache.load(str(cache), dict(key, split="train[:10]")) is None
-  cache.write_bytes(b"damaged")
-  assert token_cache.load(str(cache), key) is None
-  third = datasets.build_datasets(cfg, work, seed=0)  # a damaged cache: encoded again, rewritten
-  assert third.stats == first.stats
-  assert np.load(cache)["src_offsets"].shape == (first.stats["train_pairs"] + first.stats["dropped_long"] + 1,)
+  # ... and ignores them for another vocabulary (or dataset, split, languages): those would live elsewhere.
+  key = {k: shards.manifest[k] for k in ("dataset", "split", "source", "target", "vocab_sha256", "normalization")}
+  assert pipeline.IdShards.open(shards.directory, dict(key, vocab_sha256="0" * 64)) is None
+  assert pipeline.key_directory(shards.directory.parent, dict(key, split="train[:10]")) != shards.directory
+  (shards.directory / pipeline.shard_name("done", 0, 1, "json")).unlink()  # an interrupted preparation
+  third = datasets.build_datasets(cfg, work, seed=0)  # the missing shard is encoded again
+  assert third.stats == first.stats and pipeline.IdShards.open(shards.directory, key) is not None
 
 
-def test_token_cache_round_trip_keeps_ids_and_dtypes(tmp_path):
-  from transformer_jax.data import token_cache
-  vocab = tmp_path / "v"
-  vocab.write_bytes(b"vocab")
-  key = token_cache.cache_key("d/c/1.0.0", "train", "en", "de", str(vocab), "nfc-v1")
-  for top in (100, 70_000):  # uint16 on disk below 2^16, int32 above
-    srcs = [np.asarray([top, 3], np.int32), np.asarray([3], np.int32), np.asarray([], np.int32)]
-    tgts = [np.asarray([5, 6, 3], np.int32), np.asarray([3], np.int32), np.asarray([7, 3], np.int32)]
-    token_cache.save(str(tmp_path / "c.npz"), key, srcs, tgts, skipped_blank=2)
-    got_s, got_t, blank = token_cache.load(str(tmp_path / "c.npz"), key)
-    assert blank == 2 and all(g.dtype == np.int32 for g in got_s + got_t)
-    for a, b in zip(srcs + tgts, got_s + got_t):
-      np.testing.assert_array_equal(a, b)
-
-
-def test_parallel_text_dataset_is_built_once_and_reused(small_corpus, tmp_path):
+def test_parallel_text_dataset_is_built_once_and_reused(small_corpus, tmp_path, monkeypatch):
+  """A restart reads the prepared dataset: the files are hashed, not checked line by line again (at WMT scale
+  the check read every line into memory on every start)."""
   args = (str(small_corpus), "en", "de", str(tmp_path / "tfds"))
+  checked = []
+  check = parallel_text.check_split
+  monkeypatch.setattr(parallel_text, "check_split", lambda *a, **k: (checked.append(a[1]), check(*a, **k)))
   b1 = parallel_text.parallel_text_builder(*args)
+  assert sorted(checked) == ["train", "val"]
   stamp = os.path.getmtime(os.path.join(b1.data_dir, "dataset_info.json"))
   b2 = parallel_text.parallel_text_builder(*args)
+  assert sorted(checked) == ["train", "val"]  # not again
   assert b2.data_dir == b1.data_dir
   assert os.path.getmtime(os.path.join(b2.data_dir, "dataset_info.json")) == stamp
   assert sorted(b2.info.splits.keys()) == ["train", "val"]

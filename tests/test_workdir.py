@@ -14,8 +14,8 @@ def test_layout_is_named_in_one_place(tmp_path):
   assert os.fspath(w.config_json) == str(tmp_path / "run" / "config.json")
   assert os.fspath(w.checkpoints) == str(tmp_path / "run" / "checkpoints")
   assert os.fspath(w.vocab) == str(tmp_path / "run" / "vocab" / "spm.model")
-  assert os.fspath(w.token_ids("train")) == str(tmp_path / "run" / "data" / "train.ids.npz")
-  assert w.token_ids("train[:10%]").name == "train__10__.ids.npz"
+  assert os.fspath(w.token_ids("train")) == str(tmp_path / "run" / "data" / "train.ids")
+  assert w.token_ids("train[:10%]").name == "train__10__.ids"
   assert {p.name for p in (w.tfds, w.metrics_jsonl, w.tensorboard, w.averaged, w.eval, w.final_eval_json)} == {
       "tfds", "metrics.jsonl", "tensorboard", "averaged", "eval", "final_eval.json"}
   assert not (tmp_path / "run").exists()  # naming paths creates nothing

@@ -164,9 +164,15 @@ def _abstract_from_metadata(metadata_tree: PyTree, sharding: jax.sharding.Shardi
 
 
 def _rng_key_data(rng: jax.Array) -> jax.Array:
-  if jax.dtypes.issubdtype(rng.dtype, jax.dtypes.prng_key):
-    return jax.random.key_data(rng)
-  return rng
+  """The key's data, as a global array replicated over every process's devices when several processes save
+  (orbax refuses a host-local array there; every process holds the same key, split from `config.seed`)."""
+  data = jax.random.key_data(rng) if jax.dtypes.issubdtype(rng.dtype, jax.dtypes.prng_key) else rng
+  if jax.process_count() > 1 and data.is_fully_addressable:
+    host = np.asarray(data)
+    replicated = jax.sharding.NamedSharding(jax.sharding.Mesh(np.asarray(jax.devices()), ("all",)),
+                                            jax.sharding.PartitionSpec())
+    data = jax.make_array_from_callback(host.shape, replicated, lambda index: host[index])
+  return data
 
 
 def _typed_key(key_data: jax.Array) -> jax.Array:

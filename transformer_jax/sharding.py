@@ -20,7 +20,8 @@ and provides everything the training loop needs to run sharded under `jax.jit` (
   `steps.train_step` / `steps.eval_step` through it; training, evaluation, benchmarks and profiles use them.
 * `mesh_context`: the same context for anything else (e.g. decoding on sharded params).
 * `maybe_initialize_distributed`, `per_device_bytes` (state memory per device, for benchmarks).
-* `agree_across_hosts`, `agree_on_ints`, `ragged_from_first_process`: process 0's host-side values on every host.
+* `agree_across_hosts`, `agree_on_ints`: process 0's host-side values on every host; `gather_json`: every
+  process's (e.g. its data position); `sync_processes`: a barrier.
 
 Three parallelism styles, all from the same rule table:
 
@@ -38,6 +39,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import functools
+import json
 import logging
 import math
 from typing import Any, Callable, Iterator, Mapping, Optional, Sequence
@@ -170,34 +172,24 @@ def agree_on_ints(*values: int) -> tuple[int, ...]:
   return tuple(int(v) for v in multihost_utils.broadcast_one_to_all(np.asarray(values, np.int32)))
 
 
-# Elements per broadcast when sending ragged arrays: 64 MiB of int32, so a WMT-sized epoch of ids (~10^8) goes in
-# pieces rather than as one buffer on every device.
-_BROADCAST_CHUNK = 1 << 24
+def sync_processes(name: str) -> None:
+  """Waits until every process reached the point `name` (a no-op on one host): e.g. the vocabulary that
+  process 0 trains is on disk before the others read it."""
+  if jax.process_count() > 1:
+    multihost_utils.sync_global_devices(name)
 
 
-def ragged_from_first_process(produce: Callable[[], Sequence[Sequence[int]]]) -> list[np.ndarray]:
-  """Process 0's `produce()` on every process: a list of 1-D integer arrays of any lengths, as int32.
-
-  `produce` runs on process 0 only; the others receive its arrays (their lengths, then the concatenated ids in
-  pieces of `_BROADCAST_CHUNK`, through `multihost_utils.broadcast_one_to_all`). For host-side data that must
-  be identical on every host but cannot be recomputed identically on each, such as SentencePiece's sampled
-  segmentations (`data.subword_sampling`), from which every host packs the same plan and takes its own rows.
-  On one process it is `produce()` itself. Every process must call it at the same point (a collective).
-  """
+def gather_json(value: Any) -> list[Any]:
+  """Every process's JSON-serialisable `value`, in process order, on every process (`[value]` on one host):
+  e.g. each process's data position, saved together in a checkpoint. A collective: every process calls it."""
   if jax.process_count() == 1:
-    return [np.asarray(a, np.int32) for a in produce()]
-  first = jax.process_index() == 0
-  arrays = [np.asarray(a, np.int32) for a in produce()] if first else []
-  (count,) = agree_on_ints(len(arrays))
-  if count == 0:
-    return []
-  lengths = np.asarray([a.size for a in arrays] if first else np.zeros(count), np.int32)
-  lengths = np.asarray(multihost_utils.broadcast_one_to_all(lengths), np.int64)
-  flat = np.concatenate(arrays) if first and arrays else np.zeros(int(lengths.sum()), np.int32)
-  pieces = [np.asarray(multihost_utils.broadcast_one_to_all(flat[lo:lo + _BROADCAST_CHUNK]), np.int32)
-            for lo in range(0, flat.size, _BROADCAST_CHUNK)]
-  flat = np.concatenate(pieces) if pieces else flat
-  return np.split(flat, np.cumsum(lengths)[:-1])
+    return [value]
+  data = np.frombuffer(json.dumps(value, sort_keys=True).encode(), np.uint8)
+  sizes = np.asarray(multihost_utils.process_allgather(np.asarray([data.size], np.int32))).reshape(-1)
+  padded = np.zeros(int(sizes.max()), np.uint8)
+  padded[:data.size] = data
+  gathered = np.asarray(multihost_utils.process_allgather(padded)).reshape(len(sizes), -1)
+  return [json.loads(row[:size].tobytes()) for row, size in zip(gathered, sizes)]
 
 
 @contextlib.contextmanager

@@ -49,7 +49,7 @@ from transformer_jax import diagnostics, early_stopping as early_stopping_lib, m
 from transformer_jax.decoding import inference
 from transformer_jax import profiling, sharding
 from transformer_jax.config import RUNTIME_FIELDS, ModelConfig
-from transformer_jax.data import batching, datasets as datasets_lib, tokenizer as tokenizer_lib
+from transformer_jax.data import batching, datasets as datasets_lib, pipeline, tokenizer as tokenizer_lib
 from transformer_jax.data.marian_vocab import TOKENIZER_NAME as MARIAN_TOKENIZER
 from transformer_jax.owner_lock import OwnerLock
 from transformer_jax.training import budget as budget_lib
@@ -466,7 +466,7 @@ def _prepare_run(config: Any, run_dir: Workdir, saved: dict | None, untrained_im
   run_dir.create()
   data = datasets_lib.build_datasets(config.data, str(run_dir.root), seed=config.seed,
                                      process_index=jax.process_index(), process_count=jax.process_count(),
-                                     share_across_processes=sharding.ragged_from_first_process)
+                                     barrier=sharding.sync_processes)
   model_config = model_config_from(config, data.tokenizer.vocab_size)
   tokenizer_lib.check_model_ids(data.tokenizer, model_config)
   resolved = to_jsonable(config)
@@ -610,12 +610,13 @@ def init_or_restore(run: Run) -> None:
                                          run.rules, label_smoothing=run.config.label_smoothing)
 
 
-def log_packing(train: batching.PackedBatches) -> None:
-  """Logs the packing of the epoch training continues in (not epoch 0's on a resume: with subword sampling
-  each epoch has its own segmentation, and planning another epoch would sample it for nothing)."""
-  src_eff, tgt_eff = train.padding_efficiency(train.epoch)
-  logging.info("Packed batches: %d rows x %d slots; padding efficiency of epoch %d: source %.1f%%, target %.1f%%",
-               train.rows_per_batch, train.row_length, train.epoch, 100 * src_eff, 100 * tgt_eff)
+def log_packing(train: pipeline.TrainStream, batches: int = 20) -> None:
+  """Logs the packing of the next `batches` batches of this process from where training continues (read from a
+  copy of the stream: the position does not move)."""
+  src_eff, tgt_eff = train.padding_efficiency(batches)
+  logging.info("Packed batches: %d rows x %d slots (%d on this process); padding efficiency of the next %d "
+               "batches (epoch %d): source %.1f%%, target %.1f%%", train.rows_per_batch, train.row_length,
+               train.rows_per_batch // train.process_count, batches, train.epoch, 100 * src_eff, 100 * tgt_eff)
 
 
 def start_from_import(run: Run, step: int) -> None:
@@ -652,7 +653,7 @@ class _TrainLog:
     self.last_time, self.last_step = time.time(), start_step
 
   def add(self, step: int, metrics: dict, position: Mapping | None = None) -> None:
-    """`position`: the data position its batch was read from (`PackedBatches.get_state()` before it)."""
+    """`position`: the data position its batch was read from (`TrainStream.get_state()` before it)."""
     self.pending.append((step, metrics, position))
 
   def flush(self, step: int, total_steps: int) -> dict[str, float]:
@@ -661,8 +662,8 @@ class _TrainLog:
     for (s, _, position), m in zip(self.pending, fetched):
       bad = [k for k in ("nll", "loss", "grad_norm") if k in m and not np.isfinite(m[k])]  # computation order
       if bad:
-        where = (f"; its batch is batch {position['index']} of epoch {position['epoch']} of the data plan "
-                 f"(seed {position['seed']})") if position else ""
+        where = (f"; its batch was read in epoch {position['epoch']} of the data stream (seed {position['seed']}, "
+                 f"process {position['process_index']}'s position {position['grain']})") if position else ""
         raise NonFiniteLossError(
             f"training {bad[0]} is {m[bad[0]]} at step {s} (non-finite: {', '.join(bad)}){where}; every token id "
             "and position of it was within the model's tables (checked before each step), so the cause is "
@@ -703,7 +704,8 @@ def _checkpoint_due(run: Run, step: int, last_save_time: float) -> bool:
 def save(run: Run, step: int, eval_metrics: dict[str, float]) -> None:
   """Writes the checkpoint of `step` (state, rng, data position, resolved config, and the best metric's value)."""
   best = run.config.checkpoint_best_metric
-  saved = run.checkpointer.save(step, run.state, run.rng, run.data.train.get_state(), run.resolved_config,
+  data_state = {"processes": sharding.gather_json(run.data.train.get_state())}  # each process's own position
+  saved = run.checkpointer.save(step, run.state, run.rng, data_state, run.resolved_config,
                                 metrics=eval_metrics if best and best in eval_metrics else None)
   checkpoint_lib.require_saved(saved, run.checkpointer.directory, step)
 

@@ -30,6 +30,7 @@ from transformer_jax import config as presets
 from transformer_jax import decoding, sharding, trainer
 from transformer_jax.config import ModelConfig
 from transformer_jax.data import number_words as nw
+from transformer_jax.data import pipeline
 from transformer_jax.data import tokenizer as tok_lib
 from transformer_jax.data.batching import filter_by_length
 from transformer_jax.training import steps
@@ -146,6 +147,17 @@ def load_corpus(max_len: int = 512) -> Corpus:
   src, tgt, _ = filter_by_length(src, tgt, max_len)
   test = [np.asarray(x, np.int32) for x in tokenizer.encode_batch(test_en)]
   return Corpus(name, src, tgt, test, tokenizer.vocab_size, str(path), tokenize_s)
+
+
+def packed_stream(corpus: Corpus, tokens_per_batch: int, row_length: int, seed: int = 0) -> pipeline.TrainStream:
+  """The trainer's input pipeline over `corpus`'s training ids (written once as id shards in the cache)."""
+  key = {"corpus": corpus.name, "tokenizer": corpus.tokenizer_path, "pairs": len(corpus.sources),
+         "target_tokens": int(sum(map(len, corpus.targets)))}
+  directory = pipeline.key_directory(CACHE / "ids", key)
+  shards = pipeline.IdShards.open(directory) or pipeline.write_id_arrays(
+      directory, key, corpus.sources, corpus.targets, corpus.vocab_size)
+  return pipeline.TrainStream(shards, tokens_per_batch=tokens_per_batch, row_length=row_length,
+                              pad_id=presets.PAD_ID, seed=seed)
 
 
 # ----------------------------------------------------------------------------------------------------------

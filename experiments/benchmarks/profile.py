@@ -38,8 +38,6 @@ import numpy as np
 from experiments.benchmarks import common
 from transformer_jax import sharding
 from transformer_jax.decoding import inference
-from transformer_jax.config import PAD_ID
-from transformer_jax.data.batching import PackedBatches
 from transformer_jax.decoding.generate import DecodeOptions
 from transformer_jax.training.steps import init_params
 
@@ -124,8 +122,7 @@ def _train_program(args):
   """(compiled step, run once, steps per run, title) for the trainer's step on one packed batch."""
   corpus = common.load_corpus(args.row_length)
   cfg = common.preset_config(args.preset, args.vocab or corpus.vocab_size)
-  batches = PackedBatches(corpus.sources, corpus.targets, tokens_per_batch=args.tokens,
-                          row_length=args.row_length, pad_id=PAD_ID, seed=0)
+  batches = common.packed_stream(corpus, args.tokens, args.row_length)
   built = common.build_train_step(common.train_config(cfg), mesh=sharding.single_device_mesh())
   batch = built.shard(next(batches))
   state, rng = built.state, built.rng

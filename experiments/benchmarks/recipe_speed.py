@@ -8,8 +8,8 @@ r"""Side by side: the training step of a recipe's variants on that recipe's own 
 What it answers: which sizes give the most real target tokens per second on this machine, before an hour is
 spent on a run (the run log, docs/multi30k_runs.md, quotes it). Each `--variant` is `NAME:KEY=VALUE,...` of overrides
 to `--config` (a module in `experiments/configs`, the one the workdir was trained with by default), the first is
-the reference. Every variant packs the workdir's cached training ids (`data/train.ids.npz`, written by any
-`experiments.train`/`experiments.multi30k` run) into its own batches (`PackedBatches`, its `data.max_len` row
+the reference. Every variant packs the workdir's training ids (the id shards in `data/train.ids/`, written by any
+`experiments.train`/`experiments.multi30k` run) into its own batches (`pipeline.TrainStream`, its `data.max_len` row
 length and `data.tokens_per_batch`), builds the trainer's own state and compiled step
 (`benchmarks.common.build_train_step`) on its own mesh over the first `num_cpu_devices` host devices (1 for
 0: `--variant='one device:num_cpu_devices=0'` against a recipe that uses 2), and is timed in rounds that
@@ -38,8 +38,7 @@ import numpy as np
 from experiments import launch
 from experiments.benchmarks import common
 from transformer_jax import sharding, trainer
-from transformer_jax.data import token_cache
-from transformer_jax.data.batching import PackedBatches
+from transformer_jax.data import pipeline
 
 
 def parse_variant(text: str) -> tuple[str, dict]:
@@ -79,7 +78,7 @@ def variant_config(config_module: str, vocab_size: int, overrides: dict):
 
 def main(argv=None) -> int:
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-  parser.add_argument("--workdir", required=True, help="a run whose data/train.ids.npz and vocab/ to use")
+  parser.add_argument("--workdir", required=True, help="a run whose data/train.ids/ and config.json to use")
   parser.add_argument("--config", default="multi30k", help="module in experiments/configs")
   parser.add_argument("--variant", action="append", default=[], help="NAME:KEY=VALUE,... (repeatable)")
   parser.add_argument("--rounds", type=int, default=3)
@@ -87,11 +86,13 @@ def main(argv=None) -> int:
   parser.add_argument("--batches", type=int, default=6, help="distinct batches cycled per variant")
   args = parser.parse_args(argv)
 
-  ids_path = os.path.join(args.workdir, "data", "train.ids.npz")
+  ids_path = os.path.join(args.workdir, "data", "train.ids")
   config_json = os.path.join(args.workdir, "config.json")
-  for path in (ids_path, config_json):
-    if not os.path.exists(path):
-      print(f"error: {path} does not exist (run experiments.train or experiments.multi30k there first)",
+  shards = pipeline.IdShards.newest(ids_path)
+  for path, present in ((ids_path, shards is not None), (config_json, os.path.exists(config_json))):
+    if not present:
+      print(f"error: {path} does not exist or is incomplete (run experiments.train or experiments.multi30k there "
+            "first)",
             file=sys.stderr)
       return 1
   try:
@@ -101,7 +102,6 @@ def main(argv=None) -> int:
     return 1
   with open(config_json) as f:
     vocab_size = int(json.load(f)["model"]["vocab_size"])
-  sources, targets = token_cache.read(ids_path)
 
   runs = {}
   for name, overrides in variants:
@@ -122,8 +122,9 @@ def main(argv=None) -> int:
       print(f"error: variant {name!r}: {e}", file=sys.stderr)
       return 1
     built = common.build_train_step(config, mesh)
-    batches = PackedBatches(sources, targets, tokens_per_batch=config.data.tokens_per_batch,
-                            row_length=config.data.max_len, seed=config.seed, pad_id=built.model_config.pad_id)
+    batches = pipeline.TrainStream(shards, tokens_per_batch=config.data.tokens_per_batch,
+                                   row_length=config.data.max_len, seed=config.seed,
+                                   pad_id=built.model_config.pad_id)
     batches = [next(batches) for _ in range(args.batches)]
     real = float(np.mean([(b["targets"] != built.model_config.pad_id).sum() for b in batches]))
     batches = [sharding.shard_batch(b, built.mesh, built.rules) for b in batches]

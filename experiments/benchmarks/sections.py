@@ -34,7 +34,6 @@ import numpy as np  # noqa: E402
 from experiments.benchmarks import ablations, common, flax_peer  # noqa: E402
 from transformer_jax import config as presets  # noqa: E402
 from transformer_jax import sharding  # noqa: E402
-from transformer_jax.data.batching import PackedBatches  # noqa: E402
 
 
 def _log(*args):
@@ -74,13 +73,12 @@ def _batch_tokens(batch) -> tuple[int, int]:
 
 
 class _Pipeline:
-  """Times `PackedBatches` batch building: epoch planning (amortised) + `build_packed_batch` per batch."""
+  """Times the trainer's input pipeline (`pipeline.TrainStream`: read, decode, pack, batch) per batch, after its
+  first batch (start-up and prefetch filling timed apart)."""
 
   def __init__(self, corpus, tokens_per_batch, row_length):
-    self.batches = PackedBatches(corpus.sources, corpus.targets, tokens_per_batch=tokens_per_batch,
-                                 row_length=row_length, pad_id=presets.PAD_ID, seed=0)
-    _, self.plan_s = _timed(lambda: self.batches.plan(0))
-    self.batches_per_epoch = len(self.batches.plan(0))
+    self.batches = common.packed_stream(corpus, tokens_per_batch, row_length)
+    _, self.first_s = _timed(lambda: next(self.batches))
     self.times: list[float] = []
     self.target_tokens: list[int] = []
 
@@ -88,8 +86,6 @@ class _Pipeline:
     out = []
     for _ in range(n):
       start = time.perf_counter()
-      if self.batches.index >= self.batches_per_epoch:  # keep the measured epoch's plan (no re-planning)
-        self.batches.index = 0
       batch = next(self.batches)
       self.times.append(time.perf_counter() - start)
       self.target_tokens.append(_batch_tokens(batch)[1])
@@ -97,11 +93,10 @@ class _Pipeline:
     return out
 
   def result(self) -> dict:
-    per_batch = common.median(self.times) + self.plan_s / self.batches_per_epoch
+    per_batch = common.median(self.times)
     tokens = float(np.mean(self.target_tokens))
-    src_eff, tgt_eff = self.batches.padding_efficiency(0)
-    return {"plan_epoch_s": self.plan_s, "batches_per_epoch": self.batches_per_epoch,
-            "build_batch_s": common.median(self.times), "per_batch_s": per_batch,
+    src_eff, tgt_eff = self.batches.padding_efficiency()
+    return {"first_batch_s": self.first_s, "per_batch_s": per_batch,
             "target_tokens_per_s": tokens / per_batch, "padding_efficiency": [src_eff, tgt_eff]}
 
 
@@ -226,8 +221,7 @@ def _peer_batches(args) -> tuple[list[dict], int, int, int]:
   """(host batches, rows, row length, vocabulary) of batch kind `args.kind`, identical in every process."""
   if args.kind == "packed":
     corpus = common.load_corpus(args.row_length)
-    batches = PackedBatches(corpus.sources, corpus.targets, tokens_per_batch=args.tokens,
-                            row_length=args.row_length, pad_id=presets.PAD_ID, seed=0)
+    batches = common.packed_stream(corpus, args.tokens, args.row_length)
     host = [next(batches) for _ in range(args.num_batches)]
     return host, args.tokens // args.row_length, args.row_length, args.vocab or corpus.vocab_size
   vocab = args.vocab or common.VOCAB_SIZE
@@ -529,8 +523,7 @@ def scaling(args) -> dict:
   probe = common.MatmulProbe(2048)
   runs = []
   for kind, L, T in points:
-    batches = PackedBatches(corpus.sources, corpus.targets, tokens_per_batch=T, row_length=L,
-                            pad_id=presets.PAD_ID, seed=0)
+    batches = common.packed_stream(corpus, T, L)
     host = [next(batches) for _ in range(3)]
     dev = [sharding.shard_batch(b, mesh) for b in host]
     built = common.build_train_step(config, mesh=mesh)

@@ -1,9 +1,10 @@
 """From a data config to what the trainer consumes: the shared vocabulary, packed train batches, eval sets.
 
-text (tfds) -> normalise (`normalize`, inside the tokenizer) -> SentencePiece ids (+EOS) -> drop blank /
-over-long pairs (counted, logged) -> packed batches. The training split's ids are cached in `<workdir>/data/`
-(`token_cache`, keyed by the vocabulary and its normalisation), so a restart skips the text, unless
-`data.subword_alpha > 0` samples a new segmentation of the texts every epoch (`subword_sampling`).
+text (tfds) -> normalise (`normalize`, inside the tokenizer) -> SentencePiece ids (+EOS), blank pairs skipped
+(counted) -> sharded ArrayRecord files in `<workdir>/data/<split>.ids/` (`pipeline`, keyed like `token_cache`: the
+dataset, the vocabulary and its normalisation), written once -> grain: over-long pairs dropped (counted,
+logged), shuffled by (seed, epoch), this process's share, packed (`pipeline.TrainStream`); with
+`data.subword_alpha > 0` the pipeline samples a new segmentation of every pair it reads (`subword_sampling`).
 
 `data.tokenizer` chooses the vocabulary: "sentencepiece" (ours: `<workdir>/vocab/spm.model`, trained on the
 training split the first time) or "marian" (an imported model's `source.spm`/`target.spm`/`vocab.json` in
@@ -19,13 +20,14 @@ import time
 from typing import Any, Callable
 
 import numpy as np
+import tensorflow_datasets as tfds
 from etils import epath
 
-from transformer_jax.data import batching, normalize, records, sources, subword_sampling, token_cache
+from transformer_jax.data import batching, normalize, pipeline, records, sources, token_cache
 from transformer_jax.data import tokenizer as tokenizer_lib
 from transformer_jax.data.marian_vocab import TOKENIZER_NAME as MARIAN_TOKENIZER
 from transformer_jax.data.marian_vocab import MarianVocabulary
-from transformer_jax.workdir import Workdir
+from transformer_jax.workdir import Workdir, is_local
 
 
 @dataclasses.dataclass
@@ -40,7 +42,7 @@ class EvalSet:
 @dataclasses.dataclass
 class Datasets:
   tokenizer: tokenizer_lib.TextTokenizer
-  train: batching.PackedBatches
+  train: pipeline.TrainStream
   eval_sets: dict[str, EvalSet]
   stats: dict[str, Any]
 
@@ -75,16 +77,6 @@ def open_tokenizer(data_config: Any, workdir: str) -> tokenizer_lib.TextTokenize
   return tokenizer
 
 
-def skip_blank(pairs, is_blank=normalize.is_blank):
-  """Pairs whose source or target has nothing visible are skipped in training; returns (kept, n).
-
-  `is_blank` is the vocabulary's (`Tokenizer.is_blank`): empty, whitespace, BOM or zero-width characters
-  only; for a vocabulary from before normalisation, whitespace only.
-  """
-  kept = [(s, t) for s, t in pairs if not is_blank(s) and not is_blank(t)]
-  return kept, len(pairs) - len(kept)
-
-
 def load_tokenizer(data_config: Any, workdir: str, train_pairs=None) -> tokenizer_lib.TextTokenizer:
   """Loads the run's vocabulary, training a SentencePiece one on both sides of the training split the first
   time; a Marian tokenizer is only ever loaded (`open_tokenizer`)."""
@@ -109,72 +101,93 @@ def build_eval_set(tokenizer: tokenizer_lib.TextTokenizer, pairs) -> EvalSet:
   return EvalSet(list(pairs), srcs, tgts)
 
 
-def build_datasets(data_config: Any, workdir: str, *, seed: int, process_index: int = 0, process_count: int = 1,
-                   share_across_processes: Callable | None = None) -> Datasets:
-  """Vocabulary + packed training iterator + evaluation sets for `data_config` (see experiment configs).
+def ids_root(workdir: str, split: str) -> epath.Path:
+  """Where the training split's id shards live: `<workdir>/data/<split>.ids/`, or, for a workdir on Cloud
+  Storage (ArrayRecord reads and writes local files only), `~/.cache/transformer_jax/ids/<split>.ids/` (the
+  shards sit in a subdirectory named by their key, so runs never read another's ids)."""
+  path = Workdir(workdir).token_ids(split)
+  if is_local(path):
+    return path
+  return epath.Path(os.path.expanduser("~/.cache/transformer_jax/ids")) / path.name
 
-  `share_across_processes`: with `data.subword_alpha > 0` on several processes, the collective that gives every
-  process process 0's sampled segmentations (`sharding.ragged_from_first_process`; `SampledSegmentations`).
-  Raises ValueError when it is missing there (each host would pack its own draw), and for the data errors below.
+
+def prepare_ids(data_config: Any, workdir: str, builder, source_key: str, target_key: str, *,
+                process_index: int = 0, process_count: int = 1,
+                barrier: Callable[[str], None] | None = None) -> tuple[tokenizer_lib.TextTokenizer,
+                                                                      pipeline.IdShards]:
+  """The run's vocabulary and the training split's id shards, made the first time (`pipeline.write_shards`).
+
+  A missing SentencePiece vocabulary is trained by process 0 on an evenly spaced sample of
+  `data.vocab_max_sentences` lines (`pipeline.evenly_spaced_splits`: the corpus is not read for it), the other
+  processes wait at `barrier`; then every process writes its shards, waits, and writes any shard it still
+  cannot see (workdirs that are not shared). Every process calls `barrier("vocabulary")`, then
+  `barrier("token ids")`, whatever it finds on disk. Raises ValueError when the split has no non-blank pair.
+  """
+  split = data_config.train_split
+  read = lambda s: records.read_pairs(builder, s, source_key, target_key)  # noqa: E731
+  try:
+    pairs = builder.info.splits[split].num_examples
+  except KeyError:  # no split metadata (tfds.testing.mock_data): count by reading
+    pairs = len(read(split))
+  # Every process passes both barriers whatever it finds on disk: which files exist depends on when each one
+  # looks (process 0 may have written the vocabulary already), and the processes must meet the same barriers.
+  vocab_missing = not (data_config.tokenizer == MARIAN_TOKENIZER or
+                       epath.Path(vocab_path(data_config, workdir)).exists())
+  if vocab_missing and process_index == 0:
+    sample = pipeline.evenly_spaced_splits(split, pairs, -(-data_config.vocab_max_sentences // 2))
+    load_tokenizer(data_config, workdir, pipeline.iterate_pairs(read, sample))
+  if barrier:
+    barrier("vocabulary")
+  tok = open_tokenizer(data_config, workdir)
+  key = token_cache.cache_key(builder.info.full_name, split, source_key, target_key,
+                              vocab_path(data_config, workdir), normalize.signature(tok.normalization, tok.lowercase))
+  directory = pipeline.key_directory(ids_root(workdir, split), key)
+  shards = pipeline.IdShards.open(directory, key)
+  shard_splits = tfds.even_splits(split, max(1, -(-pairs // pipeline.SHARD_PAIRS)))
+  start, wrote = time.perf_counter(), 0
+  if shards is None:
+    wrote = pipeline.write_shards(directory, key, shard_splits, read, tok, process_index=process_index,
+                                  process_count=process_count)
+  if barrier:
+    barrier("token ids")
+  if shards is None:
+    if barrier:  # the shards of processes whose files this one cannot see (workdirs that are not shared)
+      wrote += pipeline.write_shards(directory, key, shard_splits, read, tok, only_mine=False)
+    shards = pipeline.IdShards.open(directory, key)
+    logging.info("Tokenised %d of the %d shards of %s into %s in %.1fs", wrote, len(shard_splits), split,
+                 directory, time.perf_counter() - start)
+  if shards is None or not len(shards.lengths):
+    raise ValueError(f"training split {split!r} of {data_config.dataset} has no non-blank pairs")
+  return tok, shards
+
+
+def build_datasets(data_config: Any, workdir: str, *, seed: int, process_index: int = 0, process_count: int = 1,
+                   barrier: Callable[[str], None] | None = None) -> Datasets:
+  """Vocabulary + this process's packed training stream + evaluation sets for `data_config`.
+
+  `barrier(name)`: on several processes, waits until every process got there (the trainer passes
+  `sharding.sync_processes`): the vocabulary is trained by process 0 alone, the id shards by all.
+  Raises ValueError for the data errors (`prepare_ids`, `pipeline.TrainStream`).
   """
   eval_names = list(data_config.eval_splits)
   split = data_config.train_split
   # One dataset preparation (and, for local text, one validation of the files) for every split.
   builder, source_key, target_key = sources.open_splits(data_config, [split, *eval_names], workdir)
-  cache_file = os.fspath(Workdir(workdir).token_ids(split))
-  key = lambda: token_cache.cache_key(builder.info.full_name, split, source_key, target_key,  # noqa: E731
-                                      vocab_path(data_config, workdir),
-                                      normalize.signature(tok.normalization, tok.lowercase))
-  cached, tok = None, None
-  if data_config.tokenizer == MARIAN_TOKENIZER or epath.Path(vocab_path(data_config, workdir)).exists():
-    tok = open_tokenizer(data_config, workdir)
-    start = time.perf_counter()
-    cached = token_cache.load(cache_file, key())
-    if cached:
-      logging.info("Loaded the token ids of %d %s pairs from %s in %.1fs", len(cached[0]), split, cache_file,
-                   time.perf_counter() - start)
+  tok, shards = prepare_ids(data_config, workdir, builder, source_key, target_key, process_index=process_index,
+                            process_count=process_count, barrier=barrier)
   alpha = float(data_config.subword_alpha)
-  train_pairs = None
-  if cached:
-    srcs, tgts, blank = cached
-  if not cached or alpha:  # the texts: to encode them, or to sample their segmentations every epoch
-    start = time.perf_counter()
-    train_pairs, blank = skip_blank(records.read_pairs(builder, split, source_key, target_key),
-                                    tok.is_blank if tok else normalize.is_blank)
-    if not train_pairs:
-      raise ValueError(f"training split {split!r} of {data_config.dataset} has no non-blank pairs")
-  if not cached:
-    tok = tok or load_tokenizer(data_config, workdir, train_pairs)
-    srcs, tgts = tokenizer_lib.encode_pairs(tok, train_pairs)
-    logging.info("Read and encoded %d %s pairs in %.1fs", len(srcs), split, time.perf_counter() - start)
-    if process_index == 0:  # one writer for a shared workdir
-      token_cache.save(cache_file, key(), srcs, tgts, blank)
-  keep = batching.within_length(srcs, tgts, data_config.max_len)
-  too_long = len(srcs) - len(keep)
-  segmentations = None
-  if alpha:
-    if not hasattr(tok, "sample_batch"):
-      raise ValueError(f"data.subword_alpha={alpha} needs data.tokenizer='sentencepiece' (a "
-                       f"{type(tok).__name__} cannot sample segmentations)")
-    if process_count > 1 and share_across_processes is None:
-      raise ValueError(f"data.subword_alpha={alpha} on {process_count} processes needs share_across_processes "
-                       "(sharding.ragged_from_first_process): SentencePiece's sampling differs between processes")
-    if len(train_pairs) != len(srcs):
-      raise ValueError(f"{cache_file} holds {len(srcs)} pairs but {split!r} has {len(train_pairs)}: remove it")
-    segmentations = subword_sampling.SampledSegmentations(
-        tok, [train_pairs[i] for i in keep], [srcs[i] for i in keep], [tgts[i] for i in keep], alpha=alpha,
-        seed=seed, max_len=data_config.max_len, share=share_across_processes,
-        from_epoch=int(data_config.subword_from_epoch))
-  srcs, tgts = [srcs[i] for i in keep], [tgts[i] for i in keep]
-  batching.log_drop_counts("train", too_long, blank, len(srcs), data_config.max_len)
-  train = batching.PackedBatches(srcs, tgts, tokens_per_batch=data_config.tokens_per_batch,
-                                 row_length=data_config.max_len, pad_id=tok.pad_id, seed=seed,
-                                 process_index=process_index, process_count=process_count,
-                                 segmentations=segmentations,
-                                 plan_settings={"subword_alpha": alpha,
-                                                "subword_from_epoch": int(data_config.subword_from_epoch)})
+  if alpha and not hasattr(tok, "sample_batch"):
+    raise ValueError(f"data.subword_alpha={alpha} needs data.tokenizer='sentencepiece' (a "
+                     f"{type(tok).__name__} cannot sample segmentations)")
+  train = pipeline.TrainStream(shards, tokens_per_batch=data_config.tokens_per_batch,
+                               row_length=data_config.max_len, pad_id=tok.pad_id, seed=seed,
+                               process_index=process_index, process_count=process_count,
+                               sampling=(tok, alpha, int(data_config.subword_from_epoch)) if alpha else None)
+  kept = len(train.kept)
+  too_long = len(shards.lengths) - kept
+  batching.log_drop_counts("train", too_long, shards.skipped_blank, kept, data_config.max_len)
   eval_sets = {}
   for name in eval_names:
     eval_sets[name] = build_eval_set(tok, records.read_pairs(builder, name, source_key, target_key))
-  stats = {"train_pairs": len(srcs), "dropped_long": too_long, "skipped_blank": blank}
+  stats = {"train_pairs": kept, "dropped_long": too_long, "skipped_blank": shards.skipped_blank}
   return Datasets(tok, train, eval_sets, stats)

@@ -7,7 +7,8 @@ use. `data_config.dataset` selects the source:
   * a tfds translation builder, e.g. `wmt14_translate/de-en` (the paper's), `wmt14_translate/fr-en`,
     `wmt17_translate/de-en`, `wmt_t2t_translate/de-en`, read from a prepared `data.tfds_data_dir`.
     `data.source_lang`/`data.target_lang` choose the direction (EN->DE by default, as in the paper; tfds's
-    own supervised keys are DE->EN). Nothing is downloaded unless `data.download=True`.
+    own supervised keys are DE->EN). Nothing is downloaded unless `data.download=True`. Prepared as ArrayRecord
+    (docs/reproducing.md) it is read by random access without TensorFlow; as TFRecord through tf.data.
 Built datasets live in `data.tfds_data_dir` (default `<workdir>/tfds`); how they are written and read back:
 `transformer_jax.data.records`.
 """
