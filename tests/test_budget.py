@@ -88,6 +88,33 @@ def test_a_revision_inside_the_cooldown_keeps_its_start_and_pins_its_progress():
   schedule_lib.check_cooldown(again.num_train_steps, again.cooldown_steps, "1-sqrt", again.cooldown_knots)
 
 
+def test_next_decision_plans_revises_agrees_and_keeps_a_small_change():
+  """`next_decision`: a first plan from the config, a revision with the plan's budget, the hosts' agreement on
+  the numbers, and a revision within 1% of the plan keeps it whole."""
+  config = _config(num_train_steps=20_000, cooldown_steps=4000)  # 10 minutes, cool-down share 0.2
+  measured = dict(start_step=0, first_step_seconds=10.0)
+  plan = budget_lib.next_decision(config, None, step=800, seconds=60.0, **measured)
+  assert plan == budget_lib.decide(10.0, 5000, 0.2, step=800, seconds=60.0, **measured)
+  agreed = budget_lib.next_decision(config, None, step=800, seconds=60.0, agree=lambda t, c: (4000, 800),
+                                    **measured)
+  assert (agreed.num_train_steps, agreed.cooldown_steps, agreed.steps_per_s) == (4000, 800, plan.steps_per_s)
+  # At the last step before the planned cool-down, a rate 0.5% above the plan's moves the end by < 1%: kept.
+  before_cooldown = plan.cooldown_start - 1
+  seconds = 10.0 + (before_cooldown - 1) / (plan.steps_per_s * 1.005)
+  kept = budget_lib.next_decision(config, plan, step=before_cooldown, seconds=seconds, **measured)
+  assert (kept.num_train_steps, kept.cooldown_steps, kept.decided_at_step) == (
+      plan.num_train_steps, plan.cooldown_steps, before_cooldown)
+  # 10% slower: the end moves earlier (the cool-down its share, at most the steps left), as `decide` says.
+  slow = budget_lib.next_decision(config, plan, step=before_cooldown, seconds=1.1 * seconds, **measured)
+  assert slow == budget_lib.decide(10.0, 20_000, 0.2, step=before_cooldown, seconds=1.1 * seconds, **measured)
+  assert slow.num_train_steps < 0.99 * plan.num_train_steps
+  assert budget_lib.with_decision(config, slow).num_train_steps == slow.num_train_steps
+  assert budget_lib.with_decision(config, None) is config and config.num_train_steps == 20_000
+  assert budget_lib.next_decision_step(config, None, 0) == 800
+  assert budget_lib.next_decision_step(config, plan, 0) == plan.cooldown_start - 1
+  assert budget_lib.next_decision_step(_config(train_budget_minutes=0.0), plan, 0) is None
+
+
 def _tiny_config(tmp_path, **overrides):
   config = number_words.get_config()
   config.data.update(builder_config="tiny", vocab_size=128, tfds_data_dir=str(tmp_path / "tfds"),
