@@ -15,14 +15,15 @@ from absl import app
 from absl import logging as absl_logging
 
 from experiments.configs import default
-from transformer_jax import metrics, trained, trainer
+from transformer_jax import factories, metrics, trained, trainer
 from transformer_jax.data import parallel_text, sources
 from transformer_jax.data.tokenizer import VocabularyError
 from transformer_jax.decoding import inference
+from transformer_jax.train_log import NonFiniteLossError
 from transformer_jax.workdir import Workdir, write_json_atomically
 
 # Exceptions that mean "bad input or state": printed as one line, exit status 1, no traceback.
-USER_ERRORS = (ValueError, OSError, VocabularyError, trainer.NonFiniteLossError, UnicodeDecodeError)
+USER_ERRORS = (ValueError, OSError, VocabularyError, NonFiniteLossError, UnicodeDecodeError)
 
 
 _QUIET_LIBRARIES = ("/orbax/", "/tensorflow_datasets/", "/etils/", "/tensorstore/")
@@ -135,7 +136,7 @@ def report_final_eval(config, workdir: str, result: trainer.TrainResult) -> dict
   if final.max_examples:
     pairs = pairs[: final.max_examples]
   start = time.time()
-  hyps = inference.translate_texts(trainer.inference_params(config, result.state), result.model_config,
+  hyps = inference.translate_texts(factories.inference_params(config, result.state), result.model_config,
                                    result.datasets.tokenizer,
                                    [s for s, _ in pairs], beam_size=config.decode.beam_size,
                                    alpha=config.decode.alpha, extra_len=config.decode.extra_len,

@@ -28,7 +28,7 @@ from etils import epath
 from experiments import common, docblock, launch
 from experiments.benchmarks import common as bench_common
 from transformer_jax import checkpoint as checkpoint_lib
-from transformer_jax import metrics, trainer, visualize
+from transformer_jax import factories, metrics, trainer, visualize
 from transformer_jax.decoding import inference
 from transformer_jax.data.parallel_text import read_lines
 from transformer_jax.training import budget as budget_lib
@@ -117,7 +117,7 @@ def main():
                                           test_lc, config.decode)
   if config.ema_decay:  # the moving average is the run's model (and its hypotheses the file's); no averaging
     rows[f"moving average ({config.ema_decay:g})"], hyps = score(
-        trainer.inference_params(config, result.state), model_config, tokenizer, test_src, test_ref, test_lc,
+        factories.inference_params(config, result.state), model_config, tokenizer, test_src, test_ref, test_lc,
         config.decode)
   elif n > 1:
     if epath.Path(averaged_dir).is_dir():

@@ -13,7 +13,7 @@ from absl import flags
 from ml_collections import config_flags
 
 from experiments import common, launch
-from transformer_jax import trainer
+from transformer_jax import imported_workdir, trainer
 
 _DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs", "number_words.py")
 
@@ -26,8 +26,8 @@ flags.mark_flags_as_required(["workdir"])
 @common.program
 def main():
   # An imported model's workdir fixes the model and tokenizer; the flags given must agree with them.
-  config = trainer.config_for_workdir(FLAGS.config, FLAGS.workdir,
-                                      explicit=config_flags.get_override_values(FLAGS["config"]))
+  config = imported_workdir.config_for_workdir(FLAGS.config, FLAGS.workdir,
+                                               explicit=config_flags.get_override_values(FLAGS["config"]))
   result = trainer.train_and_evaluate(config, FLAGS.workdir)
   common.report_final_eval(config, FLAGS.workdir, result)
 

@@ -5,7 +5,7 @@ import time
 import numpy as np
 
 from experiments.configs import number_words
-from transformer_jax import trainer
+from transformer_jax import factories
 
 
 def tiny_number_words_config(tmp_path):
@@ -23,7 +23,7 @@ def tiny_number_words_config(tmp_path):
 
 def poison_train_step(monkeypatch, at_step: int, **metrics) -> None:
   """Makes the trainer's compiled step report `metrics` (e.g. `loss=nan`) after update `at_step`."""
-  real = trainer.make_train_step
+  real = factories.make_train_step
 
   def poisoned(*args, **kwargs):
     step_fn = real(*args, **kwargs)
@@ -35,7 +35,7 @@ def poison_train_step(monkeypatch, at_step: int, **metrics) -> None:
       return new_state, reported
     return run
 
-  monkeypatch.setattr(trainer, "make_train_step", poisoned)
+  monkeypatch.setattr(factories, "make_train_step", poisoned)
 
 
 def wait_for(predicate, proc, timeout: float, poll: float = 0.1) -> None:

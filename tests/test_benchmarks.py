@@ -7,6 +7,7 @@ numbers, and a changed config must change the program.
 """
 
 import copy
+import types
 
 import jax
 import numpy as np
@@ -15,7 +16,7 @@ import pytest
 
 from experiments.benchmarks import ablations, common, flax_peer
 from experiments.configs import default, number_words
-from transformer_jax import sharding, trainer
+from transformer_jax import factories, sharding, trainer
 
 
 def _tiny_config(tmp_path):
@@ -35,9 +36,13 @@ def prepared(tmp_path_factory):
   """The trainer's run (state, compiled step, rng) and one batch as the trainer shards it."""
   tmp_path = tmp_path_factory.mktemp("bench")
   run = trainer.prepare(_tiny_config(tmp_path), str(tmp_path / "run"))
-  trainer.init_or_restore(run)
+  with factories.checkpointer(run.config, run.workdir.checkpoints) as checkpointer:
+    start = trainer.init_or_restore(run, checkpointer)
+  program = trainer.compile_program(run, run.config, run.resolved_config, start.state, start.step + 1)
   batch = sharding.shard_batch(trainer.next_batch(run.data.train, 1), run.mesh, run.rules)
-  return run, batch
+  run.writer.close()
+  return types.SimpleNamespace(config=run.config, model_config=run.model_config, mesh=run.mesh, state=start.state,
+                               rng=start.rng, train_step=program.train_step), batch
 
 
 def _bench_config(run):
@@ -99,7 +104,7 @@ def test_train_config_is_the_default_recipe_with_the_presets_sizes():
   model_config = common.preset_config("tiny", 8000)
   config = common.train_config(model_config)
   reference = default.get_config()
-  assert trainer.model_config_from(config, 8000) == model_config
+  assert factories.model_config_from(config, 8000) == model_config
   for key in ("label_smoothing", "warmup_steps", "learning_rate", "adam_b1", "adam_b2", "adam_eps", "weight_decay",
               "grad_accum_steps", "seed"):
     assert config[key] == reference[key], key

@@ -1,4 +1,5 @@
-"""A run fitted to a wall-clock budget (transformer_jax/training/budget.py and the trainer's `fit_to_budget`)."""
+"""A run fitted to a wall-clock budget: the decisions (transformer_jax/training/budget.py) and the trainer that
+applies them (`trainer.apply_budget`)."""
 
 import dataclasses
 import json
@@ -8,7 +9,7 @@ import numpy as np
 import pytest
 
 from experiments.configs import default, number_words
-from transformer_jax import trainer
+from transformer_jax import factories, trainer
 from transformer_jax.training import budget as budget_lib
 from transformer_jax.training import schedule as schedule_lib
 from transformer_jax.workdir import Workdir
@@ -88,6 +89,33 @@ def test_a_revision_inside_the_cooldown_keeps_its_start_and_pins_its_progress():
   schedule_lib.check_cooldown(again.num_train_steps, again.cooldown_steps, "1-sqrt", again.cooldown_knots)
 
 
+def test_next_decision_plans_revises_agrees_and_keeps_a_small_change():
+  """`next_decision`: a first plan from the config, a revision with the plan's budget, the hosts' agreement on
+  the numbers, and a revision within 1% of the plan keeps it whole."""
+  config = _config(num_train_steps=20_000, cooldown_steps=4000)  # 10 minutes, cool-down share 0.2
+  measured = dict(start_step=0, first_step_seconds=10.0)
+  plan = budget_lib.next_decision(config, None, step=800, seconds=60.0, **measured)
+  assert plan == budget_lib.decide(10.0, 20_000, 0.2, step=800, seconds=60.0, **measured)
+  agreed = budget_lib.next_decision(config, None, step=800, seconds=60.0, agree=lambda t, c: (4000, 800),
+                                    **measured)
+  assert (agreed.num_train_steps, agreed.cooldown_steps, agreed.steps_per_s) == (4000, 800, plan.steps_per_s)
+  # At the last step before the planned cool-down, a rate 0.5% above the plan's moves the end by < 1%: kept.
+  before_cooldown = plan.cooldown_start - 1
+  seconds = 10.0 + (before_cooldown - 1) / (plan.steps_per_s * 1.005)
+  kept = budget_lib.next_decision(config, plan, step=before_cooldown, seconds=seconds, **measured)
+  assert (kept.num_train_steps, kept.cooldown_steps, kept.decided_at_step) == (
+      plan.num_train_steps, plan.cooldown_steps, before_cooldown)
+  # 10% slower: the end moves earlier (the cool-down its share, at most the steps left), as `decide` says.
+  slow = budget_lib.next_decision(config, plan, step=before_cooldown, seconds=1.1 * seconds, **measured)
+  assert slow == budget_lib.decide(10.0, 20_000, 0.2, step=before_cooldown, seconds=1.1 * seconds, **measured)
+  assert slow.num_train_steps < 0.99 * plan.num_train_steps
+  assert budget_lib.with_decision(config, slow).num_train_steps == slow.num_train_steps
+  assert budget_lib.with_decision(config, None) is config and config.num_train_steps == 20_000
+  assert budget_lib.next_decision_step(config, None, 0) == 800
+  assert budget_lib.next_decision_step(config, plan, 0) == plan.cooldown_start - 1
+  assert budget_lib.next_decision_step(_config(train_budget_minutes=0.0), plan, 0) is None
+
+
 def _tiny_config(tmp_path, **overrides):
   config = number_words.get_config()
   config.data.update(builder_config="tiny", vocab_size=128, tfds_data_dir=str(tmp_path / "tfds"),
@@ -104,7 +132,7 @@ def _tiny_config(tmp_path, **overrides):
 def _fake_clock(monkeypatch, seconds_at):
   """The trainer's decisions see `seconds_at(step)` of training (the first step 0.5 s), not the real clock."""
   real_decide = budget_lib.decide
-  monkeypatch.setattr(trainer.budget_lib, "decide", lambda *args, **kw: real_decide(
+  monkeypatch.setattr(budget_lib, "decide", lambda *args, **kw: real_decide(
       *args, **{**kw, "seconds": seconds_at(kw["step"]), "first_step_seconds": 0.5}))
 
 
@@ -124,7 +152,7 @@ def test_the_trainer_ends_the_run_where_the_budget_says_and_a_resume_keeps_it(tm
   # was given that length and cool-down from the start (the schedules agree up to the decision at step 20).
   rows = [json.loads(line) for line in Workdir(workdir).metrics_jsonl.read_text().splitlines()]
   last_lr = [r["train/learning_rate"] for r in rows if r["step"] == 48 and "train/learning_rate" in r][0]
-  _, configured = trainer.optimizer(config, 32)
+  _, configured = factories.optimizer(config, 32)
   assert last_lr < 0.25 * float(configured(48))  # deep in the new cool-down; the configured one is not
   fixed = trainer.train_and_evaluate(_tiny_config(tmp_path, num_train_steps=48, cooldown_steps=8),
                                      str(tmp_path / "fixed"))
@@ -132,7 +160,7 @@ def test_the_trainer_ends_the_run_where_the_budget_says_and_a_resume_keeps_it(tm
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
   # A resumed run keeps the plan (it is final: no decision is left to take).
-  monkeypatch.setattr(trainer.budget_lib, "decide", lambda *a, **kw: pytest.fail("decided again"))
+  monkeypatch.setattr(budget_lib, "decide", lambda *a, **kw: pytest.fail("decided again"))
   again = trainer.train_and_evaluate(_tiny_config(tmp_path, train_budget_minutes=0.4), workdir)
   assert again.final_step == 48 and again.config.num_train_steps == 48
 
@@ -181,12 +209,12 @@ def test_a_slowdown_inside_the_cooldown_moves_its_end_and_the_run_ends_on_the_bu
   for a, b in zip(jax.tree.leaves(result.state.params), jax.tree.leaves(fixed.state.params)):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
   # A resumed run keeps the plan: no decision is left to take.
-  monkeypatch.setattr(trainer.budget_lib, "decide", lambda *a, **kw: pytest.fail("decided again"))
+  monkeypatch.setattr(budget_lib, "decide", lambda *a, **kw: pytest.fail("decided again"))
   again = trainer.train_and_evaluate(_tiny_config(tmp_path, train_budget_minutes=0.4), workdir)
   assert again.final_step == 44 and again.config.cooldown_knots == saved.cooldown_knots
 
 
 def test_without_a_budget_the_configured_length_holds(tmp_path, monkeypatch):
-  monkeypatch.setattr(trainer.budget_lib, "decide", lambda *a: pytest.fail("no budget, no decision"))
+  monkeypatch.setattr(budget_lib, "decide", lambda *a: pytest.fail("no budget, no decision"))
   result = trainer.train_and_evaluate(_tiny_config(tmp_path, num_train_steps=24), str(tmp_path / "run"))
   assert result.final_step == 24 and budget_lib.read(str(tmp_path / "run")) is None

@@ -20,7 +20,8 @@ import sacrebleu
 import helpers
 from tests.test_experiments import REPO, TINY_OVERRIDES, _env, _one_line_error, _run, _tree
 from transformer_jax import config as config_lib
-from transformer_jax import metrics, trainer
+from transformer_jax import evaluators, metrics, run_checks, trainer
+from transformer_jax.train_log import NonFiniteLossError
 from transformer_jax.owner_lock import LOCK_FILENAME, OwnerLock, WorkdirInUseError
 
 QUICK = [*TINY_OVERRIDES, "--config.num_train_steps=10", "--config.final_eval.split="]
@@ -51,10 +52,10 @@ def test_a_model_without_a_position_table_may_take_longer_rows():
   cfg = number_words.get_config()
   cfg.data.max_len, cfg.model.max_len = 128, 64
   cfg.model.position_embedding, cfg.model.max_relative_position = "none", 8
-  trainer.check_position_table(cfg)  # relative distances are clipped: no table to run past
+  run_checks.check_position_table(cfg)  # relative distances are clipped: no table to run past
   cfg.model.position_embedding = "sinusoidal"
   with pytest.raises(ValueError, match="data.max_len=128 exceeds --config.model.max_len=64"):
-    trainer.check_position_table(cfg)
+    run_checks.check_position_table(cfg)
 
 
 @pytest.mark.parametrize("key, value, needle", [
@@ -64,10 +65,10 @@ def test_a_model_without_a_position_table_may_take_longer_rows():
 def test_a_batch_past_the_tables_is_refused_with_step_row_and_values(key, value, needle):
   model = config_lib.ModelConfig(vocab_size=256, max_len=64, d_model=32, d_ff=64, num_heads=2)
   batch = {k: np.zeros((2, 3, 8), np.int32) for k in ("inputs", "targets", "inputs_position", "targets_position")}
-  trainer.check_batch_in_tables(batch, model, step=5)
+  run_checks.check_batch_in_tables(batch, model, step=5)
   batch[key][1, 2, 4] = value  # micro-batch 1, row 2: row 5 of the 6
-  with pytest.raises(trainer.BatchOutOfTableError, match=r"step 5, row 5: " + key) as error:
-    trainer.check_batch_in_tables(batch, model, step=5)
+  with pytest.raises(run_checks.BatchOutOfTableError, match=r"step 5, row 5: " + key) as error:
+    run_checks.check_batch_in_tables(batch, model, step=5)
   assert needle in str(error.value)
 
 
@@ -90,7 +91,7 @@ def test_a_non_finite_grad_norm_names_the_quantity_step_and_batch(monkeypatch, t
   config.data.tfds_data_dir = str(tmp_path / "tfds")
   config.model.d_model, config.model.d_ff, config.model.num_heads = 32, 64, 2
   config.num_train_steps, config.log_every_steps, config.evals.loss.every_steps = 10, 5, 0
-  with pytest.raises(trainer.NonFiniteLossError,
+  with pytest.raises(NonFiniteLossError,
                      match=r"training grad_norm is inf at step 4 \(non-finite: grad_norm\); its batch was read in "
                            r"epoch 0 of the data stream \(seed 0, process 0's position"):
     trainer.train_and_evaluate(config, str(tmp_path / "run"))
@@ -261,10 +262,10 @@ def test_eval_pairs_longer_than_the_position_table_are_left_out_not_nan():
   model = config_lib.ModelConfig(vocab_size=32, max_len=4, d_model=8, d_ff=16, num_heads=2)
   ids = [np.arange(n, dtype=np.int32) for n in (3, 4, 5, 2)]
   eval_set = EvalSet(pairs=[("", "")] * 4, sources=ids, targets=[np.arange(2, dtype=np.int32)] * 4)
-  sources, _ = trainer.within_position_table(eval_set, model, "validation")
+  sources, _ = evaluators.within_position_table(eval_set, model, "validation")
   assert [len(s) for s in sources] == [3, 4, 2]
   relative = model.replace(position_embedding="none", max_relative_position=2)
-  assert len(trainer.within_position_table(eval_set, relative, "validation")[0]) == 4
+  assert len(evaluators.within_position_table(eval_set, relative, "validation")[0]) == 4
 
 
 # -- wrong kinds of input ---------------------------------------------------------------------------------

@@ -183,6 +183,7 @@ def test_nan_loss_stops_with_the_step(monkeypatch, tmp_path):
   """A NaN loss raises NonFiniteLossError naming the step (train_step patched to produce one)."""
   from experiments.configs import number_words
   from transformer_jax import trainer
+  from transformer_jax.train_log import NonFiniteLossError
 
   helpers.poison_train_step(monkeypatch, 7, loss=float("nan"))
   config = number_words.get_config()
@@ -191,7 +192,7 @@ def test_nan_loss_stops_with_the_step(monkeypatch, tmp_path):
   config.data.tfds_data_dir = str(tmp_path / "tfds")
   config.model.d_model, config.model.d_ff, config.model.num_heads = 32, 64, 2
   config.num_train_steps, config.log_every_steps, config.evals.loss.every_steps = 20, 5, 0
-  with pytest.raises(trainer.NonFiniteLossError, match="at step 7"):
+  with pytest.raises(NonFiniteLossError, match="at step 7"):
     trainer.train_and_evaluate(config, str(tmp_path / "run"))
 
 

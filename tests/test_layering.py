@@ -1,9 +1,10 @@
 """The library's layers: no module imports one above it; project imports sit at the top of the file.
 
-    trainer / interop -> trained -> checkpoint -> sharding / data
+    trainer / interop -> trained -> factories / imported_workdir -> checkpoint -> evaluators / run_checks
+      -> sharding / data
       -> decoding (inference -> generate -> ensemble / prefix / constraints / alignment -> step -> search)
       / training -> model -> early_stopping -> attention (layer -> kvcache -> core) / trackers / owner_lock
-      / metrics -> dropout / config / workdir / profiling
+      / metrics / train_log -> dropout / config / workdir / profiling / stop_signal
 """
 
 import ast
@@ -22,6 +23,8 @@ RANKS = {
     "transformer_jax.attention.core": 1, "transformer_jax.attention.kvcache": 1.2,
     "transformer_jax.attention.layer": 1.4, "transformer_jax.attention": 1.5,
     "transformer_jax.profiling": 0,  # jax.profiler around chosen steps: a leaf
+    "transformer_jax.stop_signal": 0,  # SIGTERM/SIGINT and the preemption notice: a leaf
+    "transformer_jax.train_log": 1,  # the training scalars between logging steps (NonFiniteLossError)
     "transformer_jax.trackers": 1,   # metrics.jsonl, TensorBoard, W&B: writers that know only the workdir
     "transformer_jax.owner_lock": 1,  # train.lock: one trainer per workdir, local or gs://
     "transformer_jax.early_stopping": 2,  # the rule over a metric's values (metrics' direction table)
@@ -37,7 +40,12 @@ RANKS = {
     "transformer_jax.decoding.generate": 3.7, "transformer_jax.decoding.inference": 3.9,
     "transformer_jax.decoding": 3.95,  # __init__: the searches' public names
     "transformer_jax.data": 4, "transformer_jax.sharding": 4,
+    "transformer_jax.evaluators": 4.5,  # loss / attention / BLEU evaluators: eval step, decoding, metrics
+    "transformer_jax.run_checks": 4.5,  # a run's refusals: config vs tables and mesh, batch vs tables
     "transformer_jax.checkpoint": 5,
+    # config -> model config, optimizer, train state, compiled steps, checkpointer (trainer and benchmarks)
+    "transformer_jax.factories": 5.2,
+    "transformer_jax.imported_workdir": 5.2,  # what a run does in a workdir holding an imported model
     "transformer_jax.trained": 5.5,  # a trained workdir loaded for inference: checkpoint + tokenizer + config
     "transformer_jax.trainer": 6, "transformer_jax.interop": 6,
     "transformer_jax": 7,  # __init__: the public API, imports anything
@@ -97,4 +105,24 @@ def test_library_reads_config_attributes_not_defaults():
   """Every config key lives in experiments/configs/default.py; the library never guesses one."""
   offenders = [f"{p.name}:{i}" for p in PACKAGE.rglob("*.py")
                for i, line in enumerate(p.read_text().splitlines(), 1) if "config.get(" in line]
+  assert not offenders, offenders
+
+
+def _trainer_uses(tree: ast.Module):
+  """(name, line) of each `trainer.<name>` in a file that imports `transformer_jax.trainer`."""
+  if not any(isinstance(node, ast.ImportFrom) and node.module == "transformer_jax"
+             and any(a.name == "trainer" for a in node.names) for node in ast.walk(tree)):
+    return
+  for node in ast.walk(tree):
+    if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "trainer":
+      yield node.attr, node.lineno
+
+
+def test_programs_use_the_trainer_only_to_run_training():
+  """The trainer is the run's loop and lifecycle, not a toolbox: programs and benchmarks build models, optimizers,
+  states and steps through `factories`, a trained model through `trained`, an import's config through
+  `imported_workdir`; of `trainer` they use only `train_and_evaluate` and its `TrainResult`."""
+  offenders = [f"{path.name}:{line} trainer.{name}" for path in sorted((PACKAGE.parent / "experiments").rglob("*.py"))
+               for name, line in _trainer_uses(ast.parse(path.read_text()))
+               if name not in ("train_and_evaluate", "TrainResult")]
   assert not offenders, offenders

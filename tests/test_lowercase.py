@@ -6,12 +6,11 @@ disagree are refused in one line, as is resuming a workdir with the other settin
 """
 
 import json
-import types
 
 import pytest
 
 from experiments.configs import default
-from transformer_jax import metrics, trainer
+from transformer_jax import evaluators, metrics, trainer
 from transformer_jax.decoding import inference
 from transformer_jax.data import datasets, normalize, tokenizer as tok_lib
 
@@ -119,9 +118,9 @@ def test_validation_bleu_compares_lowercased_and_a_resume_cannot_change_the_case
   # An evaluator whose model writes the references lowercased, as a perfect case-folded model would.
   by_source = {s: t.lower() for s, t in pairs}
   monkeypatch.setattr(inference, "translate_texts", lambda p, m, tok, sources, **kw: [by_source[s] for s in sources])
-  scores = trainer.BleuEvaluator(1, 0, 1, 0.6)(types.SimpleNamespace(model_config=run.model_config, data=run.data),
-                                              None, "val", run.data.eval_sets["val"])
-  assert scores["bleu"] == pytest.approx(100.0)
+  evaluator = evaluators.BleuEvaluator(1, 0, 1, 0.6, run.model_config, run.data.tokenizer, run.data.eval_sets)
+  assert evaluator(None)["val/bleu"] == pytest.approx(100.0)
+  run.writer.close()
 
   saved = (work / "config.json").read_bytes()
   cased = _config(tmp_path, lowercase=False)

@@ -23,7 +23,7 @@ from test_interop import transformers  # noqa: E402  (skips the module where the
 
 from experiments import common  # noqa: E402
 from experiments.configs import default, number_words  # noqa: E402
-from transformer_jax import trainer  # noqa: E402
+from transformer_jax import factories, imported_workdir, trainer  # noqa: E402
 from transformer_jax.decoding import inference
 from transformer_jax.data import datasets as datasets_lib  # noqa: E402
 from transformer_jax.data.marian_vocab import MarianVocabulary  # noqa: E402
@@ -207,43 +207,45 @@ def test_config_for_workdir_takes_the_imported_architecture(marian_dir, tmp_path
   write_json_atomically(Workdir(workdir).config_json, marian.workdir_config(imported_config, marian_dir))
   config = number_words.get_config()  # a recipe whose model (relu, d_model 128, ...) is not the import's
   config.model.dropout_rate = 0.3
-  adopted = trainer.config_for_workdir(config, workdir, explicit={"model.dropout_rate", "data.dir"})
-  assert trainer.model_config_from(adopted, imported_config.vocab_size) == imported_config.replace(dropout_rate=0.3)
+  adopted = imported_workdir.config_for_workdir(config, workdir, explicit={"model.dropout_rate", "data.dir"})
+  assert factories.model_config_from(adopted, imported_config.vocab_size) == imported_config.replace(dropout_rate=0.3)
   assert adopted.data.tokenizer == "marian" and adopted.data.vocab_size == imported_config.vocab_size
   assert config.model.d_model == 128 and config.data.tokenizer == "sentencepiece"  # the caller's is untouched
   default.validate(adopted)
   # An explicit key that agrees is accepted; one that does not names itself.
   config.model.d_model = imported_config.d_model
-  trainer.config_for_workdir(config, workdir, explicit={"model.d_model"})
+  imported_workdir.config_for_workdir(config, workdir, explicit={"model.d_model"})
   config.model.d_model = 64
   with pytest.raises(ValueError, match=r"--config.model.d_model=64 \(the model has 32\)") as error:
-    trainer.config_for_workdir(config, workdir, explicit={"model.d_model"})
+    imported_workdir.config_for_workdir(config, workdir, explicit={"model.d_model"})
   assert "\n" not in str(error.value)
   # Not an imported model's workdir: the config as it is.
-  assert trainer.config_for_workdir(config, str(tmp_path / "other"), explicit={"model.d_model"}) is config
+  assert imported_workdir.config_for_workdir(config, str(tmp_path / "other"), explicit={"model.d_model"}) is config
 
 
 def test_a_moving_average_of_an_imported_model_starts_at_its_weights(marian_dir, tmp_path):  # noqa: F811
   """`config.ema_decay` on a fine-tune: the average starts at the imported parameters, not at the random ones
-  the fresh state was drawn with (`trainer.start_from_import` builds the optimizer state for them)."""
+  the fresh state was drawn with (`imported_workdir.restore_import` builds the optimizer state for them)."""
   workdir = str(tmp_path / "workdir")
   marian.import_to_workdir(marian_dir, workdir)
   config = default.get_config()
   config.data.update(dataset="parallel_text", dir=str(_corpus(tmp_path / "corpus")), eval_splits=("val",),
                      max_len=32, tokens_per_batch=256)
   config.ema_decay = 0.99
-  run = trainer.prepare(trainer.config_for_workdir(config, workdir, explicit={"data.dir"}), workdir)
-  trainer.init_or_restore(run)
+  run = trainer.prepare(imported_workdir.config_for_workdir(config, workdir, explicit={"data.dir"}), workdir)
+  checkpointer = factories.checkpointer(run.config, run.workdir.checkpoints)
   try:
-    imported = jax.tree_util.tree_leaves(jax.device_get(run.state.params))
-    average = jax.tree_util.tree_leaves(jax.device_get(trainer.inference_params(run.config, run.state)))
+    state = trainer.init_or_restore(run, checkpointer).state
+    imported = jax.tree_util.tree_leaves(jax.device_get(state.params))
+    average = jax.tree_util.tree_leaves(jax.device_get(factories.inference_params(run.config, state)))
     for a, b in zip(imported, average, strict=True):
       np.testing.assert_array_equal(a, b)
     _, reference, _ = marian.load_marian(marian_dir)
     for a, b in zip(imported, jax.tree_util.tree_leaves(reference), strict=True):
       np.testing.assert_allclose(a, b, rtol=1e-6)
   finally:
-    run.checkpointer.close()
+    checkpointer.close()
+    run.writer.close()
 
 
 def test_marian_vocabulary_encodes_targets_with_the_target_model(marian_dir):  # noqa: F811

@@ -20,7 +20,7 @@ import tensorflow_datasets as tfds
 
 from transformer_jax import checkpoint as checkpoint_lib
 from transformer_jax.decoding import inference
-from transformer_jax import trainer
+from transformer_jax import factories, trainer
 from transformer_jax.workdir import Workdir
 from transformer_jax.training import schedule as schedule_lib
 
@@ -113,7 +113,7 @@ def test_recipe_matches_the_paper(name):
   assert (config.mesh.data, config.mesh.fsdp, config.mesh.tensor) == (-1, 1, 1)
   assert config.distributed is False
   # The model config is accepted by the library.
-  assert trainer.model_config_from(config, paper["vocab"]).head_dim == paper["d_k"]
+  assert factories.model_config_from(config, paper["vocab"]).head_dim == paper["d_k"]
 
 
 @pytest.mark.parametrize("name", RECIPES + ("number_words", "multi30k"))
@@ -146,7 +146,7 @@ def test_parameter_count_and_peak_learning_rate(name):
   from transformer_jax.training.steps import init_params
   import flax.linen as nn
   config = _recipe(name)
-  model_config = trainer.model_config_from(config, config.data.vocab_size)
+  model_config = factories.model_config_from(config, config.data.vocab_size)
   shapes = jax.eval_shape(lambda: nn.unbox(init_params(model_config, jax.random.key(0))))
   count = sum(math.prod(x.shape) for x in jax.tree_util.tree_leaves(shapes))
   assert abs(count - PAPER[name]["params"]) / PAPER[name]["params"] < 0.05, count

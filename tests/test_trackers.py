@@ -20,7 +20,7 @@ from tensorboard.util import tensor_util
 import helpers
 from experiments.benchmarks import profile as profile_bench
 from experiments.configs import default
-from transformer_jax import trackers, trainer
+from transformer_jax import evaluators, trackers, trainer
 from transformer_jax.data import sources
 from transformer_jax.workdir import Workdir
 
@@ -79,7 +79,7 @@ def test_tensorboard_shows_hparams_scalars_attention_and_sample_translations(run
   assert start.hparams["profile_steps"].string_value == "[5, 8]"
   assert set(start.hparams) == set(trackers.flatten_hparams(saved))
   experiment = hparams_metadata.parse_experiment_plugin_data(content[hparams_metadata.EXPERIMENT_TAG])
-  assert [m.name.tag for m in experiment.metric_infos] == trainer.logged_eval_metrics(config)
+  assert [m.name.tag for m in experiment.metric_infos] == evaluators.logged_eval_metrics(config)
   assert "validation/bleu" in [m.name.tag for m in experiment.metric_infos]
   # Sample translations at each BLEU evaluation (6 and 12): the validation split's first pairs.
   pairs = sources.load_pairs(config.data, "validation", str(workdir.root))[:3]

@@ -1,4 +1,5 @@
-"""The orchestration (transformer_jax/trainer.py): periodic decisions, evaluators, the typed result."""
+"""The training run (transformer_jax/trainer.py) and its pieces: periodic decisions, evaluators, factories, the
+typed result."""
 
 import copy
 import json
@@ -14,7 +15,7 @@ import helpers
 from experiments import common
 from experiments.configs import number_words
 from transformer_jax import checkpoint as checkpoint_lib
-from transformer_jax import trainer
+from transformer_jax import evaluators, factories, sharding, trainer
 from transformer_jax.workdir import Workdir
 
 
@@ -28,7 +29,8 @@ def test_itstime_every_n_steps_and_the_last():
 def test_evaluators_are_listed_by_the_config():
   config = number_words.get_config()
   config.evals.bleu.every_steps = 7
-  loss, attention, bleu = trainer.make_evaluators(config)
+  loss, attention, bleu = evaluators.make_evaluators(config, model_config=None, tokenizer=None, eval_sets={},
+                                                    eval_step=None, mesh=None)
   assert (loss.name, loss.every_steps, loss.tokens_per_batch) == ("loss", 500, 8192)
   assert (attention.name, attention.every_steps, attention.rows) == ("attention", 500, 16)
   assert (bleu.name, bleu.every_steps, bleu.beam_size, bleu.alpha) == ("bleu", 7, 1, config.decode.alpha)
@@ -37,9 +39,9 @@ def test_evaluators_are_listed_by_the_config():
 def test_optimizer_cools_down_over_the_last_steps_when_asked():
   config = number_words.get_config()
   config.num_train_steps, config.warmup_steps = 100, 10
-  _, paper = trainer.optimizer(config, 64)
+  _, paper = factories.optimizer(config, 64)
   config.cooldown_steps = 30
-  _, cooled = trainer.optimizer(config, 64)
+  _, cooled = factories.optimizer(config, 64)
   assert float(cooled(70)) == pytest.approx(float(paper(70)))
   assert float(cooled(85)) == pytest.approx(float(paper(85)) * (1 - 15 / 31))
   assert 0 < float(cooled(100)) < float(paper(100)) / 30
@@ -98,6 +100,16 @@ def test_train_and_evaluate_returns_a_typed_result_and_leaves_the_config_alone(t
   assert saved["num_train_steps"] == 6
 
 
+def _started(config, workdir):
+  """(run, start, program) as `train_and_evaluate` has them when its loop begins (the workdir's checkpoints
+  restored, the step compiled for the next update); the trackers and checkpointer closed again."""
+  run = trainer.prepare(config, workdir)
+  with factories.checkpointer(run.config, run.workdir.checkpoints) as checkpointer:
+    start = trainer.init_or_restore(run, checkpointer)
+  run.writer.close()
+  return run, start, trainer.compile_program(run, run.config, run.resolved_config, start.state, start.step + 1)
+
+
 def _final_params(result):
   return jax.tree_util.tree_leaves(jax.device_get(result.state.params))
 
@@ -126,15 +138,13 @@ def test_a_dropout_stage_recompiles_the_step_at_its_update_and_on_resume(tmp_pat
   assert any((a != b).any() for a, b in zip(_final_params(staged), _final_params(plain)))
 
   # The step a run resumed after the stage compiles is the trainer's step at the stage's rate.
-  run = trainer.prepare(staged_config, str(tmp_path / "staged"))
-  trainer.init_or_restore(run)
-  assert (run.start_step, run.train_dropout_rate) == (6, 0.3)
-  batch = trainer.sharding.shard_batch(next(run.data.train), run.mesh, run.rules)
-  at_rate = trainer.make_train_step(staged_config, run.model_config.replace(dropout_rate=0.3), run.mesh, run.state,
-                                    run.rules)
-  assert run.train_step.lower(run.state, batch, run.rng).as_text() == at_rate.lower(
-      run.state, batch, run.rng).as_text()
-  run.checkpointer.close()
+  run, start, program = _started(staged_config, str(tmp_path / "staged"))
+  assert (start.step, program.dropout_rate) == (6, 0.3)
+  batch = sharding.shard_batch(next(run.data.train), run.mesh, run.rules)
+  at_rate = factories.make_train_step(staged_config, run.model_config.replace(dropout_rate=0.3), run.mesh,
+                                      start.state, run.rules)
+  assert program.train_step.lower(start.state, batch, start.rng).as_text() == at_rate.lower(
+      start.state, batch, start.rng).as_text()
 
 
 def test_weight_decay_trains_resumes_exactly_and_refuses_a_checkpoint_without_it(tmp_path):
@@ -171,9 +181,9 @@ def test_moving_average_resumes_exactly_and_is_what_the_finished_run_translates_
   averaged = trainer.train_and_evaluate(averaged_config(), str(tmp_path / "averaged"))
   trainer.train_and_evaluate(averaged_config(num_train_steps=4), str(tmp_path / "resumed"))
   resumed = trainer.train_and_evaluate(averaged_config(), str(tmp_path / "resumed"))
-  ema = jax.device_get(trainer.inference_params(averaged.config, averaged.state))
+  ema = jax.device_get(factories.inference_params(averaged.config, averaged.state))
   for a, b in zip(jax.tree_util.tree_leaves(ema),
-                  jax.tree_util.tree_leaves(trainer.inference_params(resumed.config, resumed.state)), strict=True):
+                  jax.tree_util.tree_leaves(factories.inference_params(resumed.config, resumed.state)), strict=True):
     np.testing.assert_array_equal(a, b)
   for a, b in zip(_final_params(averaged), _final_params(resumed), strict=True):
     np.testing.assert_array_equal(a, b)
@@ -197,16 +207,14 @@ def test_moving_average_resumes_exactly_and_is_what_the_finished_run_translates_
 
 
 def test_make_train_step_is_the_step_the_trainer_runs(tmp_path):
-  """`make_train_step` (what the benchmarks time) compiles the same program as the trainer's own step."""
+  """`factories.make_train_step` (what the benchmarks time) compiles the same program as the trainer's own step."""
   config = _tiny_config(tmp_path)
   config.num_train_steps = 0
-  run = trainer.prepare(config, str(tmp_path / "run"))
-  trainer.init_or_restore(run)
-  batch = trainer.sharding.shard_batch(next(run.data.train), run.mesh, run.rules)
-  mine = trainer.make_train_step(config, run.model_config, run.mesh, run.state, run.rules)
-  text = run.train_step.lower(run.state, batch, run.rng).as_text()
-  assert mine.lower(run.state, batch, run.rng).as_text() == text
+  run, start, program = _started(config, str(tmp_path / "run"))
+  batch = sharding.shard_batch(next(run.data.train), run.mesh, run.rules)
+  mine = factories.make_train_step(config, run.model_config, run.mesh, start.state, run.rules)
+  text = program.train_step.lower(start.state, batch, start.rng).as_text()
+  assert mine.lower(start.state, batch, start.rng).as_text() == text
   config.label_smoothing = 0.2
-  other = trainer.make_train_step(config, run.model_config, run.mesh, run.state, run.rules)
-  assert other.lower(run.state, batch, run.rng).as_text() != text
-  run.checkpointer.close()
+  other = factories.make_train_step(config, run.model_config, run.mesh, start.state, run.rules)
+  assert other.lower(start.state, batch, start.rng).as_text() != text

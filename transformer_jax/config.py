@@ -26,7 +26,7 @@ EOS_ID = 3
 
 # ModelConfig fields that change how the model runs (regularisation, precision, memory, kernels), not its
 # parameters or the function a trained model computes: fine-tuning an imported model may set them; every
-# other field is its architecture, fixed by the checkpoint (`trainer.config_for_workdir`).
+# other field is its architecture, fixed by the checkpoint (`imported_workdir.config_for_workdir`).
 RUNTIME_FIELDS = ("dropout_rate", "attention_dropout_rate", "relu_dropout_rate", "attention_impl", "dtype", "remat",
                   "query_chunk_size")
 

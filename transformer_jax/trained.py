@@ -71,7 +71,7 @@ def load(workdir: str, checkpoint: str | None = None, ema: bool | None = None, *
   """`(model_config, params, tokenizer)` of a trained workdir; `checkpoint` = a step or a checkpoint dir.
 
   `ema`: translate with the moving average of the parameters the run kept (`ema_decay` > 0) rather than the
-  parameters; None = the run's own choice (the trainer's `inference_params`): the average for a run that kept
+  parameters; None = the run's own choice (`factories.inference_params`): the average for a run that kept
   one, read from its own checkpoints (another directory, e.g. averaged checkpoints, holds parameters only).
   `defaults`: as `workdir_config`. Raises FileNotFoundError (no run, no such checkpoint),
   `checkpoint.CheckpointMismatchError` (the checkpoint's parameter tree is not the workdir's model),

@@ -22,7 +22,7 @@
 
 A workdir written by an importer (`experiments.import_marian`) has the same layout: `config.json` names the
 model and its tokenizer, `data.dataset` is `IMPORTED_DATASET` (no training data yet) and checkpoint 0 holds
-the imported parameters; `experiments.train` fine-tunes it from there (`trainer.config_for_workdir`).
+the imported parameters; `experiments.train` fine-tunes it from there (`imported_workdir.config_for_workdir`).
 
 Every path goes through `etils.epath`, the path type orbax and tfds use, so a `gs://bucket/run` workdir works
 as a local one: epath hands `gs://` to TensorFlow's GCS filesystem (`tf.io.gfile`), orbax's arrays go through

@@ -1,7 +1,7 @@
 """Shared pieces of the benchmark suite: the trainer's step, corpus, analytic FLOPs, matmul probe, memory.
 
 Every timed JAX training step of the suite (training sections, ablations, profile, sharding, scaling) comes
-from `build_train_step`: the trainer's own `trainer.create_state` + `trainer.make_train_step` on a config
+from `build_train_step`: the trainer's own `factories.create_state` + `factories.make_train_step` on a config
 made by `train_config` (`experiments/configs/default.py` plus the preset's sizes), on a one-device mesh
 or the caller's. `tests/test_benchmarks.py` proves it lowers to the program `python -m experiments.train`
 runs. Everything else here is host-side and cheap; the sections in `sections.py` do the measuring.
@@ -27,7 +27,7 @@ import numpy as np
 
 from experiments.configs import default as default_config
 from transformer_jax import config as presets
-from transformer_jax import decoding, sharding, trainer
+from transformer_jax import decoding, factories, sharding
 from transformer_jax.config import ModelConfig
 from transformer_jax.data import number_words as nw
 from transformer_jax.data import pipeline
@@ -83,20 +83,20 @@ class TrainStep:
 
 
 def build_train_step(config: ml_collections.ConfigDict, mesh: Optional[jax.sharding.Mesh] = None) -> TrainStep:
-  """The train state and compiled step `trainer.init_or_restore` builds for `config` (no checkpoint).
+  """The train state and compiled step the trainer builds for `config` (no checkpoint).
 
   `config.model.vocab_size` must be set (the trainer takes it from the tokenizer); `mesh` defaults to the
-  one-device mesh. The same calls as the trainer: `trainer.model_config_from`,
-  `sharding.validate_model_for_mesh`, `trainer.create_state` with the first half of
-  `split(key(config.seed))`, `trainer.make_train_step`. Raises what those raise (ValueError on a model that
+  one-device mesh. The same calls as the trainer: `factories.model_config_from`,
+  `sharding.validate_model_for_mesh`, `factories.create_state` with the first half of
+  `split(key(config.seed))`, `factories.make_train_step`. Raises what those raise (ValueError on a model that
   does not divide over the mesh, on unknown `config.model` fields).
   """
   mesh = sharding.single_device_mesh() if mesh is None else mesh
-  model_config = trainer.model_config_from(config, config.model.vocab_size)
+  model_config = factories.model_config_from(config, config.model.vocab_size)
   rules = sharding.validate_model_for_mesh(model_config, mesh)
   init_rng, rng = jax.random.split(jax.random.key(config.seed))
-  state = trainer.create_state(config, model_config, mesh, init_rng, rules)
-  step = trainer.make_train_step(config, model_config, mesh, state, rules)
+  state = factories.create_state(config, model_config, mesh, init_rng, rules)
+  step = factories.make_train_step(config, model_config, mesh, state, rules)
   return TrainStep(state=state, step=step, rng=rng, model_config=model_config, mesh=mesh, rules=rules)
 
 

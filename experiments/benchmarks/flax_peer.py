@@ -13,7 +13,7 @@ our vocabulary), one embedding shared by source, target and the pre-softmax proj
 embeddings, `attention_dropout_rate` = ours). Loss and optimizer (`make_train_step`): the example's
 label-smoothed cross-entropy (soft one-hot targets, on 1-ε, off ε/(V-1), weighted by `targets > 0`, divided
 by the real target tokens; the example's constant normaliser is left out: it changes no gradient) and the
-example's metrics (loss, accuracy); our optimizer (`trainer.optimizer`: Adam(0.9, 0.98, 1e-9) with the
+example's metrics (loss, accuracy); our optimizer (`factories.optimizer`: Adam(0.9, 0.98, 1e-9) with the
 paper's rsqrt schedule), which is the example's `optax.adamw` at weight decay 0 with another schedule shape.
 The step is `jax.jit(train_step, donate_argnums=0)`; dropout keys are `fold_in(rng, step)` as in the example.
 
@@ -38,7 +38,7 @@ import jax.numpy as jnp
 from flax.training import train_state
 
 from experiments.benchmarks import common
-from transformer_jax import trainer
+from transformer_jax import factories
 from transformer_jax.config import ModelConfig
 
 MODELS_MEMBER = "examples/wmt/models.py"
@@ -136,7 +136,7 @@ def create_state(models: ModuleType, cfg: ModelConfig, config, rng: jax.Array) -
   model = models.Transformer(example_config(models, cfg, deterministic=True))
   ones = jnp.ones((1, 8), jnp.int32)
   params = jax.jit(model.init)(rng, ones, ones)["params"]
-  tx, _ = trainer.optimizer(config, cfg.d_model)
+  tx, _ = factories.optimizer(config, cfg.d_model)
   return train_state.TrainState.create(apply_fn=model.apply, params=params, tx=tx)
 
 

@@ -9,8 +9,8 @@ With `--search=greedy|beam4` it traces `translate_ids`' compiled search on one b
 test2016 sources of the `--bucket` length bucket (random init, outputs capped at len(source)+50, as the
 ctranslate2 bench section), and reports per decoder step.
 
-Compiles the trainer's own train step (`common.build_train_step`: `trainer.create_state` +
-`trainer.make_train_step` of the default recipe with the preset's sizes, one-device mesh) on the
+Compiles the trainer's own train step (`common.build_train_step`: `factories.create_state` +
+`factories.make_train_step` of the default recipe with the preset's sizes, one-device mesh) on the
 benchmark's packed multi30k batches, traces `--steps` steps and
 reads the trace back (`jax.profiler.ProfileData`). Every XLA op event is mapped to its HLO instruction in
 the compiled module (`compiled.as_text()`): its kind (`ynn_fusion` = matmul, `copy_*`/`transpose_*` =

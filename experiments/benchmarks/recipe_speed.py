@@ -37,7 +37,7 @@ import numpy as np
 
 from experiments import launch
 from experiments.benchmarks import common
-from transformer_jax import sharding, trainer
+from transformer_jax import run_checks, sharding
 from transformer_jax.data import pipeline
 
 
@@ -117,7 +117,7 @@ def main(argv=None) -> int:
       return 1
     mesh = sharding.mesh_from_config(config.mesh, devices=jax.devices()[:devices])
     try:
-      trainer.check_batch_rows(config.data, mesh)
+      run_checks.check_batch_rows(config.data, mesh)
     except ValueError as e:
       print(f"error: variant {name!r}: {e}", file=sys.stderr)
       return 1

@@ -5,8 +5,8 @@ r"""The benchmark suite: one command, a table on stdout, JSON, plots and the tab
     python -m experiments.benchmarks.run --sections=machine,train_tiny,peers_tiny --no-torch --no-flax
     make bench
 
-Every timed JAX training step is the trainer's own compiled step (`trainer.create_state` +
-`trainer.make_train_step` of `experiments/configs/default.py` with the preset's sizes, one-device mesh:
+Every timed JAX training step is the trainer's own compiled step (`factories.create_state` +
+`factories.make_train_step` of `experiments/configs/default.py` with the preset's sizes, one-device mesh:
 `common.build_train_step`; tests/test_benchmarks.py proves it is the program `experiments.train` runs).
 
 Sections (each in its own process, so peak memory is per configuration):
@@ -250,7 +250,7 @@ def render(results: dict) -> str:
 
   trains = [(k, v) for k, v in results.items() if k.startswith("train_") and "jax" in v]
   if trains:
-    lines += ["**2. Training** (the trainer's own compiled step, `trainer.make_train_step`, on packed multi30k "
+    lines += ["**2. Training** (the trainer's own compiled step, `factories.make_train_step`, on packed multi30k "
               "batches; each row's numbers come from interleaved rounds: ours, the ablations and a 2048² "
               "matmul probe take turns, so the load of the shared machine cancels out of the ratios)", "",
               "| preset | params | batch (real src/tgt tokens) | step (median, n) | compile | peak RSS | "

@@ -8,7 +8,7 @@ r"""The benchmark sections; each runs in its own process (`run.py` starts them) 
     python -m experiments.benchmarks.sections long_inputs --out=/tmp/l.json --lengths=512,1024 --steps=2
 
 Every timed JAX training step is the trainer's own compiled step (`common.build_train_step`: the
-`trainer.create_state` + `trainer.make_train_step` of `experiments/configs/default.py` with the preset's
+`factories.create_state` + `factories.make_train_step` of `experiments/configs/default.py` with the preset's
 sizes, on a one-device mesh). The machine is shared, so the training section interleaves what it compares
 in rounds (ours, the ablation variants, the data pipeline and a 2048^2 matmul probe take turns inside each
 round) and reports medians and ratios of medians measured in the same rounds. Peers (`peer`: ours, the
@@ -171,7 +171,7 @@ def train(args) -> dict:
   rows = args.tokens // args.row_length
   out = {"preset": args.preset, "config": dict(vars(cfg)), "corpus": corpus.name,
          "tokens_per_batch": args.tokens, "row_length": args.row_length, "rows": rows,
-         "flops_formula": common.FLOPS_FORMULA, "step": "trainer.make_train_step (one-device mesh)"}
+         "flops_formula": common.FLOPS_FORMULA, "step": "factories.make_train_step (one-device mesh)"}
   flops = common.model_flops(cfg, rows, args.row_length, args.row_length)
   out["flops_per_step"] = flops
 
@@ -239,7 +239,7 @@ def _ours_peer(cfg, host: list[dict]):
   def step(k):
     box["state"], metrics = compiled(box["state"], dev[k % len(dev)], built.rng)
     return metrics["loss"]
-  return f"jax {jax.__version__}, flax {flax.__version__} (trainer.make_train_step)", step
+  return f"jax {jax.__version__}, flax {flax.__version__} (factories.make_train_step)", step
 
 
 def _flax_peer(cfg, host: list[dict]):

@@ -4,8 +4,8 @@ r"""Per-device train-state memory and step time of the base Transformer under da
     python -m experiments.benchmarks.sharding_bench --meshes=data=8 --meshes=fsdp=8,data=1 --rows=8 --length=128
 
 Every mesh trains the same model (`config.base(vocab_size=32000)`, float32, dropout as the preset) with the
-trainer's own compiled step for that mesh (`common.build_train_step`: `trainer.create_state` +
-`trainer.make_train_step` of the default recipe with the preset's sizes) on the same fixed batch (`rows` x `length` tokens per side), a few timed steps after the compiling one. Reported per
+trainer's own compiled step for that mesh (`common.build_train_step`: `factories.create_state` +
+`factories.make_train_step` of the default recipe with the preset's sizes) on the same fixed batch (`rows` x `length` tokens per side), a few timed steps after the compiling one. Reported per
 mesh: the train state's bytes on each device (params + Adam moments: the addressable shards), XLA's temporary
 buffer estimate for the step (per device, where the backend reports it), the compile time and the median
 step time. On CPU the devices are forced host devices sharing the machine's cores: step times are only

@@ -488,7 +488,7 @@ def import_to_workdir(model_dir: str, workdir: str) -> dict:
   """Converts a Marian directory into a workdir (config.json, vocab/, checkpoints/0) for `translate`,
   `evaluate`, `attention_map` and fine-tuning with `experiments.train`; returns the workdir config. Validates
   everything before writing anything. Checkpoint 0 holds the parameters (its Adam state is a fresh one that
-  fine-tuning does not read: `trainer.init_or_restore` starts a fresh optimizer at the imported step).
+  fine-tuning does not read: `imported_workdir.restore_import` starts a fresh optimizer at the imported step).
 
   Raises:
     UnsupportedModelError, VocabularyError: see `load_marian`.

@@ -26,9 +26,10 @@ The idea of a schedule set by a time budget: Geiping & Goldstein, "Cramming" (20
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import os
-from typing import Any
+from typing import Any, Callable
 
 from transformer_jax.training import schedule as schedule_lib
 from transformer_jax.workdir import Workdir, read_json, write_json_atomically
@@ -138,3 +139,49 @@ def revise_in_cooldown(previous: BudgetDecision, *, step: int, start_step: int, 
   knots = previous.cooldown_knots + (((step, progress),) if 0 < progress < 1 else ())
   return dataclasses.replace(fitted, cooldown_steps=fitted.num_train_steps - previous.cooldown_start,
                              cooldown_knots=knots)
+
+
+def next_decision_step(config: Any, decision: BudgetDecision | None, start_step: int) -> int | None:
+  """The step after which a run starting at `start_step` next decides its length: with a budget
+  (`config.train_budget_minutes > 0`), the revision of its saved `decision` (`revision_step`), or without one its
+  first plan (`decision_step`); None without a budget or when no decision is left to take."""
+  if config.train_budget_minutes <= 0:
+    return None
+  return revision_step(decision, start_step) if decision else decision_step(config, start_step)
+
+
+def next_decision(config: Any, previous: BudgetDecision | None, *, step: int, start_step: int, seconds: float,
+                  first_step_seconds: float,
+                  agree: Callable[[int, int], tuple[int, ...]] = lambda *values: values) -> BudgetDecision:
+  """The run's length decided after `step`: planned from `config` (no `previous` decision: `plan`, `decide`), or
+  `previous` revised (`decide` with its budget; inside its cool-down, `revise_in_cooldown`).
+
+  `seconds` and `first_step_seconds` are this process's training time so far and its first step's share of it
+  (see `decide`). `agree(num_train_steps, cooldown_steps)` returns the numbers every host uses (process 0's:
+  the trainer passes `sharding.agree_on_ints`). A revision that moves the end by at most 1% keeps `previous`'s
+  length, cool-down and knots (the trainer then rebuilds nothing). The caller applies the decision
+  (`with_decision`) and saves it (`write`).
+  """
+  measured = dict(step=step, start_step=start_step, seconds=seconds, first_step_seconds=first_step_seconds)
+  if previous and step >= previous.cooldown_start:
+    decision = revise_in_cooldown(previous, **measured)
+  else:
+    basis = (dict(budget_minutes=previous.budget_minutes, cap=previous.cap, cooldown_share=previous.cooldown_share)
+             if previous else plan(config))
+    decision = decide(**basis, **measured)
+  total, cooldown = agree(decision.num_train_steps, decision.cooldown_steps)
+  knots = decision.cooldown_knots
+  if previous and abs(total - previous.num_train_steps) <= 0.01 * previous.num_train_steps:
+    total, cooldown, knots = previous.num_train_steps, previous.cooldown_steps, previous.cooldown_knots
+  return dataclasses.replace(decision, num_train_steps=total, cooldown_steps=cooldown, cooldown_knots=knots)
+
+
+def with_decision(config: Any, decision: BudgetDecision | None) -> Any:
+  """`config` with the run length `decision` sets (`num_train_steps`, `cooldown_steps`, `cooldown_knots`; a
+  copy), or `config` itself when there is none."""
+  if decision is None:
+    return config
+  config = copy.deepcopy(config)
+  config.num_train_steps, config.cooldown_steps = decision.num_train_steps, decision.cooldown_steps
+  config.cooldown_knots = decision.cooldown_knots
+  return config

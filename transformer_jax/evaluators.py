@@ -1,0 +1,214 @@
+"""The evaluators of a training run: small objects that score parameters on the eval splits (big_vision's).
+
+    evaluators = make_evaluators(config, model_config=..., tokenizer=..., eval_sets=..., eval_step=..., mesh=...)
+    for evaluator in evaluators:
+      if itstime(step, evaluator.every_steps, total):
+        results.update(evaluator(params))      # {"<split>/<metric>": value}
+
+Each is built with exactly what it needs (the model config, the eval splits, the compiled eval step and mesh,
+the tokenizer) and called with the parameters to score; `config.evals` lists them (`loss`, `attention`,
+`bleu`), each with its own `every_steps` (0 = off). `logged_eval_metrics` and `check_best_metric` say which
+`<split>/<metric>` names they produce, for the trackers' HParams and for `checkpoint_best_metric`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+from typing import Any, Callable, Mapping, Protocol
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from transformer_jax import diagnostics, metrics as metrics_lib, sharding
+from transformer_jax.config import ModelConfig
+from transformer_jax.data import batching, datasets as datasets_lib
+from transformer_jax.decoding import inference
+from transformer_jax.trackers import MetricWriter
+from transformer_jax.training import steps
+
+# The evaluator (a `config.evals` section) that computes each metric of `metrics_lib.METRIC_DIRECTIONS`.
+METRIC_EVALUATORS = {"loss": "loss", "nll": "loss", "perplexity": "loss", "accuracy": "loss", "bleu": "bleu",
+                     "chrf": "bleu"}
+
+
+class Evaluator(Protocol):
+  """Scores `params` on its eval splits; returns `{"<split>/<metric>": value}`."""
+
+  name: str
+  every_steps: int
+
+  def __call__(self, params: Any) -> dict[str, float]:
+    ...
+
+
+def within_position_table(eval_set: datasets_lib.EvalSet, model_config: ModelConfig,
+                          split: str) -> tuple[list[np.ndarray], list[np.ndarray]]:
+  """The eval pairs' (sources, targets) that fit the model's position table (`model.max_len` tokens a side,
+  EOS included; all of them for a model without one); a warning counts the rest, which teacher forcing
+  could not score (their positions would read past the table and give NaN)."""
+  if model_config.position_embedding == "none":
+    return eval_set.sources, eval_set.targets
+  keep = batching.within_length(eval_set.sources, eval_set.targets, model_config.max_len)
+  if len(keep) < len(eval_set.sources):
+    logging.warning("eval %s: %d of %d pairs are longer than model.max_len=%d tokens and are not scored",
+                    split, len(eval_set.sources) - len(keep), len(eval_set.sources), model_config.max_len)
+  return [eval_set.sources[i] for i in keep], [eval_set.targets[i] for i in keep]
+
+
+def _per_split(eval_sets: Mapping[str, datasets_lib.EvalSet], score) -> dict[str, float]:
+  """`{"<split>/<metric>": value}` from `score(split, eval_set) -> {metric: value}` over the splits in order."""
+  return {f"{split}/{metric}": value for split, eval_set in eval_sets.items()
+          for metric, value in score(split, eval_set).items()}
+
+
+@dataclasses.dataclass
+class LossEvaluator:
+  """Token-weighted loss, NLL, perplexity and accuracy over each whole eval split (teacher forcing), summed by
+  `eval_step` (`factories.make_eval_step`: `(params, batch) -> sums`) over batches of `tokens_per_batch`
+  tokens sharded on `mesh` (padding rows added to split evenly)."""
+
+  every_steps: int
+  tokens_per_batch: int
+  model_config: ModelConfig
+  eval_sets: Mapping[str, datasets_lib.EvalSet]
+  eval_step: Callable[[Any, dict], dict]
+  mesh: jax.sharding.Mesh
+  rules: tuple = sharding.LOGICAL_AXIS_RULES
+  name: str = "loss"
+
+  def __call__(self, params: Any) -> dict[str, float]:
+    return _per_split(self.eval_sets, lambda split, eval_set: self.score(params, split, eval_set))
+
+  def score(self, params: Any, split: str, eval_set: datasets_lib.EvalSet) -> dict[str, float]:
+    """`{loss, nll, accuracy, token_count, perplexity}` of one split ({} when no pair fits the model)."""
+    totals = None
+    pad_id = self.model_config.pad_id
+    sources, targets = within_position_table(eval_set, self.model_config, split)
+    if not sources:
+      return {}
+    for batch in batching.eval_batches(sources, targets, self.tokens_per_batch, pad_id=pad_id):
+      sums = self.eval_step(params, sharding.shard_batch(batch, self.mesh, self.rules, process_local=False,
+                                                         pad_rows=True, pad_id=pad_id))
+      totals = sums if totals is None else jax.tree_util.tree_map(jnp.add, totals, sums)
+    metrics = {k: float(v) for k, v in steps.metrics_from_sums(totals).items()}
+    metrics["perplexity"] = float(math.exp(min(metrics["nll"], 50.0)))
+    logging.info("eval %s: loss %.3f | nll %.3f | ppl %.2f | acc %.3f", split, metrics["loss"], metrics["nll"],
+                 metrics["perplexity"], metrics["accuracy"])
+    return metrics
+
+
+@dataclasses.dataclass
+class BleuEvaluator:
+  """sacreBLEU and chrF of translations (beam search, `beam_size`, length penalty `alpha`) of the first
+  `max_examples` pairs (0 = all) of each eval split; the first `samples` (source, reference, hypothesis) of
+  each split wait in `samples_by_split` for the trackers (`write_samples`)."""
+
+  every_steps: int
+  max_examples: int
+  beam_size: int
+  alpha: float
+  model_config: ModelConfig
+  tokenizer: Any                   # the run's `data.tokenizer` (its `lowercase` selects sacreBLEU's case:lc)
+  eval_sets: Mapping[str, datasets_lib.EvalSet]
+  samples: int = 0
+  target_lang: str = ""  # BLEU's tokenizer follows it as sacreBLEU's does (`metrics.bleu_metric`)
+  name: str = "bleu"
+  samples_by_split: dict = dataclasses.field(default_factory=dict)
+
+  def __call__(self, params: Any) -> dict[str, float]:
+    return _per_split(self.eval_sets, lambda split, eval_set: self.score(params, split, eval_set))
+
+  def score(self, params: Any, split: str, eval_set: datasets_lib.EvalSet) -> dict[str, float]:
+    """`{bleu, chrf}` of one split (sacreBLEU's 0-100 scale)."""
+    pairs = eval_set.pairs[: self.max_examples or None]
+    hyps = inference.translate_texts(params, self.model_config, self.tokenizer, [s for s, _ in pairs],
+                                     beam_size=self.beam_size, alpha=self.alpha)
+    scores = metrics_lib.sacrebleu_scores(hyps, [t for _, t in pairs], lowercase=self.tokenizer.lowercase,
+                                           target_lang=self.target_lang)
+    logging.info("BLEU %s: %.2f (chrF %.2f) %s", split, scores["bleu"], scores["chrf"], scores["bleu_signature"])
+    self.samples_by_split[split] = [(s, t, h) for (s, t), h in zip(pairs[:self.samples], hyps)]
+    return {"bleu": scores["bleu"], "chrf": scores["chrf"]}
+
+
+@dataclasses.dataclass
+class AttentionEvaluator:
+  """Per layer and head, the mean entropy of the attention distributions and the share of near-uniform heads.
+
+  On the first `rows` pairs of each eval split, teacher-forced (`transformer_jax.diagnostics`); logged as
+  `<split>/attention/<kind>/layer_<l>/head_<h>/entropy` and `<split>/attention/<kind>/near_uniform_share`.
+  """
+
+  every_steps: int
+  rows: int
+  model_config: ModelConfig
+  eval_sets: Mapping[str, datasets_lib.EvalSet]
+  name: str = "attention"
+
+  def __call__(self, params: Any) -> dict[str, float]:
+    return _per_split(self.eval_sets, lambda split, eval_set: self.score(params, split, eval_set))
+
+  def score(self, params: Any, split: str, eval_set: datasets_lib.EvalSet) -> dict[str, float]:
+    sources, targets = within_position_table(eval_set, self.model_config, split)
+    if not self.rows or not sources:
+      return {}
+    batch = next(batching.eval_batches(sources[:self.rows], targets[:self.rows],
+                                       max_tokens=1 << 30, pad_id=self.model_config.pad_id))
+    statistics = _attention_statistics(params, self.model_config, jnp.asarray(batch["inputs"]),
+                                       jnp.asarray(batch["targets"]))
+    return diagnostics.summary_scalars(statistics)
+
+
+_attention_statistics = jax.jit(diagnostics.attention_statistics, static_argnums=1)
+
+
+def make_evaluators(config: Any, *, model_config: ModelConfig, tokenizer: Any,
+                    eval_sets: Mapping[str, datasets_lib.EvalSet], eval_step: Callable[[Any, dict], dict],
+                    mesh: jax.sharding.Mesh, rules: tuple = sharding.LOGICAL_AXIS_RULES) -> list[Evaluator]:
+  """The evaluators `config.evals` lists (each runs every `every_steps` steps and at the end; 0 = off), over
+  `eval_sets` (`Datasets.eval_sets`: split -> EvalSet) with the run's model config, tokenizer and eval step."""
+  evals = config.evals
+  return [LossEvaluator(evals.loss.every_steps, evals.loss.tokens_per_batch, model_config, eval_sets, eval_step,
+                        mesh, rules),
+          AttentionEvaluator(evals.attention.every_steps, evals.attention.rows, model_config, eval_sets),
+          BleuEvaluator(evals.bleu.every_steps, evals.bleu.max_examples, evals.bleu.beam_size, config.decode.alpha,
+                        model_config, tokenizer, eval_sets, evals.bleu.samples, config.data.target_lang)]
+
+
+def write_samples(writer: MetricWriter, evaluators: list[Evaluator], step: int) -> None:
+  """Sends the sample translations the BLEU evaluator kept at `step` to the trackers, then forgets them."""
+  for evaluator in evaluators:
+    if isinstance(evaluator, BleuEvaluator):
+      for split, rows in evaluator.samples_by_split.items():
+        if rows:
+          writer.write_samples(step, split, rows)
+      evaluator.samples_by_split.clear()
+
+
+def logged_eval_metrics(config: Any) -> list[str]:
+  """The `<split>/<metric>` tags the evaluators of `config` log (the HParams tab's metrics)."""
+  names = (["loss", "nll", "perplexity", "accuracy"] if config.evals.loss.every_steps else []) + (
+      ["bleu", "chrf"] if config.evals.bleu.every_steps else [])
+  return [f"{split}/{name}" for split in config.data.eval_splits for name in names]
+
+
+def check_best_metric(config: Any) -> None:
+  """Raises ValueError (one line) unless `checkpoint_best_metric` ('' or '<split>/<metric>') is computed by
+  this run: the split is one of `data.eval_splits`, the metric has a known direction (`metrics.METRIC_DIRECTIONS`)
+  and its evaluator is on (`evals.<evaluator>.every_steps > 0`)."""
+  name = config.checkpoint_best_metric
+  if not name:
+    return
+  split, metric = name.split("/", 1)
+  flag = f"--config.checkpoint_best_metric={name!r}"
+  if split not in config.data.eval_splits:
+    raise ValueError(f"{flag}: split {split!r} is not evaluated (data.eval_splits={tuple(config.data.eval_splits)})")
+  if metric not in METRIC_EVALUATORS:
+    raise ValueError(f"{flag}: no evaluator computes {metric!r} with a known direction; one of "
+                     f"{', '.join(sorted(METRIC_EVALUATORS))}")
+  evaluator = METRIC_EVALUATORS[metric]
+  if not config.evals[evaluator].every_steps:
+    raise ValueError(f"{flag}: computed by the {evaluator} evaluator, which is off "
+                     f"(evals.{evaluator}.every_steps=0); set evals.{evaluator}.every_steps > 0")
