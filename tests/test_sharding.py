@@ -24,7 +24,8 @@ import distributed_workers
 from transformer_jax import decoding, sharding
 from transformer_jax.decoding import constraints, generate
 from transformer_jax.config import tiny
-from transformer_jax.training.schedule import adam, adam_with_schedule, ema_params, param_ema, rsqrt_schedule
+from transformer_jax.training.optimizer import adam, adam_with_schedule, ema_params, param_ema
+from transformer_jax.training.schedule import rsqrt_schedule
 
 pytestmark = pytest.mark.filterwarnings("ignore:Some donated buffers were not usable")
 
@@ -145,7 +146,7 @@ def test_train_step_matches_single_device(reference, name):
 
 
 def test_weight_decay_step_on_an_fsdp_mesh_matches_single_device(reference):
-  """AdamW (`schedule.adam(weight_decay=...)`): its mask is computed on the boxed parameters the state is born
+  """AdamW (`optimizer.adam(weight_decay=...)`): its mask is computed on the boxed parameters the state is born
   from and on the plain ones the step updates; one step on the fsdp mesh equals the single-device step."""
   tx = adam(_lr(), eps=1e-3, weight_decay=0.1)
   results = []
@@ -164,7 +165,7 @@ def test_weight_decay_step_on_an_fsdp_mesh_matches_single_device(reference):
 
 
 def test_moving_average_is_sharded_like_the_parameters_and_its_step_matches_single_device(reference):
-  """`schedule.param_ema` in the optimizer state: born from the boxed parameters, the average takes their
+  """`optimizer.param_ema` in the optimizer state: born from the boxed parameters, the average takes their
   logical names and so their shardings on the fsdp mesh; one step there updates it as on one device."""
   tx = optax.chain(adam(_lr(), eps=1e-3), param_ema(0.5))
   results = []

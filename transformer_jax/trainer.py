@@ -53,6 +53,7 @@ from transformer_jax.data import batching, datasets as datasets_lib, pipeline, t
 from transformer_jax.data.marian_vocab import TOKENIZER_NAME as MARIAN_TOKENIZER
 from transformer_jax.owner_lock import OwnerLock
 from transformer_jax.training import budget as budget_lib
+from transformer_jax.training import optimizer as optimizer_lib
 from transformer_jax.training import schedule as schedule_lib
 from transformer_jax.training import steps
 from transformer_jax.trackers import MetricWriter
@@ -169,23 +170,23 @@ def itstime(step: int, every_steps: int, total_steps: int, *, last: bool = True)
 def optimizer(config: Any, d_model: int) -> tuple[optax.GradientTransformation, Any]:
   """Adam with the paper's schedule (section 5.3), cooled down over the last `config.cooldown_steps` (0 = the
   paper's schedule as is), decoupled weight decay `config.weight_decay` (0 = the paper's Adam), a moving
-  average of the parameters when `config.ema_decay` > 0 (`schedule.param_ema`), and the schedule itself."""
+  average of the parameters when `config.ema_decay` > 0 (`optimizer.param_ema`), and the schedule itself."""
   learning_rate_fn = schedule_lib.cooldown(
       schedule_lib.rsqrt_schedule(d_model, config.warmup_steps, config.learning_rate),
       config.num_train_steps, config.cooldown_steps, config.cooldown_shape, config.cooldown_knots)
-  tx = schedule_lib.adam(learning_rate_fn, b1=config.adam_b1, b2=config.adam_b2, eps=config.adam_eps,
-                        weight_decay=config.weight_decay)
+  tx = optimizer_lib.adam(learning_rate_fn, b1=config.adam_b1, b2=config.adam_b2, eps=config.adam_eps,
+                         weight_decay=config.weight_decay)
   if config.ema_decay:
-    tx = optax.chain(tx, schedule_lib.param_ema(config.ema_decay))
+    tx = optax.chain(tx, optimizer_lib.param_ema(config.ema_decay))
   return tx, learning_rate_fn
 
 
 def inference_params(config: Any, state: steps.TrainState) -> Any:
   """The parameters a finished run is evaluated and translated with: the moving average when
-  `config.ema_decay` > 0 (`schedule.ema_params`), else `state.params`. Periodic validation during training
+  `config.ema_decay` > 0 (`optimizer.ema_params`), else `state.params`. Periodic validation during training
   evaluates `state.params`, the iterate being trained, so learning curves compare across runs with and
   without the average."""
-  return schedule_lib.ema_params(state.opt_state) if config.ema_decay else state.params
+  return optimizer_lib.ema_params(state.opt_state) if config.ema_decay else state.params
 
 
 def make_train_step(config: Any, model_config: ModelConfig, mesh: jax.sharding.Mesh, state: steps.TrainState,

@@ -49,7 +49,7 @@ from transformer_jax.data.tokenizer import Tokenizer, VocabularyError
 from transformer_jax.data.marian_vocab import (EOS_PIECE, MARIAN_TOKENIZER_FILES, PAD_PIECE, SOURCE_SPM,
                                               TARGET_SPM, TOKENIZER_NAME, VOCAB_JSON, MarianVocabulary)
 from transformer_jax.model import sinusoid_table
-from transformer_jax.training import schedule, steps
+from transformer_jax.training import optimizer, steps
 from transformer_jax.training.steps import init_params
 from transformer_jax.workdir import IMPORTED_DATASET
 
@@ -506,7 +506,7 @@ def import_to_workdir(model_dir: str, workdir: str) -> dict:
     copy_marian_tokenizer_files(model_dir, os.path.join(tmp, "vocab"))
     _write_json(os.path.join(tmp, "config.json"), value)
     state = steps.TrainState.create(apply_fn=None, params=jax.tree_util.tree_map(jax.numpy.asarray, params),
-                                    tx=schedule.adam_with_schedule(config.d_model))
+                                    tx=optimizer.adam_with_schedule(config.d_model))
     with checkpoint_lib.Checkpointer(os.path.join(tmp, "checkpoints"),
                                      enable_async_checkpointing=False) as ckpt:
       saved = ckpt.save(0, state, jax.random.key(0), None, value, force=True)

@@ -1,12 +1,12 @@
-"""Training's pure pieces: the paper's schedule and loss, the train state and the train/eval steps.
+"""Training's pure pieces: the paper's schedule, optimizer and loss, the train state and the train/eval steps.
 
 Nothing here imports anything above `model`; the orchestration is `transformer_jax.trainer`, and the one
 jit road (state creation, partitioned steps) is `transformer_jax.sharding`.
 """
 
 from transformer_jax.training.loss import label_smoothed_cross_entropy, normalized_loss, token_weights
-from transformer_jax.training.schedule import (adam, adam_with_schedule, cooldown, cooldown_progress, dropout_rate,
-                                              ema_params, param_ema, rsqrt_schedule)
+from transformer_jax.training.optimizer import adam, adam_with_schedule, ema_params, param_ema
+from transformer_jax.training.schedule import cooldown, cooldown_progress, dropout_rate, rsqrt_schedule
 from transformer_jax.training.steps import TrainState, eval_step, init_params, metrics_from_sums, train_step
 
 __all__ = ["TrainState", "adam", "adam_with_schedule", "cooldown", "cooldown_progress", "dropout_rate", "ema_params",
