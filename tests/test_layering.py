@@ -22,6 +22,7 @@ RANKS = {
     "transformer_jax.attention.core": 1, "transformer_jax.attention.kvcache": 1.2,
     "transformer_jax.attention.layer": 1.4, "transformer_jax.attention": 1.5,
     "transformer_jax.profiling": 0,  # jax.profiler around chosen steps: a leaf
+    "transformer_jax.multihost": 0,  # the host collectives (process 0 decides, every host agrees): jax only
     "transformer_jax.trackers": 1,   # metrics.jsonl, TensorBoard, W&B: writers that know only the workdir
     "transformer_jax.owner_lock": 1,  # train.lock: one trainer per workdir, local or gs://
     "transformer_jax.early_stopping": 2,  # the rule over a metric's values (metrics' direction table)

@@ -17,7 +17,6 @@ import jax
 import numpy as np
 import optax
 import pytest
-from jax.experimental import multihost_utils
 from jax.sharding import PartitionSpec as P
 
 import distributed_workers
@@ -378,11 +377,6 @@ def test_uneven_training_batch_is_refused():
     sharding.shard_batch(_batch(12), mesh)
 
 
-def test_distributed_initialisation_only_when_asked():
-  assert sharding.maybe_initialize_distributed(False) is False
-  assert not jax.distributed.is_initialized()
-
-
 # ----------------------------------------------------------------------------------------------------------
 # Decoding on sharded parameters
 # ----------------------------------------------------------------------------------------------------------
@@ -474,22 +468,3 @@ def test_checkpoint_restores_across_device_counts(reference, tmp_path):
     back = ckpt.restore(1, target).state
   _assert_leaves_equal(back, reference["initial"])
   assert len(_param(back.params, *WI).sharding.device_set) == 1
-
-
-def test_agree_across_hosts_takes_process_0s_decision(monkeypatch):
-  assert sharding.agree_across_hosts(True) is True and sharding.agree_across_hosts(False) is False
-  # Two hosts whose clocks disagree: every host ends up with what process 0 broadcast.
-  sent = []
-  monkeypatch.setattr(jax, "process_count", lambda: 2)
-  monkeypatch.setattr(multihost_utils, "broadcast_one_to_all",
-                      lambda x: sent.append(int(x)) or np.asarray(0, np.int32))  # process 0 said "no"
-  assert sharding.agree_across_hosts(True) is False
-  assert sent == [1]
-
-
-def test_agree_on_ints_takes_process_0s_values(monkeypatch):
-  assert sharding.agree_on_ints(3433, 858) == (3433, 858)
-  # Two hosts whose clocks gave different run lengths: every host takes process 0's.
-  monkeypatch.setattr(jax, "process_count", lambda: 2)
-  monkeypatch.setattr(multihost_utils, "broadcast_one_to_all", lambda x: np.asarray([3400, 850], np.int32))
-  assert sharding.agree_on_ints(3433, 858) == (3400, 850)

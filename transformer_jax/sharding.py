@@ -19,9 +19,9 @@ and provides everything the training loop needs to run sharded under `jax.jit` (
   sharding constraints, with `.lower` for benchmarks. `jit_train_step` / `jit_eval_step` are
   `steps.train_step` / `steps.eval_step` through it; training, evaluation, benchmarks and profiles use them.
 * `mesh_context`: the same context for anything else (e.g. decoding on sharded params).
-* `maybe_initialize_distributed`, `per_device_bytes` (state memory per device, for benchmarks).
-* `agree_across_hosts`, `agree_on_ints`: process 0's host-side values on every host; `gather_json`: every
-  process's (e.g. its data position); `sync_processes`: a barrier.
+* `per_device_bytes` (state memory per device, for benchmarks), `sharding_summary` (for logs).
+
+The host collectives (process 0's decisions on every host, barriers) are `transformer_jax.multihost`.
 
 Three parallelism styles, all from the same rule table:
 
@@ -39,7 +39,6 @@ from __future__ import annotations
 import collections
 import contextlib
 import functools
-import json
 import logging
 import math
 from typing import Any, Callable, Iterator, Mapping, Optional, Sequence
@@ -48,7 +47,6 @@ import flax.linen as nn
 import jax
 import numpy as np
 import optax
-from jax.experimental import multihost_utils
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 from transformer_jax.config import ModelConfig
@@ -136,60 +134,6 @@ def mesh_from_config(mesh_config: Any = None, devices: Optional[Sequence[jax.Dev
     raise ValueError(f"config.mesh has unknown axes {sorted(unknown)}; expected {list(MESH_AXES)}")
   return make_mesh(int(values.get("data", -1)), int(values.get("fsdp", 1)), int(values.get("tensor", 1)),
                    devices=devices)
-
-
-def maybe_initialize_distributed(enabled: bool, **kwargs) -> bool:
-  """`jax.distributed.initialize(**kwargs)` when `enabled` (multi-host); call before any other JAX use.
-
-  With no kwargs JAX detects the cluster (SLURM, Open MPI, TPU pods, ...); otherwise pass
-  `coordinator_address`, `num_processes`, `process_id`. Returns whether JAX now runs distributed.
-  """
-  if not enabled:
-    return False
-  if jax.distributed.is_initialized():
-    return True
-  jax.distributed.initialize(**kwargs)
-  logging.info("jax.distributed initialised: process %d of %d, %d local / %d global devices",
-               jax.process_index(), jax.process_count(), jax.local_device_count(), jax.device_count())
-  return True
-
-
-def agree_across_hosts(decision: bool) -> bool:
-  """Process 0's `decision` on every process (a no-op on one host).
-
-  For decisions taken from local state that must not differ between hosts, such as "the wall-clock
-  checkpoint interval has elapsed": a save that only some hosts enter waits forever for the others.
-  """
-  if jax.process_count() == 1:
-    return bool(decision)
-  return bool(multihost_utils.broadcast_one_to_all(np.asarray(bool(decision), np.int32)))
-
-
-def agree_on_ints(*values: int) -> tuple[int, ...]:
-  """Process 0's `values` on every process (a no-op on one host), e.g. a run length decided from its clock."""
-  if jax.process_count() == 1:
-    return tuple(int(v) for v in values)
-  return tuple(int(v) for v in multihost_utils.broadcast_one_to_all(np.asarray(values, np.int32)))
-
-
-def sync_processes(name: str) -> None:
-  """Waits until every process reached the point `name` (a no-op on one host): e.g. the vocabulary that
-  process 0 trains is on disk before the others read it."""
-  if jax.process_count() > 1:
-    multihost_utils.sync_global_devices(name)
-
-
-def gather_json(value: Any) -> list[Any]:
-  """Every process's JSON-serialisable `value`, in process order, on every process (`[value]` on one host):
-  e.g. each process's data position, saved together in a checkpoint. A collective: every process calls it."""
-  if jax.process_count() == 1:
-    return [value]
-  data = np.frombuffer(json.dumps(value, sort_keys=True).encode(), np.uint8)
-  sizes = np.asarray(multihost_utils.process_allgather(np.asarray([data.size], np.int32))).reshape(-1)
-  padded = np.zeros(int(sizes.max()), np.uint8)
-  padded[:data.size] = data
-  gathered = np.asarray(multihost_utils.process_allgather(padded)).reshape(len(sizes), -1)
-  return [json.loads(row[:size].tobytes()) for row, size in zip(gathered, sizes)]
 
 
 @contextlib.contextmanager

@@ -42,12 +42,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from jax.experimental import multihost_utils
 
 from transformer_jax import checkpoint as checkpoint_lib
 from transformer_jax import diagnostics, early_stopping as early_stopping_lib, metrics as metrics_lib
 from transformer_jax.decoding import inference
-from transformer_jax import profiling, sharding
+from transformer_jax import multihost, profiling, sharding
 from transformer_jax.config import RUNTIME_FIELDS, ModelConfig
 from transformer_jax.data import batching, datasets as datasets_lib, pipeline, tokenizer as tokenizer_lib
 from transformer_jax.data.marian_vocab import TOKENIZER_NAME as MARIAN_TOKENIZER
@@ -255,12 +254,8 @@ class StopSignal:
     self.signal_name = signal.Signals(signum).name
 
   def requested(self, step: int) -> bool:
-    if self.signal_name is None and jax.process_count() > 1:
-      try:
-        if multihost_utils.reached_preemption_sync_point(step):
-          self.signal_name = "preemption notice"
-      except RuntimeError:  # preemption service not enabled
-        pass
+    if self.signal_name is None and multihost.reached_preemption_sync_point(step):
+      self.signal_name = "preemption notice"
     return self.signal_name is not None
 
   def restore(self) -> None:
@@ -437,7 +432,7 @@ def prepare(config: Any, workdir: str) -> Run:
   model's pad/EOS ids must be the tokenizer's (`tokenizer.check_model_ids`, VocabularyError). The trackers
   of `config.trackers` start before anything is written (`trackers.TrackerError` if one cannot).
   """
-  sharding.maybe_initialize_distributed(config.distributed)
+  multihost.maybe_initialize_distributed(config.distributed)
   run_dir = Workdir(workdir)
   saved = run_dir.read_config()
   config = with_budget_decision(config, budget_lib.read(run_dir) if config.train_budget_minutes > 0 else None)
@@ -467,7 +462,7 @@ def _prepare_run(config: Any, run_dir: Workdir, saved: dict | None, untrained_im
   run_dir.create()
   data = datasets_lib.build_datasets(config.data, str(run_dir.root), seed=config.seed,
                                      process_index=jax.process_index(), process_count=jax.process_count(),
-                                     barrier=sharding.sync_processes)
+                                     barrier=multihost.sync_processes)
   model_config = model_config_from(config, data.tokenizer.vocab_size)
   tokenizer_lib.check_model_ids(data.tokenizer, model_config)
   resolved = to_jsonable(config)
@@ -535,7 +530,7 @@ def fit_to_budget(run: Run, previous: budget_lib.BudgetDecision | None, step: in
     basis = (dict(budget_minutes=previous.budget_minutes, cap=previous.cap, cooldown_share=previous.cooldown_share)
              if previous else budget_lib.plan(run.config))
     decision = budget_lib.decide(**basis, **measured)
-  total, cooldown = sharding.agree_on_ints(decision.num_train_steps, decision.cooldown_steps)
+  total, cooldown = multihost.agree_on_ints(decision.num_train_steps, decision.cooldown_steps)
   knots = decision.cooldown_knots
   if previous and abs(total - previous.num_train_steps) <= 0.01 * previous.num_train_steps:
     total, cooldown, knots = previous.num_train_steps, previous.cooldown_steps, previous.cooldown_knots
@@ -699,13 +694,13 @@ def _checkpoint_due(run: Run, step: int, last_save_time: float) -> bool:
   # Wall-clock saves are checked at logging steps (already a host sync point) and decided by process 0:
   # hosts' clocks differ, and a save only some hosts enter never completes.
   return (config.checkpoint_every_minutes > 0 and itstime(step, config.log_every_steps, 0, last=False)
-          and sharding.agree_across_hosts(time.time() - last_save_time >= 60 * config.checkpoint_every_minutes))
+          and multihost.agree_across_hosts(time.time() - last_save_time >= 60 * config.checkpoint_every_minutes))
 
 
 def save(run: Run, step: int, eval_metrics: dict[str, float]) -> None:
   """Writes the checkpoint of `step` (state, rng, data position, resolved config, and the best metric's value)."""
   best = run.config.checkpoint_best_metric
-  data_state = {"processes": sharding.gather_json(run.data.train.get_state())}  # each process's own position
+  data_state = {"processes": multihost.gather_json(run.data.train.get_state())}  # each process's own position
   saved = run.checkpointer.save(step, run.state, run.rng, data_state, run.resolved_config,
                                 metrics=eval_metrics if best and best in eval_metrics else None)
   checkpoint_lib.require_saved(saved, run.checkpointer.directory, step)
@@ -803,7 +798,7 @@ def train_and_evaluate(config: Any, workdir: str) -> TrainResult:
   written). SIGTERM/SIGINT finish the current step, save, and return (`stopped_early`). An early-stopping rule
   that fires saves and returns with `early_stopping["stopped_at_step"]` set.
   """
-  sharding.maybe_initialize_distributed(config.distributed)
+  multihost.maybe_initialize_distributed(config.distributed)
   with OwnerLock(workdir, enabled=jax.process_index() == 0):  # one trainer per workdir (process 0 holds it)
     run = prepare(config, workdir)
     stop, profiler = None, None
