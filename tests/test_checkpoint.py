@@ -11,7 +11,7 @@ import pytest
 
 from transformer_jax import checkpoint as ck
 from transformer_jax.config import tiny
-from transformer_jax.sharding import create_train_state
+from transformer_jax.training.state import create_train_state
 from transformer_jax.training.optimizer import ema_params, param_ema
 from transformer_jax.workdir import to_jsonable
 

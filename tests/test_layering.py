@@ -1,9 +1,9 @@
 """The library's layers: no module imports one above it; project imports sit at the top of the file.
 
-    trainer / interop -> trained -> checkpoint -> sharding / data
+    trainer / interop -> trained -> checkpoint -> data
       -> decoding (inference -> generate -> ensemble / prefix / constraints / alignment -> step -> search)
       / training -> model -> early_stopping -> attention (layer -> kvcache -> core) / trackers / owner_lock
-      / metrics -> dropout / config / workdir / profiling
+      / sharding / metrics -> dropout / config / workdir / profiling / multihost
 """
 
 import ast
@@ -25,6 +25,7 @@ RANKS = {
     "transformer_jax.multihost": 0,  # the host collectives (process 0 decides, every host agrees): jax only
     "transformer_jax.trackers": 1,   # metrics.jsonl, TensorBoard, W&B: writers that know only the workdir
     "transformer_jax.owner_lock": 1,  # train.lock: one trainer per workdir, local or gs://
+    "transformer_jax.sharding": 1,  # mesh, logical rules, placement, THE jit wrapper: knows only ModelConfig
     "transformer_jax.early_stopping": 2,  # the rule over a metric's values (metrics' direction table)
     "transformer_jax.model": 2,
     "transformer_jax.training": 3, "transformer_jax.visualize": 3, "transformer_jax.diagnostics": 3,
@@ -37,7 +38,7 @@ RANKS = {
     "transformer_jax.decoding.alignment": 3.5, "transformer_jax.decoding.constraints": 3.5,
     "transformer_jax.decoding.generate": 3.7, "transformer_jax.decoding.inference": 3.9,
     "transformer_jax.decoding": 3.95,  # __init__: the searches' public names
-    "transformer_jax.data": 4, "transformer_jax.sharding": 4,
+    "transformer_jax.data": 4,
     "transformer_jax.checkpoint": 5,
     "transformer_jax.trained": 5.5,  # a trained workdir loaded for inference: checkpoint + tokenizer + config
     "transformer_jax.trainer": 6, "transformer_jax.interop": 6,

@@ -53,7 +53,9 @@ from transformer_jax.data.marian_vocab import TOKENIZER_NAME as MARIAN_TOKENIZER
 from transformer_jax.owner_lock import OwnerLock
 from transformer_jax.training import budget as budget_lib
 from transformer_jax.training import optimizer as optimizer_lib
+from transformer_jax.training import partitioned
 from transformer_jax.training import schedule as schedule_lib
+from transformer_jax.training import state as state_lib
 from transformer_jax.training import steps
 from transformer_jax.trackers import MetricWriter
 from transformer_jax.workdir import (DATA_KEYS, IMPORTED_DATASET, Workdir, config_diff, to_jsonable,
@@ -195,9 +197,9 @@ def make_train_step(config: Any, model_config: ModelConfig, mesh: jax.sharding.M
   The trainer runs exactly this; `experiments/benchmarks` time it (a test compares the two programs).
   """
   _, learning_rate_fn = optimizer(config, model_config.d_model)
-  return sharding.jit_train_step(model_config, mesh, sharding.shardings_of(state), rules,
-                                 label_smoothing=config.label_smoothing,
-                                 grad_accum_steps=config.grad_accum_steps, learning_rate_fn=learning_rate_fn)
+  return partitioned.jit_train_step(model_config, mesh, sharding.shardings_of(state), rules,
+                                    label_smoothing=config.label_smoothing,
+                                    grad_accum_steps=config.grad_accum_steps, learning_rate_fn=learning_rate_fn)
 
 
 def train_model_config(config: Any, model_config: ModelConfig, step: int) -> ModelConfig:
@@ -218,7 +220,7 @@ def create_state(config: Any, model_config: ModelConfig, mesh: jax.sharding.Mesh
                  rules=sharding.LOGICAL_AXIS_RULES) -> steps.TrainState:
   """A fresh train state of the run, born sharded on `mesh` with the config's optimizer."""
   tx, _ = optimizer(config, model_config.d_model)
-  return sharding.create_train_state(model_config, tx, rng, mesh, rules)
+  return state_lib.create_train_state(model_config, tx, rng, mesh, rules)
 
 
 def next_batch(batches: Iterator[dict], accum: int) -> dict:
@@ -602,8 +604,8 @@ def init_or_restore(run: Run) -> None:
                  run.checkpointer.directory, restored.data_state)
   log_packing(run.data.train)
   compile_train_step(run, run.start_step + 1)
-  run.eval_step = sharding.jit_eval_step(run.model_config, run.mesh, sharding.shardings_of(run.state.params),
-                                         run.rules, label_smoothing=run.config.label_smoothing)
+  run.eval_step = partitioned.jit_eval_step(run.model_config, run.mesh, sharding.shardings_of(run.state.params),
+                                            run.rules, label_smoothing=run.config.label_smoothing)
 
 
 def log_packing(train: pipeline.TrainStream, batches: int = 20) -> None:
