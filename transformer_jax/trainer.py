@@ -437,7 +437,8 @@ def prepare(config: Any, workdir: str) -> Run:
   multihost.maybe_initialize_distributed(config.distributed)
   run_dir = Workdir(workdir)
   saved = run_dir.read_config()
-  config = with_budget_decision(config, budget_lib.read(run_dir) if config.train_budget_minutes > 0 else None)
+  config = with_budget_decision(
+      config, budget_lib.from_json(run_dir.read_train_budget()) if config.train_budget_minutes > 0 else None)
   if holds_imported_model(saved) and config.data.tokenizer != saved["data"]["tokenizer"]:
     raise ValueError(f"{run_dir.root} holds an imported model (data.tokenizer={saved['data']['tokenizer']!r}): "
                      "build the config with trainer.config_for_workdir(config, workdir), as experiments.train does")
@@ -543,7 +544,7 @@ def fit_to_budget(run: Run, previous: budget_lib.BudgetDecision | None, step: in
   run.config = with_budget_decision(run.config, decision)
   run.resolved_config.update(num_train_steps=total, cooldown_steps=cooldown, cooldown_knots=knots)
   if run.is_chief:  # saved even when nothing changed: a resumed run starts from the latest plan
-    budget_lib.write(run.workdir, decision)
+    run.workdir.write_train_budget(decision)
     write_json_atomically(run.workdir.config_json, run.resolved_config)
   if changed:  # the schedule lives in the state's (static) optimizer: both it and the step are rebuilt
     tx, _ = optimizer(run.config, run.model_config.d_model)
@@ -719,7 +720,7 @@ def train(run: Run, stop: StopSignal, profiler: profiling.StepProfiler) -> Train
   last_save_time = train_start = time.time()
   step, stopped, first_step_seconds = run.start_step, False, 0.0
   stage_starts = {start for start, _ in config.dropout_schedule}  # where the compiled step's dropout may change
-  decision = budget_lib.read(run.workdir) if config.train_budget_minutes > 0 else None
+  decision = budget_lib.from_json(run.workdir.read_train_budget()) if config.train_budget_minutes > 0 else None
   fit_at = (budget_lib.revision_step(decision, run.start_step) if decision else
             budget_lib.decision_step(config, run.start_step) if config.train_budget_minutes > 0 else None)
   if run.start_step >= total:
