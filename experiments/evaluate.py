@@ -92,7 +92,7 @@ def _evaluate() -> None:
   scores.update(sentences=len(sources), seconds=seconds, beam_size=FLAGS.beam_size, alpha=FLAGS.alpha,
                 mbr_utility=FLAGS.mbr_utility, sampling=FLAGS.sampling, ensemble=FLAGS.ensemble,
                 checkpoint=FLAGS.checkpoint or "latest")
-  prefix = FLAGS.output_prefix or os.fspath(Workdir(FLAGS.workdir).eval / epath.Path(FLAGS.source).name)
+  prefix = FLAGS.output_prefix or os.fspath(Workdir(FLAGS.workdir).eval_prefix(FLAGS.source))
   epath.Path(prefix + ".hyp").parent.mkdir(parents=True, exist_ok=True)
   epath.Path(prefix + ".hyp").write_text("".join(h + "\n" for h in hypotheses), encoding="utf-8")
   epath.Path(prefix + ".json").write_text(json.dumps(scores, indent=2), encoding="utf-8")

@@ -16,7 +16,6 @@ the generated block of `--results` (between `<!-- multi30k:last-run:start/end --
 around it are hand-written and kept).
 """
 
-import dataclasses
 import json
 import os
 import time
@@ -31,8 +30,7 @@ from transformer_jax import checkpoint as checkpoint_lib
 from transformer_jax import factories, metrics, trainer, visualize
 from transformer_jax.decoding import inference
 from transformer_jax.data.parallel_text import read_lines
-from transformer_jax.training import budget as budget_lib
-from transformer_jax.workdir import Workdir, write_json_atomically
+from transformer_jax.workdir import Workdir, read_json, write_json_atomically
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("workdir", None, "Run directory.")
@@ -47,13 +45,13 @@ launch.define_config_flag(os.path.join(os.path.dirname(os.path.abspath(__file__)
 flags.mark_flags_as_required(["workdir"])
 
 
-def _wall_clock_start(workdir: str) -> float:
+def _wall_clock_start(workdir: Workdir) -> float:
   """When this recipe first started in `workdir` (kept across resumed/re-scored runs), as a Unix time."""
-  path = epath.Path(workdir) / "wall_clock_start.json"
-  if path.exists():
-    return float(json.loads(path.read_text(encoding="utf-8"))["start"])
+  saved = read_json(workdir.wall_clock_start_json)
+  if saved is not None:
+    return float(saved["start"])
   start = time.time()
-  write_json_atomically(path, {"start": start})
+  write_json_atomically(workdir.wall_clock_start_json, {"start": start})
   return start
 
 
@@ -99,7 +97,8 @@ def main():
   if FLAGS.data_dir:
     config.data.dir = FLAGS.data_dir
   test_src, test_ref, test_lc = _read_test(config.data.dir, config.final_eval.max_examples)
-  wall_start = _wall_clock_start(FLAGS.workdir)
+  run_dir = Workdir(FLAGS.workdir)
+  wall_start = _wall_clock_start(run_dir)
   result = trainer.train_and_evaluate(config, FLAGS.workdir)
   if result.stopped_early:
     return
@@ -108,7 +107,6 @@ def main():
   model_config, tokenizer = result.model_config, result.datasets.tokenizer
 
   rows = {}
-  run_dir = Workdir(FLAGS.workdir)
   ckpt_dir, averaged_dir = os.fspath(run_dir.checkpoints), os.fspath(run_dir.averaged)
   steps = checkpoint_lib.Checkpointer(ckpt_dir, read_only=True).all_steps()
   n = min(config.decode.average_last, len(steps))
@@ -128,20 +126,19 @@ def main():
                                                config.decode)
   total_minutes = (time.time() - wall_start) / 60
 
-  (epath.Path(FLAGS.workdir) / "test2016.hyp").write_text("".join(h + "\n" for h in hyps), encoding="utf-8")
+  run_dir.hypotheses("test2016").write_text("".join(h + "\n" for h in hyps), encoding="utf-8")
   visualize.plot_learning_curves(os.fspath(run_dir.metrics_jsonl), FLAGS.curve)
   logged = _logged(os.fspath(run_dir.metrics_jsonl))
   summary = {"train_minutes": train_minutes, "total_minutes": total_minutes, "rows": rows,
              "val": _last_logged(logged, "val/"), "val_bleu_by_step": _logged_by_step(logged, "val/bleu"),
              "steps": config.num_train_steps, "seed": config.seed,
-             "steps_per_s": _mean_steps_per_s(logged), "train_budget": _budget_dict(FLAGS.workdir),
+             "steps_per_s": _mean_steps_per_s(logged), "train_budget": run_dir.read_train_budget(),
              "load_average_1_5_15min": os.getloadavg(), "cpu_count": os.cpu_count(),
              "devices": jax.device_count(),
              "machine": bench_common.machine_info(),
              "test_sentences": len(test_src), "model": model_config.__dict__,
              "lowercase": tokenizer.lowercase}  # a case-folded vocabulary: sacreBLEU and chrF lowercased
-  (epath.Path(FLAGS.workdir) / "results.json").write_text(json.dumps(summary, indent=2, default=str),
-                                                        encoding="utf-8")
+  run_dir.results_json.write_text(json.dumps(summary, indent=2, default=str), encoding="utf-8")
   docblock.replace_block(FLAGS.results, RESULTS_BLOCK,
                          run_markdown(FLAGS.results, FLAGS.curve, config, model_config, rows, summary))
   for name, r in rows.items():
@@ -149,11 +146,6 @@ def main():
           f"({r['bleu_signature']}) | chrF {r['chrf']:.2f}")
   print(f"total wall time {total_minutes:.1f} min (training {train_minutes:.1f} min, "
         f"{summary['steps_per_s']:.3f} steps/s); load average {os.getloadavg()[2]:.2f} (15 min)")
-
-
-def _budget_dict(workdir: str) -> dict | None:
-  decision = budget_lib.read(workdir)
-  return dataclasses.asdict(decision) if decision else None
 
 
 def _logged_by_step(logged: list[dict], key: str) -> list[tuple[int, float]]:

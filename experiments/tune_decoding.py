@@ -175,7 +175,7 @@ def main():
   print(f"best on {os.path.basename(FLAGS.source)}: {weights}, beam {best['beam_size']}, "
         f"alpha {best['alpha']}, mbr {best['mbr_utility'] or 'none'} -> BLEU {best['bleu']:.2f} "
         f"({best['bleu_signature']})")
-  report = FLAGS.report or os.fspath(Workdir(FLAGS.workdir).eval / "tune_decoding.json")
+  report = FLAGS.report or os.fspath(Workdir(FLAGS.workdir).tune_decoding_json)
   write_json_atomically(report, {"source": FLAGS.source, "reference": FLAGS.reference, "rows": rows, "best": best})
 
 

@@ -1,7 +1,7 @@
 """Runs a worker script as N local processes joined by `jax.distributed` (CPU, gloo): multi-host tests.
 
 The script gets its process id and the coordinator's port as `sys.argv[1:3]`, starts with `PREAMBLE` (which
-initialises the distributed runtime through `sharding.maybe_initialize_distributed`) and prints one line
+initialises the distributed runtime through `multihost.maybe_initialize_distributed`) and prints one line
 `RESULT <json>`; `run_workers` returns each process's JSON, in process order, and fails the test with the
 worker's output when one exits non-zero.
 """
@@ -18,9 +18,9 @@ PREAMBLE = textwrap.dedent("""
     process_id, port = int(sys.argv[1]), sys.argv[2]
     import jax
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    from transformer_jax import sharding
-    sharding.maybe_initialize_distributed(True, coordinator_address=f"localhost:{port}", num_processes=NUM_PROCESSES,
-                                          process_id=process_id)
+    from transformer_jax import multihost, sharding
+    multihost.maybe_initialize_distributed(True, coordinator_address=f"localhost:{port}", num_processes=NUM_PROCESSES,
+                                           process_id=process_id)
 """)
 
 

@@ -15,6 +15,11 @@ from transformer_jax.training import schedule as schedule_lib
 from transformer_jax.workdir import Workdir
 
 
+def _saved(workdir):
+  """The decision the trainer saved in `workdir`, or None."""
+  return budget_lib.from_json(Workdir(workdir).read_train_budget())
+
+
 def _config(**overrides):
   config = default.get_config()
   config.update(num_train_steps=5000, warmup_steps=800, cooldown_steps=1000, train_budget_minutes=10.0)
@@ -144,7 +149,7 @@ def test_the_trainer_ends_the_run_where_the_budget_says_and_a_resume_keeps_it(tm
 
   assert result.final_step == int(result.state.step) == 48 == result.config.num_train_steps
   assert config.num_train_steps == 60  # the caller's config is left alone; the result holds the run's
-  saved = budget_lib.read(workdir)  # planned after step 20, revised after 39 (the last before the cool-down)
+  saved = _saved(workdir)  # planned after step 20, revised after 39 (the last before the cool-down)
   assert (saved.decided_at_step, saved.num_train_steps, saved.cooldown_steps, saved.cap) == (39, 48, 8, 60)
   assert saved.cooldown_steps == round(10 * 48 / 60) == result.config.cooldown_steps
   assert Workdir(workdir).require_config()["num_train_steps"] == 48
@@ -169,7 +174,7 @@ def test_a_slowdown_after_the_plan_is_caught_by_the_revision(tmp_path, monkeypat
   # 2 steps/s up to the plan after step 20 (48 steps), then 1 step/s: at step 39 the budget is spent.
   _fake_clock(monkeypatch, lambda step: 0.5 * min(step, 20) + max(step - 20, 0))
   result = trainer.train_and_evaluate(_tiny_config(tmp_path, train_budget_minutes=0.4), str(tmp_path / "run"))
-  saved = budget_lib.read(str(tmp_path / "run"))
+  saved = _saved(str(tmp_path / "run"))
   assert (saved.decided_at_step, saved.num_train_steps, saved.cooldown_steps) == (39, 39, 0)
   assert result.final_step == 39
 
@@ -179,7 +184,7 @@ def test_a_speedup_after_the_plan_is_taken_up_by_further_revisions_up_to_the_cap
   # before the planned cool-down, moves the end later (45, 53, then the cap of 60), and the last keeps it.
   _fake_clock(monkeypatch, lambda step: min(step, 20) + 0.25 * max(step - 20, 0))
   result = trainer.train_and_evaluate(_tiny_config(tmp_path, train_budget_minutes=0.6), str(tmp_path / "run"))
-  saved = budget_lib.read(str(tmp_path / "run"))
+  saved = _saved(str(tmp_path / "run"))
   assert (saved.decided_at_step, saved.num_train_steps, saved.cooldown_steps) == (49, 60, 10)
   assert result.final_step == 60
 
@@ -193,7 +198,7 @@ def test_a_slowdown_inside_the_cooldown_moves_its_end_and_the_run_ends_on_the_bu
   _fake_clock(monkeypatch, seconds_at)
   workdir = str(tmp_path / "run")
   result = trainer.train_and_evaluate(_tiny_config(tmp_path, train_budget_minutes=0.4), workdir)
-  saved = budget_lib.read(workdir)
+  saved = _saved(workdir)
   assert (saved.decided_at_step, saved.num_train_steps, saved.cooldown_start) == (43, 44, 40)
   assert saved.cooldown_knots == ((43, pytest.approx(3 / 9)),)
   assert result.final_step == 44 and seconds_at(result.final_step) == 24.0
@@ -217,4 +222,16 @@ def test_a_slowdown_inside_the_cooldown_moves_its_end_and_the_run_ends_on_the_bu
 def test_without_a_budget_the_configured_length_holds(tmp_path, monkeypatch):
   monkeypatch.setattr(budget_lib, "decide", lambda *a: pytest.fail("no budget, no decision"))
   result = trainer.train_and_evaluate(_tiny_config(tmp_path, num_train_steps=24), str(tmp_path / "run"))
-  assert result.final_step == 24 and budget_lib.read(str(tmp_path / "run")) is None
+  assert result.final_step == 24 and _saved(str(tmp_path / "run")) is None
+
+
+def test_a_decision_goes_through_the_workdir_and_back_unchanged(tmp_path):
+  decision = budget_lib.BudgetDecision(budget_minutes=55.0, decided_at_step=5193, elapsed_minutes=40.5,
+                                       steps_per_s=2.153, cap=9000, cooldown_share=0.25, num_train_steps=7087,
+                                       cooldown_steps=1772, cooldown_knots=((6000, 0.375), (6500, 0.625)))
+  workdir = Workdir(tmp_path / "run")
+  assert workdir.read_train_budget() is None and budget_lib.from_json(workdir.read_train_budget()) is None
+  workdir.write_train_budget(decision)
+  saved = json.loads(workdir.train_budget_json.read_text())
+  assert saved == {**dataclasses.asdict(decision), "cooldown_knots": [[6000, 0.375], [6500, 0.625]]}
+  assert budget_lib.from_json(saved) == decision  # the knots come back as tuples, so the decisions compare equal

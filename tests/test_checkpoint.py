@@ -11,8 +11,8 @@ import pytest
 
 from transformer_jax import checkpoint as ck
 from transformer_jax.config import tiny
-from transformer_jax.sharding import create_train_state
-from transformer_jax.training.schedule import ema_params, param_ema
+from transformer_jax.training.state import create_train_state
+from transformer_jax.training.optimizer import ema_params, param_ema
 from transformer_jax.workdir import to_jsonable
 
 # Restoring a damaged step makes Orbax abandon its other in-flight reads; their coroutines later fail with
@@ -266,7 +266,7 @@ def test_restore_params(tmp_path, state):
 
 
 def test_restore_params_reads_the_moving_average_alone_when_asked(tmp_path, state):
-  """`restore_params(ema=True)`: the moving average `schedule.param_ema` keeps in the optimizer state, with the
+  """`restore_params(ema=True)`: the moving average `optimizer.param_ema` keeps in the optimizer state, with the
   model's tree; without `ema` the parameters; a checkpoint of a run without the average is refused in one line."""
   tx = optax.chain(optax.adam(1e-2), param_ema(0.9))
   averaged = create_train_state(CONFIG, tx, jax.random.key(3))

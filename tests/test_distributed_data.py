@@ -23,7 +23,7 @@ _DATA = """
     cfg.update(dict(builder_config="tiny", vocab_size=128, tfds_data_dir=sys.argv[3] + "/tfds", max_len=32,
                     tokens_per_batch=16 * 32))
     data = datasets.build_datasets(cfg, sys.argv[3] + "/work", seed=0, process_index=jax.process_index(),
-                                   process_count=jax.process_count(), barrier=sharding.sync_processes)
+                                   process_count=jax.process_count(), barrier=multihost.sync_processes)
     train = data.train
     sources, targets = train.shards.read_all()
     index = {(tuple(s), tuple(t)): i for i, (s, t) in enumerate(zip(sources, targets))}

@@ -32,6 +32,7 @@ from transformer_jax.interop import marian  # noqa: E402
 from transformer_jax.data.marian_vocab import MarianVocabulary  # noqa: E402
 from transformer_jax.model import Transformer, sinusoid_table  # noqa: E402
 from transformer_jax.training.steps import init_params  # noqa: E402
+from transformer_jax.workdir import Workdir, to_jsonable  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENGLISH = ["a man is riding a bike", "two dogs play in the snow", "the woman reads a book in the park",
@@ -313,7 +314,11 @@ def test_import_program_refuses_with_one_line_and_writes_nothing(marian_dir, tmp
 def test_imported_workdir_loads_like_a_trained_one(marian_dir, tmp_path):
   from experiments import common
   workdir = str(tmp_path / "workdir")
-  marian.import_to_workdir(marian_dir, workdir)
+  value = marian.import_to_workdir(marian_dir, workdir)
+  layout = Workdir(workdir)  # written through the workdir's own layout and JSON writer
+  assert sorted(os.listdir(workdir)) == sorted(path.name for path in (layout.config_json, layout.vocab_dir,
+                                                                     layout.checkpoints))
+  assert layout.require_config() == to_jsonable(value)
   model_config, params, tokenizer = common.load_for_inference(workdir)
   config, expected_params, vocab = marian.load_marian(marian_dir)
   assert model_config == config and isinstance(tokenizer, MarianVocabulary)

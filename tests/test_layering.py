@@ -1,10 +1,9 @@
 """The library's layers: no module imports one above it; project imports sit at the top of the file.
 
-    trainer / interop -> trained -> factories / imported_workdir -> checkpoint -> evaluators / run_checks
-      -> sharding / data
+    trainer / interop -> trained -> factories / imported_workdir -> checkpoint -> evaluators / run_checks -> data
       -> decoding (inference -> generate -> ensemble / prefix / constraints / alignment -> step -> search)
       / training -> model -> early_stopping -> attention (layer -> kvcache -> core) / trackers / owner_lock
-      / metrics / train_log -> dropout / config / workdir / profiling / stop_signal
+      / sharding / metrics / train_log -> dropout / config / workdir / profiling / multihost / stop_signal
 """
 
 import ast
@@ -23,10 +22,12 @@ RANKS = {
     "transformer_jax.attention.core": 1, "transformer_jax.attention.kvcache": 1.2,
     "transformer_jax.attention.layer": 1.4, "transformer_jax.attention": 1.5,
     "transformer_jax.profiling": 0,  # jax.profiler around chosen steps: a leaf
-    "transformer_jax.stop_signal": 0,  # SIGTERM/SIGINT and the preemption notice: a leaf
+    "transformer_jax.multihost": 0,  # the host collectives (process 0 decides, every host agrees): jax only
+    "transformer_jax.stop_signal": 0.5,  # SIGTERM/SIGINT and the preemption notice (multihost)
     "transformer_jax.train_log": 1,  # the training scalars between logging steps (NonFiniteLossError)
     "transformer_jax.trackers": 1,   # metrics.jsonl, TensorBoard, W&B: writers that know only the workdir
     "transformer_jax.owner_lock": 1,  # train.lock: one trainer per workdir, local or gs://
+    "transformer_jax.sharding": 1,  # mesh, logical rules, placement, THE jit wrapper: knows only ModelConfig
     "transformer_jax.early_stopping": 2,  # the rule over a metric's values (metrics' direction table)
     "transformer_jax.model": 2,
     "transformer_jax.training": 3, "transformer_jax.visualize": 3, "transformer_jax.diagnostics": 3,
@@ -39,7 +40,7 @@ RANKS = {
     "transformer_jax.decoding.alignment": 3.5, "transformer_jax.decoding.constraints": 3.5,
     "transformer_jax.decoding.generate": 3.7, "transformer_jax.decoding.inference": 3.9,
     "transformer_jax.decoding": 3.95,  # __init__: the searches' public names
-    "transformer_jax.data": 4, "transformer_jax.sharding": 4,
+    "transformer_jax.data": 4,
     "transformer_jax.evaluators": 4.5,  # loss / attention / BLEU evaluators: eval step, decoding, metrics
     "transformer_jax.run_checks": 4.5,  # a run's refusals: config vs tables and mesh, batch vs tables
     "transformer_jax.checkpoint": 5,

@@ -10,7 +10,9 @@ from transformer_jax.data import number_words
 from transformer_jax.data.pipeline import TrainStream, write_id_arrays
 from transformer_jax.data.tokenizer import encode_pairs, train_tokenizer
 from transformer_jax import sharding
-from transformer_jax.training import schedule
+from transformer_jax.training import optimizer
+from transformer_jax.training.partitioned import jit_train_step
+from transformer_jax.training.state import create_train_state
 
 STEPS = 150
 # bf16 keeps 8 mantissa bits. After 150 steps (mid-descent, where small numeric differences move the two
@@ -22,9 +24,9 @@ TOLERANCE = 0.05
 def _train(dtype, batches_fn, vocab_size):
   cfg = tiny(vocab_size=vocab_size, num_encoder_layers=2, num_decoder_layers=2, d_model=64, d_ff=256,
              num_heads=4, dropout_rate=0.0, max_len=64, dtype=dtype)
-  tx = schedule.adam_with_schedule(cfg.d_model, warmup_steps=50, scale=1.0)
-  state = sharding.create_train_state(cfg, tx, jax.random.key(0))
-  step = sharding.jit_train_step(cfg, sharding.single_device_mesh(), sharding.shardings_of(state))
+  tx = optimizer.adam_with_schedule(cfg.d_model, warmup_steps=50, scale=1.0)
+  state = create_train_state(cfg, tx, jax.random.key(0))
+  step = jit_train_step(cfg, sharding.single_device_mesh(), sharding.shardings_of(state))
   batches = batches_fn()
   # LLVM -O2, as a user's run: the suite compiles at -O0 (conftest.py), and this test's time is its 300 steps.
   step = step.lower(state, batches[0], jax.random.key(1)).compile(

@@ -8,7 +8,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from transformer_jax import model as model_lib
 from transformer_jax.config import base, big, tiny
+from transformer_jax.decoding.alignment import cross_attention_alignment
 from transformer_jax.model import Embed, Transformer, shift_right, sinusoid_table
 
 TOL = dict(rtol=1e-5, atol=1e-5)
@@ -462,6 +464,41 @@ def test_remat_gives_identical_logits_and_gradients():
   np.testing.assert_allclose(float(l1), float(l0), rtol=1e-6)
   for a, b in zip(jax.tree_util.tree_leaves(g0), jax.tree_util.tree_leaves(g1)):
     np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-5, atol=1e-6)
+
+
+_RENAMES = {"self_attention": "attention", "cross_attention": "source_attention", "layer_0": "block_0",
+            "layer_1": "block_1"}
+
+
+def _renamed(tree):
+  return {_RENAMES.get(k, k): _renamed(v) if isinstance(v, dict) else v for k, v in tree.items()}
+
+
+def test_attention_weights_follow_renamed_submodules_and_fail_loudly_otherwise(monkeypatch):
+  """The sown weights are read through the names the model gives its submodules (as the decoder reaches its
+  caches through `attention.kvcache`'s accessors): renamed submodules give the same weights and alignments;
+  weights sown under other names than the reader's are an error naming the path, never a silent miss."""
+  params, (src, tgt) = params_for(CFG), _batch()
+  before = model_lib.attention_weights(params, CFG, src, tgt)
+  aligned = cross_attention_alignment([params], CFG, src, tgt)
+  monkeypatch.setattr(model_lib, "SELF_ATTENTION", "attention")
+  monkeypatch.setattr(model_lib, "CROSS_ATTENTION", "source_attention")
+  monkeypatch.setattr(model_lib, "layer_name", lambda i: f"block_{i}")
+  renamed = _renamed(params)
+  assert (jax.tree_util.tree_structure(renamed) ==
+          jax.tree_util.tree_structure(nn.unbox(_abstract_params(CFG))))  # the model itself is renamed
+  after = model_lib.attention_weights(renamed, CFG, src, tgt)
+  for kind in model_lib.ATTENTION_KINDS:
+    assert len(after[kind]) == 2
+    for a, b in zip(before[kind], after[kind]):
+      np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  np.testing.assert_array_equal(np.asarray(cross_attention_alignment([renamed], CFG, src, tgt)), np.asarray(aligned))
+  _, sown = Transformer(CFG).apply({"params": renamed}, src, tgt, sow_attention_weights=True,
+                                   mutable=["intermediates"])
+  monkeypatch.undo()  # a reader that still uses the old names
+  with pytest.raises(ValueError, match=r"no attention weights sown at encoder/layer_0/self_attention/"
+                                       r"attention_weights: encoder holds \['block_0', 'block_1'\]"):
+    model_lib.sown_attention_weights(sown["intermediates"], CFG)
 
 
 def test_sow_attention_weights_sows_normalised_weights():

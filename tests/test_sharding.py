@@ -17,14 +17,16 @@ import jax
 import numpy as np
 import optax
 import pytest
-from jax.experimental import multihost_utils
 from jax.sharding import PartitionSpec as P
 
 import distributed_workers
 from transformer_jax import decoding, sharding
 from transformer_jax.decoding import constraints, generate
 from transformer_jax.config import tiny
-from transformer_jax.training.schedule import adam, adam_with_schedule, ema_params, param_ema, rsqrt_schedule
+from transformer_jax.training.optimizer import adam, adam_with_schedule, ema_params, param_ema
+from transformer_jax.training.partitioned import jit_eval_step, jit_train_step
+from transformer_jax.training.schedule import rsqrt_schedule
+from transformer_jax.training.state import create_train_state
 
 pytestmark = pytest.mark.filterwarnings("ignore:Some donated buffers were not usable")
 
@@ -91,20 +93,20 @@ EMBEDDING = ("shared_embedding", "embedding")
 @pytest.fixture(scope="module")
 def reference():
   """The initial state (host copy) and the single-device results of one step, one accumulated step, eval."""
-  state = sharding.create_train_state(CFG, TX, jax.random.key(0))  # mesh=None: one device
+  state = create_train_state(CFG, TX, jax.random.key(0))  # mesh=None: one device
   initial = _host(state)
   one = sharding.single_device_mesh()
   shardings = sharding.shardings_of(state)
   rng = jax.random.key(1)
   batch = _batch()
-  step = sharding.jit_train_step(CFG, one, shardings, label_smoothing=0.1, learning_rate_fn=_lr())
+  step = jit_train_step(CFG, one, shardings, label_smoothing=0.1, learning_rate_fn=_lr())
   new_state, metrics = step(sharding.device_put_sharded(initial, shardings), batch, rng)
   accum_batch = {k: v.reshape(2, ROWS // 2, LENGTH) for k, v in batch.items()}
-  accum_step = sharding.jit_train_step(CFG, one, shardings, label_smoothing=0.1, grad_accum_steps=2,
+  accum_step = jit_train_step(CFG, one, shardings, label_smoothing=0.1, grad_accum_steps=2,
                                        learning_rate_fn=_lr())
   accum_state, accum_metrics = accum_step(sharding.device_put_sharded(initial, shardings), accum_batch, rng)
   eval_batch = {k: v[:10] for k, v in _batch(seed=3).items() if k in ("inputs", "targets")}
-  eval_sums = sharding.jit_eval_step(CFG, one, shardings.params, label_smoothing=0.1)(
+  eval_sums = jit_eval_step(CFG, one, shardings.params, label_smoothing=0.1)(
       sharding.device_put_sharded(initial.params, shardings.params), eval_batch)
   return dict(initial=initial, rng=rng, batch=batch, state=_host(new_state), metrics=_host(metrics),
               accum_batch=accum_batch, accum_state=_host(accum_state), accum_metrics=_host(accum_metrics),
@@ -114,7 +116,7 @@ def reference():
 @functools.lru_cache(maxsize=None)
 def _sharded(name):
   mesh = sharding.make_mesh(**MESHES[name])
-  state = sharding.create_train_state(CFG, TX, jax.random.key(0), mesh)
+  state = create_train_state(CFG, TX, jax.random.key(0), mesh)
   return mesh, state, sharding.shardings_of(state)
 
 
@@ -128,7 +130,7 @@ def test_train_step_matches_single_device(reference, name):
   # Born sharded, with the single-device initial values (the jitted initialiser may differ in the last bit).
   _assert_trees_close(born.params, reference["initial"].params, rtol=0, atol=1e-6)
   state = sharding.device_put_sharded(reference["initial"], shardings)  # identical start for an exact comparison
-  step = sharding.jit_train_step(CFG, mesh, shardings, label_smoothing=0.1, learning_rate_fn=_lr())
+  step = jit_train_step(CFG, mesh, shardings, label_smoothing=0.1, learning_rate_fn=_lr())
   batch = sharding.shard_batch(reference["batch"], mesh)
   new_state, metrics = step(state, batch, reference["rng"])
 
@@ -145,15 +147,15 @@ def test_train_step_matches_single_device(reference, name):
 
 
 def test_weight_decay_step_on_an_fsdp_mesh_matches_single_device(reference):
-  """AdamW (`schedule.adam(weight_decay=...)`): its mask is computed on the boxed parameters the state is born
+  """AdamW (`optimizer.adam(weight_decay=...)`): its mask is computed on the boxed parameters the state is born
   from and on the plain ones the step updates; one step on the fsdp mesh equals the single-device step."""
   tx = adam(_lr(), eps=1e-3, weight_decay=0.1)
   results = []
   for mesh in (sharding.single_device_mesh(), sharding.make_mesh(**MESHES["fsdp8"])):
-    shardings = sharding.shardings_of(sharding.create_train_state(CFG, tx, jax.random.key(0), mesh))
+    shardings = sharding.shardings_of(create_train_state(CFG, tx, jax.random.key(0), mesh))
     state = sharding.device_put_sharded(
         reference["initial"].replace(tx=tx, opt_state=tx.init(reference["initial"].params)), shardings)
-    step = sharding.jit_train_step(CFG, mesh, shardings, label_smoothing=0.1, learning_rate_fn=_lr())
+    step = jit_train_step(CFG, mesh, shardings, label_smoothing=0.1, learning_rate_fn=_lr())
     results.append(step(state, sharding.shard_batch(reference["batch"], mesh), reference["rng"])[0])
   _assert_trees_close(results[1].params, results[0].params)
   # The decay moved the matrices away from plain Adam's step, not the vectors.
@@ -164,17 +166,17 @@ def test_weight_decay_step_on_an_fsdp_mesh_matches_single_device(reference):
 
 
 def test_moving_average_is_sharded_like_the_parameters_and_its_step_matches_single_device(reference):
-  """`schedule.param_ema` in the optimizer state: born from the boxed parameters, the average takes their
+  """`optimizer.param_ema` in the optimizer state: born from the boxed parameters, the average takes their
   logical names and so their shardings on the fsdp mesh; one step there updates it as on one device."""
   tx = optax.chain(adam(_lr(), eps=1e-3), param_ema(0.5))
   results = []
   for mesh in (sharding.single_device_mesh(), sharding.make_mesh(**MESHES["fsdp8"])):
-    born = sharding.create_train_state(CFG, tx, jax.random.key(0), mesh)
+    born = create_train_state(CFG, tx, jax.random.key(0), mesh)
     shardings = sharding.shardings_of(born)
     assert jax.tree_util.tree_leaves(ema_params(shardings.opt_state)) == jax.tree_util.tree_leaves(shardings.params)
     state = sharding.device_put_sharded(
         reference["initial"].replace(tx=tx, opt_state=tx.init(reference["initial"].params)), shardings)
-    step = sharding.jit_train_step(CFG, mesh, shardings, label_smoothing=0.1, learning_rate_fn=_lr())
+    step = jit_train_step(CFG, mesh, shardings, label_smoothing=0.1, learning_rate_fn=_lr())
     results.append(step(state, sharding.shard_batch(reference["batch"], mesh), reference["rng"])[0])
   assert any(not s.is_fully_replicated for s in jax.tree_util.tree_leaves(ema_params(shardings.opt_state)))
   _assert_trees_close(ema_params(results[1].opt_state), ema_params(results[0].opt_state))
@@ -188,7 +190,7 @@ def test_moving_average_is_sharded_like_the_parameters_and_its_step_matches_sing
 def test_grad_accumulation_matches_single_device(reference):
   mesh, _, shardings = _sharded("data4_tensor2")
   state = sharding.device_put_sharded(reference["initial"], shardings)
-  step = sharding.jit_train_step(CFG, mesh, shardings, label_smoothing=0.1, grad_accum_steps=2,
+  step = jit_train_step(CFG, mesh, shardings, label_smoothing=0.1, grad_accum_steps=2,
                                          learning_rate_fn=_lr())
   batch = sharding.shard_batch(reference["accum_batch"], mesh)
   assert batch["inputs"].shape == (2, ROWS // 2, LENGTH)
@@ -202,7 +204,7 @@ def test_grad_accumulation_matches_single_device(reference):
 def test_model_activation_constraints_resolve_under_the_mesh(reference):
   """The traced step carries the model's `with_logical_constraint`s as real sharding constraints."""
   mesh, state, shardings = _sharded("data4_tensor2")
-  step = sharding.jit_train_step(CFG, mesh, shardings, learning_rate_fn=_lr())
+  step = jit_train_step(CFG, mesh, shardings, learning_rate_fn=_lr())
   text = step.lower(state, sharding.shard_batch(reference["batch"], mesh), reference["rng"]).as_text()
   # [batch, length, mlp] -> (('data', 'fsdp'), None, 'tensor'); [batch, length, embed] -> rows only.
   assert '[{"data", "fsdp"}, {}, {"tensor"}]> : tensor<16x12x64xf32>' in text
@@ -212,7 +214,7 @@ def test_model_activation_constraints_resolve_under_the_mesh(reference):
 def test_eval_step_with_padded_uneven_batch_matches_single_device(reference):
   mesh, state, shardings = _sharded("data4_tensor2")
   params = jax.device_put(reference["initial"].params, shardings.params)
-  eval_fn = sharding.jit_eval_step(CFG, mesh, shardings.params, label_smoothing=0.1)
+  eval_fn = jit_eval_step(CFG, mesh, shardings.params, label_smoothing=0.1)
   with pytest.raises(ValueError, match="10 rows, not divisible by the 4-way batch split"):
     sharding.shard_batch(reference["eval_batch"], mesh, process_local=False)
   with pytest.raises(ValueError, match="needs pad_id"):
@@ -303,13 +305,13 @@ _WORKER = """
     warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
     import test_sharding as T
     mesh = sharding.make_mesh(data=4, tensor=2)
-    state = sharding.create_train_state(T.CFG, T.TX, jax.random.key(0), mesh)
+    state = T.create_train_state(T.CFG, T.TX, jax.random.key(0), mesh)
     shardings = sharding.shardings_of(state)
     full = T._batch()
     rows = T.ROWS // jax.process_count()  # what the data pipeline yields on this host
     local = {k: v[process_id * rows:(process_id + 1) * rows] for k, v in full.items()}
     batch = sharding.shard_batch(local, mesh)
-    step = sharding.jit_train_step(T.CFG, mesh, shardings, learning_rate_fn=T._lr())
+    step = T.jit_train_step(T.CFG, mesh, shardings, learning_rate_fn=T._lr())
     state, metrics = step(state, batch, jax.random.key(1))
     wi = state.params["encoder"]["layer_0"]["ffn"]["wi"]["kernel"]
     print("RESULT " + json.dumps({"processes": jax.process_count(), "devices": jax.device_count(),
@@ -353,9 +355,9 @@ def test_mesh_shape_errors():
 def test_model_that_does_not_fit_the_mesh_is_refused():
   mesh = sharding.make_mesh(data=1, tensor=8)
   with pytest.raises(ValueError, match=r"num_heads=4 is not divisible by the 8 devices of mesh axis 'tensor'"):
-    sharding.create_train_state(CFG, TX, jax.random.key(0), mesh)
+    create_train_state(CFG, TX, jax.random.key(0), mesh)
   with pytest.raises(ValueError, match="num_heads=4"):
-    sharding.jit_train_step(CFG, mesh, None)
+    jit_train_step(CFG, mesh, None)
   fsdp = sharding.make_mesh(data=1, fsdp=8)
   with pytest.raises(ValueError, match=r"d_model=36 is not divisible by the 8 devices of mesh axis 'fsdp'"):
     sharding.validate_model_for_mesh(CFG.replace(d_model=36), fsdp)
@@ -375,11 +377,6 @@ def test_uneven_training_batch_is_refused():
   mesh = _sharded("data8")[0]
   with pytest.raises(ValueError, match="12 rows, not divisible by the 8-way batch split"):
     sharding.shard_batch(_batch(12), mesh)
-
-
-def test_distributed_initialisation_only_when_asked():
-  assert sharding.maybe_initialize_distributed(False) is False
-  assert not jax.distributed.is_initialized()
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -424,7 +421,7 @@ def test_decoding_toolkit_on_a_two_device_mesh_matches_single_device(reference):
     return jax.tree_util.tree_map(np.asarray, fn(params_list, inputs, keys))
 
   mesh = sharding.make_mesh(data=1, tensor=2, devices=jax.devices()[:2])
-  state_shardings = sharding.shardings_of(sharding.create_train_state(CFG, TX, jax.random.key(0), mesh))
+  state_shardings = sharding.shardings_of(create_train_state(CFG, TX, jax.random.key(0), mesh))
   for options, cons in settings:
     single = run(tuple(jax.device_put(p, jax.devices()[0]) for p in (first, second)), options, cons)
     sharded = run(tuple(jax.device_put(p, state_shardings.params) for p in (first, second)), options, cons)
@@ -473,22 +470,3 @@ def test_checkpoint_restores_across_device_counts(reference, tmp_path):
     back = ckpt.restore(1, target).state
   _assert_leaves_equal(back, reference["initial"])
   assert len(_param(back.params, *WI).sharding.device_set) == 1
-
-
-def test_agree_across_hosts_takes_process_0s_decision(monkeypatch):
-  assert sharding.agree_across_hosts(True) is True and sharding.agree_across_hosts(False) is False
-  # Two hosts whose clocks disagree: every host ends up with what process 0 broadcast.
-  sent = []
-  monkeypatch.setattr(jax, "process_count", lambda: 2)
-  monkeypatch.setattr(multihost_utils, "broadcast_one_to_all",
-                      lambda x: sent.append(int(x)) or np.asarray(0, np.int32))  # process 0 said "no"
-  assert sharding.agree_across_hosts(True) is False
-  assert sent == [1]
-
-
-def test_agree_on_ints_takes_process_0s_values(monkeypatch):
-  assert sharding.agree_on_ints(3433, 858) == (3433, 858)
-  # Two hosts whose clocks gave different run lengths: every host takes process 0's.
-  monkeypatch.setattr(jax, "process_count", lambda: 2)
-  monkeypatch.setattr(multihost_utils, "broadcast_one_to_all", lambda x: np.asarray([3400, 850], np.int32))
-  assert sharding.agree_on_ints(3433, 858) == (3400, 850)

@@ -15,6 +15,7 @@ from transformer_jax import sharding
 from transformer_jax.training import (adam, adam_with_schedule, cooldown, cooldown_progress, dropout_rate, ema_params,
                                       eval_step, label_smoothed_cross_entropy, metrics_from_sums, normalized_loss,
                                       param_ema, rsqrt_schedule, train_step)
+from transformer_jax.training.partitioned import jit_train_step
 from transformer_jax.training.steps import TrainState
 
 VOCAB = 32
@@ -410,7 +411,7 @@ def test_short_training_run_reduces_loss():
   tx = adam_with_schedule(CFG.d_model, warmup_steps=10, scale=0.1)
   state = TrainState.create(apply_fn=Transformer(CFG).apply, params=_params(), tx=tx)
   state = jax.device_put(state, sharding.replicated(sharding.single_device_mesh()))
-  step_fn = sharding.jit_train_step(CFG, sharding.single_device_mesh(), sharding.shardings_of(state),
+  step_fn = jit_train_step(CFG, sharding.single_device_mesh(), sharding.shardings_of(state),
                                     label_smoothing=0.1)
   rng = jax.random.key(1)
   losses, accuracies = [], []

@@ -18,6 +18,11 @@ def test_layout_is_named_in_one_place(tmp_path):
   assert w.token_ids("train[:10%]").name == "train__10__.ids"
   assert {p.name for p in (w.tfds, w.metrics_jsonl, w.tensorboard, w.averaged, w.eval, w.final_eval_json)} == {
       "tfds", "metrics.jsonl", "tensorboard", "averaged", "eval", "final_eval.json"}
+  assert {os.fspath(p.relative_to(w.root)) for p in (
+      w.train_budget_json, w.train_lock, w.wall_clock_start_json, w.results_json, w.hypotheses("test2016"),
+      w.tune_decoding_json, w.eval_prefix("data/newstest2014.en"))} == {
+      "train_budget.json", "train.lock", "wall_clock_start.json", "results.json", "test2016.hyp",
+      "eval/tune_decoding.json", "eval/newstest2014.en"}
   assert not (tmp_path / "run").exists()  # naming paths creates nothing
 
 
@@ -30,6 +35,15 @@ def test_atomic_json_and_missing_config(tmp_path):
   assert json.loads(w.config_json.read_text())["b"] == [1, 2]
   assert w.require_config()["model"]["d_model"] == 128
   assert sorted(os.listdir(tmp_path / "run")) == ["config.json"]  # no temporary file left
+
+
+def test_config_and_budget_files_round_trip(tmp_path):
+  w = Workdir(tmp_path / "run")
+  w.write_config({"model": tiny(vocab_size=10), "seed": 0})
+  assert w.require_config()["model"]["vocab_size"] == 10 and w.read_train_budget() is None
+  w.write_train_budget({"num_train_steps": 7087, "cooldown_knots": ((6000, 0.375),)})
+  assert w.read_train_budget() == {"num_train_steps": 7087, "cooldown_knots": [[6000, 0.375]]}
+  assert sorted(os.listdir(w.root)) == ["config.json", "train_budget.json"]  # no temporary file left
 
 
 def test_check_compatible_names_the_differing_keys(tmp_path):

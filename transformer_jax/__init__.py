@@ -10,9 +10,10 @@
 from transformer_jax.attention import MultiHeadAttention, dot_product_attention
 from transformer_jax.config import BOS_ID, EOS_ID, PAD_ID, UNK_ID, ModelConfig, base, big, tiny
 from transformer_jax.model import Transformer, shift_right, sinusoid_table
-from transformer_jax.sharding import create_train_state, jit_eval_step, jit_train_step, partition
-from transformer_jax.training import (TrainState, adam_with_schedule, eval_step, label_smoothed_cross_entropy,
-                                      normalized_loss, rsqrt_schedule, train_step)
+from transformer_jax.sharding import partition
+from transformer_jax.training import (TrainState, adam_with_schedule, create_train_state, eval_step, jit_eval_step,
+                                      jit_train_step, label_smoothed_cross_entropy, normalized_loss, rsqrt_schedule,
+                                      train_step)
 
 __all__ = ["BOS_ID", "EOS_ID", "PAD_ID", "UNK_ID", "ModelConfig", "MultiHeadAttention", "TrainState", "Transformer",
            "adam_with_schedule", "base", "big", "create_train_state", "dot_product_attention", "eval_step",

@@ -37,7 +37,7 @@ from etils import epath
 from orbax.checkpoint import checkpoint_managers as ocp_policies
 
 from transformer_jax.config import ModelConfig
-from transformer_jax.training.schedule import EMA_KEY
+from transformer_jax.training.optimizer import EMA_KEY
 from transformer_jax.training.steps import init_params
 from transformer_jax.workdir import absolute, to_jsonable
 
@@ -522,7 +522,7 @@ def restore_params(directory: str | os.PathLike, model_config: ModelConfig | Non
                    sharding: jax.sharding.Sharding | None = None, ema: bool = False) -> PyTree:
   """Just `state.params` of `step` (default: the latest) of a checkpoint directory; the optimizer state is never read.
 
-  With `ema`, the moving average of the parameters the optimizer state keeps instead (`schedule.param_ema`,
+  With `ema`, the moving average of the parameters the optimizer state keeps instead (`optimizer.param_ema`,
   a run with `ema_decay` > 0): only that entry of the optimizer state is read. Raises ValueError when the
   checkpoint holds none.
   The target tree comes from `model_config` (the model's own parameter shapes) or `abstract` (leaves with

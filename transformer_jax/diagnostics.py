@@ -4,7 +4,7 @@ Per layer and head, the mean entropy of the attention distribution (nats) and it
 H / log(n), where n is the number of keys the query could attend to (1 = uniform over them, 0 = one key). A
 head whose mean normalised entropy is at least `NEAR_UNIFORM` is "near-uniform": it averages its inputs
 instead of selecting among them, the usual sign of an untrained, dead or diffuse head (see docs/
-attention.md, "When attention misbehaves"). Weights come from the model itself (`sow_attention_weights`).
+attention.md, "When attention misbehaves"). Weights come from the model itself (`model.attention_weights`).
 """
 
 from __future__ import annotations
@@ -16,14 +16,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from transformer_jax.config import ModelConfig
-from transformer_jax.model import Transformer
+from transformer_jax.model import ATTENTION_KINDS, attention_weights
 
 Array = jax.Array
 
 NEAR_UNIFORM = 0.9  # mean normalised entropy at or above which a head counts as near-uniform
-KINDS = ("encoder_self", "decoder_self", "cross")
-_SOWN = {"encoder_self": ("encoder", "self_attention"), "decoder_self": ("decoder", "self_attention"),
-         "cross": ("decoder", "cross_attention")}
+KINDS = ATTENTION_KINDS
 
 
 def head_entropy(weights: Array, query_valid: Optional[Array] = None) -> tuple[Array, Array]:
@@ -47,16 +45,6 @@ def head_entropy(weights: Array, query_valid: Optional[Array] = None) -> tuple[A
   count = jnp.maximum(jnp.sum(counted, axis=(0, 2)), 1)
   mean = lambda x: jnp.sum(jnp.where(counted, x, 0.0), axis=(0, 2)) / count
   return mean(entropy), mean(normalised)
-
-
-def attention_weights(params, config: ModelConfig, inputs: Array, targets: Array) -> dict[str, list[Array]]:
-  """Teacher-forced attention weights: kind -> one `[batch, heads, q_len, kv_len]` array per layer."""
-  _, variables = Transformer(config).apply({"params": params}, inputs, targets, sow_attention_weights=True,
-                                           mutable=["intermediates"])
-  inter = variables["intermediates"]
-  layers = {"encoder": config.num_encoder_layers, "decoder": config.num_decoder_layers}
-  return {kind: [inter[stack][f"layer_{i}"][module]["attention_weights"][0] for i in range(layers[stack])]
-          for kind, (stack, module) in _SOWN.items()}
 
 
 def attention_statistics(params, config: ModelConfig, inputs: Array, targets: Array) -> dict[str, dict]:

@@ -12,7 +12,7 @@ so the benchmarks time the program `python -m experiments.train` runs (`tests/te
 two lowered programs). `config` is an `ml_collections.ConfigDict` built on `experiments/configs/default.py`
 (every key present); nothing here modifies it. The pieces are t5x's `utils.create_train_state` / MaxText's
 `train_utils.create_training_tools` in this library's terms: the compiled steps go through the one partitioned
-jit road (`sharding.jit_train_step`, `sharding.jit_eval_step`).
+jit road (`training.partitioned.jit_train_step`, `jit_eval_step`).
 """
 
 from __future__ import annotations
@@ -27,7 +27,10 @@ from transformer_jax import checkpoint as checkpoint_lib
 from transformer_jax import metrics as metrics_lib
 from transformer_jax import sharding
 from transformer_jax.config import ModelConfig
+from transformer_jax.training import optimizer as optimizer_lib
+from transformer_jax.training import partitioned
 from transformer_jax.training import schedule as schedule_lib
+from transformer_jax.training import state as state_lib
 from transformer_jax.training import steps
 
 
@@ -42,15 +45,15 @@ def model_config_from(config: Any, vocab_size: int) -> ModelConfig:
 def optimizer(config: Any, d_model: int) -> tuple[optax.GradientTransformation, Any]:
   """Adam with the paper's schedule (section 5.3), cooled down over the last `config.cooldown_steps` (0 = the
   paper's schedule as is), decoupled weight decay `config.weight_decay` (0 = the paper's Adam), a moving
-  average of the parameters when `config.ema_decay` > 0 (`schedule.param_ema`), and the schedule itself
+  average of the parameters when `config.ema_decay` > 0 (`optimizer.param_ema`), and the schedule itself
   (`step -> learning rate`, float32)."""
   learning_rate_fn = schedule_lib.cooldown(
       schedule_lib.rsqrt_schedule(d_model, config.warmup_steps, config.learning_rate),
       config.num_train_steps, config.cooldown_steps, config.cooldown_shape, config.cooldown_knots)
-  tx = schedule_lib.adam(learning_rate_fn, b1=config.adam_b1, b2=config.adam_b2, eps=config.adam_eps,
+  tx = optimizer_lib.adam(learning_rate_fn, b1=config.adam_b1, b2=config.adam_b2, eps=config.adam_eps,
                         weight_decay=config.weight_decay)
   if config.ema_decay:
-    tx = optax.chain(tx, schedule_lib.param_ema(config.ema_decay))
+    tx = optax.chain(tx, optimizer_lib.param_ema(config.ema_decay))
   return tx, learning_rate_fn
 
 
@@ -59,7 +62,7 @@ def create_state(config: Any, model_config: ModelConfig, mesh: jax.sharding.Mesh
   """A fresh train state of the run, born sharded on `mesh` with the config's optimizer (`rng`: a typed key,
   `jax.random.key`, for the parameters' initialisation)."""
   tx, _ = optimizer(config, model_config.d_model)
-  return sharding.create_train_state(model_config, tx, rng, mesh, rules)
+  return state_lib.create_train_state(model_config, tx, rng, mesh, rules)
 
 
 def train_model_config(config: Any, model_config: ModelConfig, step: int) -> ModelConfig:
@@ -76,7 +79,7 @@ def make_train_step(config: Any, model_config: ModelConfig, mesh: jax.sharding.M
   The trainer runs exactly this (with `train_model_config`'s dropout rate); `experiments/benchmarks` time it.
   """
   _, learning_rate_fn = optimizer(config, model_config.d_model)
-  return sharding.jit_train_step(model_config, mesh, sharding.shardings_of(state), rules,
+  return partitioned.jit_train_step(model_config, mesh, sharding.shardings_of(state), rules,
                                  label_smoothing=config.label_smoothing,
                                  grad_accum_steps=config.grad_accum_steps, learning_rate_fn=learning_rate_fn)
 
@@ -86,16 +89,16 @@ def make_eval_step(config: Any, model_config: ModelConfig, mesh: jax.sharding.Me
   """The compiled eval step of a run: `(params, batch) -> sums`, replicated float32 scalars `loss_sum`,
   `nll_sum`, `correct_sum`, `token_count` (`steps.metrics_from_sums` turns them into per-token means); `params`
   keep their shardings."""
-  return sharding.jit_eval_step(model_config, mesh, sharding.shardings_of(params), rules,
+  return partitioned.jit_eval_step(model_config, mesh, sharding.shardings_of(params), rules,
                                 label_smoothing=config.label_smoothing)
 
 
 def inference_params(config: Any, state: steps.TrainState) -> Any:
   """The parameters a finished run is evaluated and translated with: the moving average when
-  `config.ema_decay` > 0 (`schedule.ema_params`), else `state.params`. Periodic validation during training
+  `config.ema_decay` > 0 (`optimizer.ema_params`), else `state.params`. Periodic validation during training
   evaluates `state.params`, the iterate being trained, so learning curves compare across runs with and
   without the average."""
-  return schedule_lib.ema_params(state.opt_state) if config.ema_decay else state.params
+  return optimizer_lib.ema_params(state.opt_state) if config.ema_decay else state.params
 
 
 def checkpointer(config: Any, directory: str | os.PathLike) -> checkpoint_lib.Checkpointer:

@@ -16,20 +16,30 @@ and FFN kernels, zero biases, LayerNorm scale 1 and bias 0, the shared embedding
 from __future__ import annotations
 
 import math
-from typing import Optional
+from typing import Mapping, Optional
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from transformer_jax.attention import AttentionMask, MultiHeadAttention
+from transformer_jax.attention import SOWN_WEIGHTS, AttentionMask, MultiHeadAttention
 from transformer_jax.config import ModelConfig
 from transformer_jax.dropout import Dropout
 
 Array = jax.Array
 
 _xavier = nn.initializers.xavier_uniform()
+
+# Submodule names: paths of the parameter tree, and where `attention_weights` finds what the attention layers sow
+# (read here, by the module that names them, so nothing else matches these strings).
+ENCODER, DECODER = "encoder", "decoder"
+SELF_ATTENTION, CROSS_ATTENTION = "self_attention", "cross_attention"
+
+
+def layer_name(index: int) -> str:
+  """The name of layer `index` (0-based) of a stack."""
+  return f"layer_{index}"
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -255,7 +265,7 @@ class EncoderLayer(nn.Module):
   def __call__(self, x: Array, mask: Array, deterministic: bool = True,
                sow_attention_weights: bool = False) -> Array:
     cfg = self.config
-    attn = MultiHeadAttention(cfg, name="self_attention")
+    attn = MultiHeadAttention(cfg, name=SELF_ATTENTION)
     x = SublayerConnection(cfg, name="attention_block")(
         x, lambda h: attn(h, h, mask, deterministic=deterministic, sow_attention_weights=sow_attention_weights),
         deterministic=deterministic)
@@ -275,12 +285,12 @@ class DecoderLayer(nn.Module):
                deterministic: bool = True, use_cache: bool = False, max_decode_len: Optional[int] = None,
                sow_attention_weights: bool = False) -> Array:
     cfg = self.config
-    self_attn = MultiHeadAttention(cfg, name="self_attention")
+    self_attn = MultiHeadAttention(cfg, name=SELF_ATTENTION)
     y = SublayerConnection(cfg, name="self_attention_block")(
         y, lambda h: self_attn(h, h, self_mask, deterministic=deterministic, use_cache=use_cache,
                                max_decode_len=max_decode_len, sow_attention_weights=sow_attention_weights),
         deterministic=deterministic)
-    cross_attn = MultiHeadAttention(cfg, is_cross=True, name="cross_attention")
+    cross_attn = MultiHeadAttention(cfg, is_cross=True, name=CROSS_ATTENTION)
     y = SublayerConnection(cfg, name="cross_attention_block")(
         y, lambda h: cross_attn(h, memory, cross_mask, deterministic=deterministic, use_cache=use_cache,
                                 sow_attention_weights=sow_attention_weights),
@@ -312,7 +322,7 @@ class Encoder(nn.Module):
     x = nn.with_logical_constraint(x, ("batch", "length", "embed"))
     layer_cls = nn.remat(EncoderLayer, static_argnums=(3, 4)) if cfg.remat else EncoderLayer
     for i in range(cfg.num_encoder_layers):
-      x = layer_cls(cfg, name=f"layer_{i}")(x, mask, deterministic, sow_attention_weights)
+      x = layer_cls(cfg, name=layer_name(i))(x, mask, deterministic, sow_attention_weights)
     if cfg.pre_ln:
       x = _layer_norm(cfg, "final_layer_norm")(x)
     return x
@@ -337,8 +347,8 @@ class Decoder(nn.Module):
     y = nn.with_logical_constraint(y, ("batch", "length", "embed"))
     layer_cls = nn.remat(DecoderLayer, static_argnums=(5, 6, 7, 8)) if cfg.remat else DecoderLayer
     for i in range(cfg.num_decoder_layers):
-      y = layer_cls(cfg, name=f"layer_{i}")(y, memory, self_mask, cross_mask, deterministic, use_cache,
-                                            max_decode_len, sow_attention_weights)
+      y = layer_cls(cfg, name=layer_name(i))(y, memory, self_mask, cross_mask, deterministic, use_cache,
+                                             max_decode_len, sow_attention_weights)
     if cfg.pre_ln:
       y = _layer_norm(cfg, "final_layer_norm")(y)
     if self.output_embed is not None:
@@ -374,8 +384,8 @@ class Transformer(nn.Module):
       source_embed = Embed(cfg, name="source_embedding")
       target_embed = Embed(cfg, name="target_embedding")
       output_embed = None
-    self.encoder = Encoder(cfg, source_embed, name="encoder")
-    self.decoder = Decoder(cfg, target_embed, output_embed, name="decoder")
+    self.encoder = Encoder(cfg, source_embed, name=ENCODER)
+    self.decoder = Decoder(cfg, target_embed, output_embed, name=DECODER)
 
   def encode(self, inputs: Array, inputs_position: Optional[Array] = None,
              inputs_segmentation: Optional[Array] = None, *, deterministic: bool = True,
@@ -423,3 +433,48 @@ class Transformer(nn.Module):
     return self.decode(encoded, inputs, targets, targets_position, inputs_segmentation,
                        targets_segmentation, deterministic=deterministic,
                        sow_attention_weights=sow_attention_weights)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The attention weights the layers sow (diagnostics, attention maps, alignment)
+# ----------------------------------------------------------------------------------------------------------
+
+ATTENTION_KINDS = ("encoder_self", "decoder_self", "cross")
+
+
+def sown_attention_weights(intermediates: Mapping, config: ModelConfig) -> dict[str, list[Array]]:
+  """The attention weights in the `intermediates` of `Transformer(config).apply(..., sow_attention_weights=True,
+  mutable=["intermediates"])`: kind (`ATTENTION_KINDS`) -> one `[batch, heads, q_len, kv_len]` array per layer,
+  the first layer first (`encoder_self` `[.., src, src]`, `decoder_self` `[.., tgt, tgt]`, `cross` `[.., tgt, src]`).
+
+  The paths are built from the names this module gives its submodules (`ENCODER`, `layer_name`, ...), so a
+  renamed submodule is found under its new name. Raises ValueError naming the first path that holds no sown
+  weights (not sown, or sown by a model whose submodules are named otherwise).
+  """
+  places = {"encoder_self": (ENCODER, SELF_ATTENTION, config.num_encoder_layers),
+            "decoder_self": (DECODER, SELF_ATTENTION, config.num_decoder_layers),
+            "cross": (DECODER, CROSS_ATTENTION, config.num_decoder_layers)}
+  weights = {}
+  for kind, (stack, module, layers) in places.items():
+    weights[kind] = [_sown(intermediates, (stack, layer_name(i), module, SOWN_WEIGHTS)) for i in range(layers)]
+  return weights
+
+
+def _sown(tree: Mapping, path: tuple[str, ...]) -> Array:
+  node = tree
+  for depth, key in enumerate(path):
+    if not isinstance(node, Mapping) or key not in node:
+      found = sorted(node) if isinstance(node, Mapping) else type(node).__name__
+      raise ValueError(f"no attention weights sown at {'/'.join(path)}: {'/'.join(path[:depth]) or 'the top'} "
+                       f"holds {found}")
+    node = node[key]
+  return node[0]
+
+
+def attention_weights(params, config: ModelConfig, inputs: Array, targets: Array) -> dict[str, list[Array]]:
+  """Teacher-forced attention weights of `Transformer(config)` with `params` for source `inputs`
+  `[batch, src_len]` and `targets` `[batch, tgt_len]` (int32 ids): kind -> one `[batch, heads, q_len, kv_len]`
+  float array per layer (`sown_attention_weights`); decoder query t is the position predicting `targets[:, t]`."""
+  _, variables = Transformer(config).apply({"params": params}, inputs, targets, sow_attention_weights=True,
+                                           mutable=["intermediates"])
+  return sown_attention_weights(variables["intermediates"], config)

@@ -23,9 +23,9 @@ import socket
 import time
 from typing import Any
 
-from transformer_jax.workdir import Workdir
+from transformer_jax.workdir import TRAIN_LOCK, Workdir
 
-LOCK_FILENAME = "train.lock"
+LOCK_FILENAME = TRAIN_LOCK  # `Workdir.train_lock`
 
 
 class WorkdirInUseError(OSError):

@@ -10,18 +10,18 @@ and provides everything the training loop needs to run sharded under `jax.jit` (
 * `make_mesh` / `mesh_from_config`: the mesh (Auto axis types, which Flax logical partitioning needs; recent
   `jax.make_mesh` defaults to Explicit), refusing a shape whose product is not the device count.
 * `LOGICAL_AXIS_RULES`: the default logical -> mesh table (see its comment), `validate_model_for_mesh`.
-* `create_train_state`: the `TrainState` born sharded (`jax.eval_shape` for the logical specs, then
-  `jax.jit(init, out_shardings=...)`; no full copy on one device first). `mesh=None` is one device.
+* `check_divisible`, `shardings_of`, `abstract_state`, `shardings_like`, `device_put_sharded`: the placement of
+  a state (`training/state.py` creates the `TrainState` born sharded with them).
 * `shard_batch` / `batch_sharding`: host NumPy batches -> global `jax.Array`s split over the batch axes
   (multi-process via `jax.make_array_from_process_local_data`).
 * `partition(fn, mesh, rules, in_shardings=, out_shardings=)`: THE jit wrapper (t5x's partitioned callable):
   traced under the mesh and the rules so that the model's `nn.with_logical_constraint` calls resolve to real
-  sharding constraints, with `.lower` for benchmarks. `jit_train_step` / `jit_eval_step` are
-  `steps.train_step` / `steps.eval_step` through it; training, evaluation, benchmarks and profiles use them.
+  sharding constraints, with `.lower` for benchmarks. `training/partitioned.py` passes the train and eval
+  steps through it (`jit_train_step` / `jit_eval_step`); training, evaluation, benchmarks and profiles use them.
 * `mesh_context`: the same context for anything else (e.g. decoding on sharded params).
-* `maybe_initialize_distributed`, `per_device_bytes` (state memory per device, for benchmarks).
-* `agree_across_hosts`, `agree_on_ints`: process 0's host-side values on every host; `gather_json`: every
-  process's (e.g. its data position); `sync_processes`: a barrier.
+* `per_device_bytes` (state memory per device, for benchmarks), `sharding_summary` (for logs).
+
+The host collectives (process 0's decisions on every host, barriers) are `transformer_jax.multihost`.
 
 Three parallelism styles, all from the same rule table:
 
@@ -38,8 +38,6 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import functools
-import json
 import logging
 import math
 from typing import Any, Callable, Iterator, Mapping, Optional, Sequence
@@ -47,13 +45,9 @@ from typing import Any, Callable, Iterator, Mapping, Optional, Sequence
 import flax.linen as nn
 import jax
 import numpy as np
-import optax
-from jax.experimental import multihost_utils
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 from transformer_jax.config import ModelConfig
-from transformer_jax.model import Transformer
-from transformer_jax.training import steps
 
 MESH_AXES = ("data", "fsdp", "tensor")
 
@@ -136,60 +130,6 @@ def mesh_from_config(mesh_config: Any = None, devices: Optional[Sequence[jax.Dev
     raise ValueError(f"config.mesh has unknown axes {sorted(unknown)}; expected {list(MESH_AXES)}")
   return make_mesh(int(values.get("data", -1)), int(values.get("fsdp", 1)), int(values.get("tensor", 1)),
                    devices=devices)
-
-
-def maybe_initialize_distributed(enabled: bool, **kwargs) -> bool:
-  """`jax.distributed.initialize(**kwargs)` when `enabled` (multi-host); call before any other JAX use.
-
-  With no kwargs JAX detects the cluster (SLURM, Open MPI, TPU pods, ...); otherwise pass
-  `coordinator_address`, `num_processes`, `process_id`. Returns whether JAX now runs distributed.
-  """
-  if not enabled:
-    return False
-  if jax.distributed.is_initialized():
-    return True
-  jax.distributed.initialize(**kwargs)
-  logging.info("jax.distributed initialised: process %d of %d, %d local / %d global devices",
-               jax.process_index(), jax.process_count(), jax.local_device_count(), jax.device_count())
-  return True
-
-
-def agree_across_hosts(decision: bool) -> bool:
-  """Process 0's `decision` on every process (a no-op on one host).
-
-  For decisions taken from local state that must not differ between hosts, such as "the wall-clock
-  checkpoint interval has elapsed": a save that only some hosts enter waits forever for the others.
-  """
-  if jax.process_count() == 1:
-    return bool(decision)
-  return bool(multihost_utils.broadcast_one_to_all(np.asarray(bool(decision), np.int32)))
-
-
-def agree_on_ints(*values: int) -> tuple[int, ...]:
-  """Process 0's `values` on every process (a no-op on one host), e.g. a run length decided from its clock."""
-  if jax.process_count() == 1:
-    return tuple(int(v) for v in values)
-  return tuple(int(v) for v in multihost_utils.broadcast_one_to_all(np.asarray(values, np.int32)))
-
-
-def sync_processes(name: str) -> None:
-  """Waits until every process reached the point `name` (a no-op on one host): e.g. the vocabulary that
-  process 0 trains is on disk before the others read it."""
-  if jax.process_count() > 1:
-    multihost_utils.sync_global_devices(name)
-
-
-def gather_json(value: Any) -> list[Any]:
-  """Every process's JSON-serialisable `value`, in process order, on every process (`[value]` on one host):
-  e.g. each process's data position, saved together in a checkpoint. A collective: every process calls it."""
-  if jax.process_count() == 1:
-    return [value]
-  data = np.frombuffer(json.dumps(value, sort_keys=True).encode(), np.uint8)
-  sizes = np.asarray(multihost_utils.process_allgather(np.asarray([data.size], np.int32))).reshape(-1)
-  padded = np.zeros(int(sizes.max()), np.uint8)
-  padded[:data.size] = data
-  gathered = np.asarray(multihost_utils.process_allgather(padded)).reshape(len(sizes), -1)
-  return [json.loads(row[:size].tobytes()) for row, size in zip(gathered, sizes)]
 
 
 @contextlib.contextmanager
@@ -284,15 +224,16 @@ def replicated(mesh: Mesh) -> NamedSharding:
 
 
 # ----------------------------------------------------------------------------------------------------------
-# Train state, born sharded
+# A state's placement
 # ----------------------------------------------------------------------------------------------------------
 
 def _path_name(path) -> str:
   return "/".join(str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path)
 
 
-def _check_divisible(abstract_tree: Any, shardings: Any) -> None:
-  """Every sharded dimension must divide by its mesh axes (jit refuses uneven in/out shardings)."""
+def check_divisible(abstract_tree: Any, shardings: Any) -> None:
+  """Raises ValueError (naming up to five arrays, their shapes and mesh axes) unless every sharded dimension of
+  `abstract_tree` divides by the devices of its mesh axes in `shardings` (jit refuses uneven in/out shardings)."""
   problems = []
 
   def check(path, leaf, sharding):
@@ -311,34 +252,6 @@ def _check_divisible(abstract_tree: Any, shardings: Any) -> None:
 def single_device_mesh() -> Mesh:
   """A 1x1x1 ('data', 'fsdp', 'tensor') mesh on the first device: the unsharded case of every function here."""
   return make_mesh(1, 1, 1, devices=jax.devices()[:1])
-
-
-def create_train_state(model_config: ModelConfig, tx: optax.GradientTransformation, rng: jax.Array,
-                       mesh: Optional[Mesh] = None, rules: LogicalRules = LOGICAL_AXIS_RULES) -> steps.TrainState:
-  """A fresh `TrainState` (float32 params, the optimizer state of `tx`) born in its sharded layout on `mesh`.
-
-  `mesh=None` is the one-device mesh (`single_device_mesh`): the unsharded case is not a separate road.
-  `jax.eval_shape` of the initialisation gives the boxed (logically named) abstract state; its partition
-  specs, mapped through `rules`, give the `NamedSharding` of every parameter. The optimizer state follows
-  the parameters (Adam's mu/nu are built from the boxed parameters, so they carry the same names); leaves
-  without names (step, Adam's count) are replicated. Initialisation is jitted with those `out_shardings`,
-  so each device only ever materialises its own shards; the values do not depend on the mesh (threefry
-  bits are sharding-independent). `shardings_of(state)` gives the tree of shardings the jitted steps take.
-  Raises ValueError when the model does not divide over the mesh (see `validate_model_for_mesh`).
-  """
-  mesh = single_device_mesh() if mesh is None else mesh
-  rules = validate_model_for_mesh(model_config, mesh, rules)
-  apply_fn = Transformer(model_config).apply
-
-  def boxed_state(key):
-    params = steps.init_params(model_config, key)
-    return steps.TrainState.create(apply_fn=apply_fn, params=params, tx=tx)
-
-  abstract = jax.eval_shape(boxed_state, rng)
-  shardings = nn.logical_to_mesh_sharding(nn.get_partition_spec(abstract), mesh, rules)
-  _check_divisible(nn.unbox(abstract), shardings)
-  with nn.logical_axis_rules(rules):
-    return jax.jit(lambda key: nn.unbox(boxed_state(key)), out_shardings=shardings)(rng)
 
 
 def shardings_of(tree: Any) -> Any:
@@ -490,37 +403,6 @@ def partition(fn: Callable, mesh: Mesh, rules: LogicalRules = LOGICAL_AXIS_RULES
               out_shardings: Any, donate_argnums: tuple[int, ...] = ()) -> PartitionedFunction:
   """`fn` jitted for `mesh` with these shardings (see `PartitionedFunction`); the only jit wrapper here."""
   return PartitionedFunction(fn, mesh, rules, in_shardings, out_shardings, donate_argnums)
-
-
-def jit_train_step(model_config: ModelConfig, mesh: Mesh, state_shardings: Any,
-                   rules: LogicalRules = LOGICAL_AXIS_RULES, *, label_smoothing: float = 0.1,
-                   grad_accum_steps: int = 1, learning_rate_fn=None) -> PartitionedFunction:
-  """`steps.train_step` partitioned for `mesh`: `(state, batch, rng) -> (state, metrics)`, the state donated.
-
-  The state keeps `state_shardings` (`shardings_of(create_train_state(...))`); the batch (from `shard_batch`)
-  is split along its rows (axis 1 with `grad_accum_steps > 1`); the rng and the metrics are replicated.
-  This is the step the trainer runs and the benchmarks time (`experiments/benchmarks`).
-  """
-  rules = validate_model_for_mesh(model_config, mesh, rules)
-  fn = functools.partial(steps.train_step, config=model_config, label_smoothing=label_smoothing,
-                         grad_accum_steps=grad_accum_steps, learning_rate_fn=learning_rate_fn)
-  return partition(fn, mesh, rules, donate_argnums=(0,),
-                   in_shardings=(state_shardings, batch_sharding(mesh, rules, accum=grad_accum_steps > 1),
-                                 replicated(mesh)),
-                   out_shardings=(state_shardings, replicated(mesh)))
-
-
-def jit_eval_step(model_config: ModelConfig, mesh: Mesh, params_shardings: Any,
-                  rules: LogicalRules = LOGICAL_AXIS_RULES, *, label_smoothing: float = 0.1
-                  ) -> PartitionedFunction:
-  """`steps.eval_step` partitioned for `mesh`: `(params, batch) -> sums` (replicated scalars).
-
-  Batches come from `shard_batch(batch, mesh, process_local=False, pad_rows=True)`.
-  """
-  rules = validate_model_for_mesh(model_config, mesh, rules)
-  fn = functools.partial(steps.eval_step, config=model_config, label_smoothing=label_smoothing)
-  return partition(fn, mesh, rules, in_shardings=(params_shardings, batch_sharding(mesh, rules)),
-                   out_shardings=replicated(mesh))
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -13,15 +13,14 @@ from __future__ import annotations
 
 import signal
 
-import jax
-from jax.experimental import multihost_utils
+from transformer_jax import multihost
 
 
 class StopSignal:
   """SIGTERM/SIGINT set a flag; the loop finishes the current step, saves a checkpoint and stops.
 
   On multi-host runs JAX's preemption sync point (`jax.distributed` with the preemption service,
-  `multihost_utils.reached_preemption_sync_point`) is also consulted, so every host stops at the same step.
+  `multihost.reached_preemption_sync_point`) is also consulted, so every host stops at the same step.
   Outside the main thread (e.g. a notebook worker) no handler can be installed and only the preemption
   notice counts.
   """
@@ -41,12 +40,8 @@ class StopSignal:
 
   def requested(self, step: int) -> bool:
     """True once a signal (or, on several hosts, a preemption notice at `step`) asked the run to stop."""
-    if self.signal_name is None and jax.process_count() > 1:
-      try:
-        if multihost_utils.reached_preemption_sync_point(step):
-          self.signal_name = "preemption notice"
-      except RuntimeError:  # preemption service not enabled
-        pass
+    if self.signal_name is None and multihost.reached_preemption_sync_point(step):
+      self.signal_name = "preemption notice"
     return self.signal_name is not None
 
   def restore(self) -> None:

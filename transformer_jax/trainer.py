@@ -33,7 +33,7 @@ import numpy as np
 from transformer_jax import checkpoint as checkpoint_lib
 from transformer_jax import early_stopping as early_stopping_lib
 from transformer_jax import evaluators as evaluators_lib
-from transformer_jax import factories, imported_workdir, profiling, sharding
+from transformer_jax import factories, imported_workdir, multihost, profiling, sharding
 from transformer_jax.config import ModelConfig
 from transformer_jax.data import datasets as datasets_lib, pipeline, tokenizer as tokenizer_lib
 from transformer_jax.owner_lock import OwnerLock
@@ -137,10 +137,10 @@ def prepare(config: Any, workdir: str) -> Run:
   otherwise). The model's pad/EOS ids must be the tokenizer's (`tokenizer.check_model_ids`, VocabularyError).
   The trackers of `config.trackers` start before anything is written (`trackers.TrackerError` if one cannot).
   """
-  sharding.maybe_initialize_distributed(config.distributed)
+  multihost.maybe_initialize_distributed(config.distributed)
   run_dir = Workdir(workdir)
   saved = run_dir.read_config()
-  config = budget_lib.with_decision(config, budget_lib.read(run_dir) if config.train_budget_minutes > 0 else None)
+  config = budget_lib.with_decision(config, budget_lib.from_json(run_dir.read_train_budget()) if config.train_budget_minutes > 0 else None)
   imported_workdir.check_adopted(config, saved, run_dir.root)
   untrained_import = imported_workdir.is_untrained_import(saved)
   # Before anything in the workdir is touched:
@@ -165,7 +165,7 @@ def _prepare_run(config: Any, run_dir: Workdir, saved: dict | None, untrained_im
   run_dir.create()
   data = datasets_lib.build_datasets(config.data, str(run_dir.root), seed=config.seed,
                                      process_index=jax.process_index(), process_count=jax.process_count(),
-                                     barrier=sharding.sync_processes)
+                                     barrier=multihost.sync_processes)
   model_config = factories.model_config_from(config, data.tokenizer.vocab_size)
   tokenizer_lib.check_model_ids(data.tokenizer, model_config)
   resolved = to_jsonable(config)
@@ -241,7 +241,7 @@ def apply_budget(run: Run, program: Program, state: steps.TrainState, decision: 
   resolved = dict(program.resolved_config, num_train_steps=decision.num_train_steps,
                   cooldown_steps=decision.cooldown_steps, cooldown_knots=decision.cooldown_knots)
   if run.is_chief:
-    budget_lib.write(run.workdir, decision)
+    run.workdir.write_train_budget(decision)
   write_run_config(run, resolved)
   old = program.config
   if (old.num_train_steps, old.cooldown_steps, tuple(old.cooldown_knots)) == (
@@ -269,14 +269,14 @@ def _checkpoint_due(config: Any, step: int, last_save_time: float) -> bool:
   # Wall-clock saves are checked at logging steps (already a host sync point) and decided by process 0:
   # hosts' clocks differ, and a save only some hosts enter never completes.
   return (config.checkpoint_every_minutes > 0 and itstime(step, config.log_every_steps, 0, last=False)
-          and sharding.agree_across_hosts(time.time() - last_save_time >= 60 * config.checkpoint_every_minutes))
+          and multihost.agree_across_hosts(time.time() - last_save_time >= 60 * config.checkpoint_every_minutes))
 
 
 def save(run: Run, checkpointer: checkpoint_lib.Checkpointer, program: Program, state: steps.TrainState,
          rng: jax.Array, step: int, eval_metrics: dict[str, float]) -> None:
   """Writes the checkpoint of `step` (state, rng, data position, resolved config, and the best metric's value)."""
   best = program.config.checkpoint_best_metric
-  data_state = {"processes": sharding.gather_json(run.data.train.get_state())}  # each process's own position
+  data_state = {"processes": multihost.gather_json(run.data.train.get_state())}  # each process's own position
   saved = checkpointer.save(step, state, rng, data_state, program.resolved_config,
                             metrics=eval_metrics if best and best in eval_metrics else None)
   checkpoint_lib.require_saved(saved, checkpointer.directory, step)
@@ -315,7 +315,7 @@ def train(run: Run, start: Start, checkpointer: checkpoint_lib.Checkpointer, sto
   evaluators, log = _make_evaluators(run, state.params), TrainLog(step)
   early = early_stopping_lib.resume(run.config.early_stopping, run.workdir.early_stopping_json, step)
   stage_starts = {s for s, _ in run.config.dropout_schedule}  # where the compiled step's dropout may change
-  decision = budget_lib.read(run.workdir) if run.config.train_budget_minutes > 0 else None
+  decision = budget_lib.from_json(run.workdir.read_train_budget()) if run.config.train_budget_minutes > 0 else None
   fit_at = budget_lib.next_decision_step(run.config, decision, step)
   _log_start(run, start, run.config.num_train_steps, fit_at)
   train_metrics, eval_metrics, stopped, early_stop = {}, {}, False, bool(early and early.state.stop)
@@ -337,7 +337,7 @@ def train(run: Run, start: Start, checkpointer: checkpoint_lib.Checkpointer, sto
       jax.block_until_ready(metrics)  # the rate of steps done, not of steps dispatched
       decision = budget_lib.next_decision(program.config, decision, step=step, start_step=start.step,
                                           seconds=time.time() - train_start, first_step_seconds=first_step_seconds,
-                                          agree=sharding.agree_on_ints)
+                                          agree=multihost.agree_on_ints)
       fit_at = budget_lib.revision_step(decision, start.step)
       program, state = apply_budget(run, program, state, decision, step)
     config, total = program.config, program.config.num_train_steps
@@ -383,7 +383,7 @@ def train_and_evaluate(config: Any, workdir: str) -> TrainResult:
   written). SIGTERM/SIGINT finish the current step, save, and return (`stopped_early`). An early-stopping rule
   that fires saves and returns with `early_stopping["stopped_at_step"]` set.
   """
-  sharding.maybe_initialize_distributed(config.distributed)
+  multihost.maybe_initialize_distributed(config.distributed)
   with OwnerLock(workdir, enabled=jax.process_index() == 0), contextlib.ExitStack() as cleanup:
     run = prepare(config, workdir)  # one trainer per workdir (process 0 holds the lock)
     cleanup.callback(run.writer.close)

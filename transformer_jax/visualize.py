@@ -11,9 +11,9 @@ import numpy as np
 from etils import epath
 
 from transformer_jax.config import ModelConfig
-from transformer_jax.model import Transformer
+from transformer_jax.model import ATTENTION_KINDS, attention_weights
 
-KINDS = ("encoder_self", "decoder_self", "cross")
+KINDS = ATTENTION_KINDS
 
 
 def attention_maps(params, config: ModelConfig, source_ids: Sequence[int],
@@ -26,17 +26,8 @@ def attention_maps(params, config: ModelConfig, source_ids: Sequence[int],
   """
   inputs = jnp.asarray([list(source_ids)], jnp.int32)
   targets = jnp.asarray([list(target_ids)], jnp.int32)
-  _, variables = Transformer(config).apply({"params": params}, inputs, targets, sow_attention_weights=True,
-                                           mutable=["intermediates"])
-  inter = variables["intermediates"]
-
-  def stack(stack_name: str, module: str, layers: int) -> np.ndarray:
-    return np.stack([np.asarray(inter[stack_name][f"layer_{i}"][module]["attention_weights"][0][0])
-                     for i in range(layers)])
-
-  return {"encoder_self": stack("encoder", "self_attention", config.num_encoder_layers),
-          "decoder_self": stack("decoder", "self_attention", config.num_decoder_layers),
-          "cross": stack("decoder", "cross_attention", config.num_decoder_layers)}
+  weights = attention_weights(params, config, inputs, targets)
+  return {kind: np.stack([np.asarray(layer[0]) for layer in weights[kind]]) for kind in KINDS}
 
 
 def plot_attention(maps: dict[str, np.ndarray], source_tokens: Sequence[str], target_tokens: Sequence[str],

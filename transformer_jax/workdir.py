@@ -16,9 +16,13 @@
                               (`tensorboard --logdir=<workdir>` shows it in the profile plugin)
       early_stopping.json     the early-stopping metric's value at every evaluation (`config.early_stopping`)
       averaged/<step>/        averaged checkpoint (`experiments.average_checkpoints`)
-      eval/                   hypotheses and scores of `experiments.evaluate`
+      eval/<source>.hyp, .json  hypotheses and scores of `experiments.evaluate` (`eval_prefix`)
+      eval/tune_decoding.json every row of `experiments.tune_decoding`
       final_eval.json         the test-split report of `experiments.train`
       train.lock              while a training run owns the workdir: its pid and host (`owner_lock`)
+      wall_clock_start.json   when `experiments.multi30k` first started in this workdir (its wall time counts from it)
+      results.json            the Multi30k recipe's report (`experiments.multi30k`: scores, minutes, steps/s, host)
+      <split>.hyp             that recipe's hypotheses of the test split (test2016.hyp), one line per sentence
 
 A workdir written by an importer (`experiments.import_marian`) has the same layout: `config.json` names the
 model and its tokenizer, `data.dataset` is `IMPORTED_DATASET` (no training data yet) and checkpoint 0 holds
@@ -52,6 +56,8 @@ IMPORTED_DATASET = "marian_import"
 # translated with another workdir's tokenizer (`trained.check_checkpoint_vocabulary`), only where they match.
 DATA_KEYS = ("data.vocab_size", "data.dataset", "data.tokenizer", "data.lowercase")
 
+TRAIN_LOCK = "train.lock"  # the training owner's lock file (`owner_lock`), also an object name on gs://
+
 
 @dataclasses.dataclass(frozen=True)
 class Workdir:
@@ -66,9 +72,23 @@ class Workdir:
   def config_json(self) -> epath.Path:
     return self.root / "config.json"
 
+  def write_config(self, config: Any) -> None:
+    """Writes `config.json` (a ConfigDict, dataclass or mapping, through `to_jsonable`), atomically."""
+    write_json_atomically(self.config_json, config)
+
   @property
   def train_budget_json(self) -> epath.Path:
     return self.root / "train_budget.json"
+
+  def read_train_budget(self) -> dict | None:
+    """The saved time-budget decision (`train_budget.json`: the fields of `training.budget.BudgetDecision`, tuples
+    as lists), or None when there is none."""
+    return read_json(self.train_budget_json)
+
+  def write_train_budget(self, decision: Any) -> None:
+    """Saves a time-budget decision (a `BudgetDecision` or a mapping of its fields) as `train_budget.json`,
+    atomically (written by process 0 only: the budget's decisions agree across hosts)."""
+    write_json_atomically(self.train_budget_json, decision)
 
   @property
   def checkpoints(self) -> epath.Path:
@@ -120,9 +140,33 @@ class Workdir:
   def eval(self) -> epath.Path:
     return self.root / "eval"
 
+  def eval_prefix(self, source: PathLike) -> epath.Path:
+    """`eval/<file name of source>`: `experiments.evaluate` writes `<prefix>.hyp` and `<prefix>.json` there."""
+    return self.eval / epath.Path(source).name
+
+  @property
+  def tune_decoding_json(self) -> epath.Path:
+    return self.eval / "tune_decoding.json"
+
   @property
   def final_eval_json(self) -> epath.Path:
     return self.root / "final_eval.json"
+
+  @property
+  def train_lock(self) -> epath.Path:
+    return self.root / TRAIN_LOCK
+
+  @property
+  def wall_clock_start_json(self) -> epath.Path:
+    return self.root / "wall_clock_start.json"
+
+  @property
+  def results_json(self) -> epath.Path:
+    return self.root / "results.json"
+
+  def hypotheses(self, split: str) -> epath.Path:
+    """`<split>.hyp`: the Multi30k recipe's hypotheses of a test split, one line per sentence."""
+    return self.root / f"{split}.hyp"
 
   def create(self) -> None:
     """Makes the run directory (and its parents).

@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import ast
 import importlib
-import json
 import os
 import sys
 import time
@@ -39,6 +38,7 @@ from experiments import launch
 from experiments.benchmarks import common
 from transformer_jax import run_checks, sharding
 from transformer_jax.data import pipeline
+from transformer_jax.workdir import Workdir
 
 
 def parse_variant(text: str) -> tuple[str, dict]:
@@ -86,8 +86,8 @@ def main(argv=None) -> int:
   parser.add_argument("--batches", type=int, default=6, help="distinct batches cycled per variant")
   args = parser.parse_args(argv)
 
-  ids_path = os.path.join(args.workdir, "data", "train.ids")
-  config_json = os.path.join(args.workdir, "config.json")
+  run_dir = Workdir(args.workdir)
+  ids_path, config_json = os.fspath(run_dir.token_ids("train")), os.fspath(run_dir.config_json)
   shards = pipeline.IdShards.newest(ids_path)
   for path, present in ((ids_path, shards is not None), (config_json, os.path.exists(config_json))):
     if not present:
@@ -100,8 +100,7 @@ def main(argv=None) -> int:
   except ValueError as e:
     print(f"error: {e}", file=sys.stderr)
     return 1
-  with open(config_json) as f:
-    vocab_size = int(json.load(f)["model"]["vocab_size"])
+  vocab_size = int(run_dir.require_config()["model"]["vocab_size"])
 
   runs = {}
   for name, overrides in variants:

@@ -74,10 +74,10 @@ def get_config() -> ml_collections.ConfigDict:
   config.adam_b2 = 0.98                       # Adam beta2
   config.adam_eps = 1e-9                      # Adam epsilon
   config.weight_decay = 0.0                   # decoupled weight decay of the matrices, times the rate (AdamW,
-                                              # schedule.adam; not in the paper; 0 = off)
+                                              # optimizer.adam; not in the paper; 0 = off)
   config.ema_decay = 0.0                      # > 0: keep an exponential moving average of the parameters; the
                                               # final evaluation and translation use it, periodic validation the
-                                              # trained parameters (schedule.param_ema; not in the paper; 0 = off)
+                                              # trained parameters (optimizer.param_ema; not in the paper; 0 = off)
   config.label_smoothing = 0.1                # epsilon_ls (section 5.4)
   config.grad_accum_steps = 1                 # micro-batches per optimizer update
 

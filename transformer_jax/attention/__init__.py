@@ -9,7 +9,7 @@ The names below are the public API; `transformer_jax.attention.kvcache` is impor
 
 from transformer_jax.attention.core import (AttentionMask, RelativePositions, blocked_attention,
                                             dot_product_attention, full_attention_weights)
-from transformer_jax.attention.layer import HeadProjection, MultiHeadAttention, OutputProjection
+from transformer_jax.attention.layer import SOWN_WEIGHTS, HeadProjection, MultiHeadAttention, OutputProjection
 
-__all__ = ["AttentionMask", "HeadProjection", "MultiHeadAttention", "OutputProjection", "RelativePositions",
-           "blocked_attention", "dot_product_attention", "full_attention_weights"]
+__all__ = ["SOWN_WEIGHTS", "AttentionMask", "HeadProjection", "MultiHeadAttention", "OutputProjection",
+           "RelativePositions", "blocked_attention", "dot_product_attention", "full_attention_weights"]

@@ -22,6 +22,8 @@ from transformer_jax.config import ModelConfig
 
 Array = jax.Array
 
+SOWN_WEIGHTS = "attention_weights"  # the `intermediates` entry `sow_attention_weights=True` fills (one per call)
+
 
 def _xavier_fused(fan_in_axes: int):
   """Xavier/Glorot-uniform over a fused kernel, with fans taken from its 2-D (matrix) view.
@@ -85,7 +87,7 @@ class MultiHeadAttention(nn.Module):
   (`attention_window`) and query chunking (`query_chunk_size`); see `blocked_attention`. Cross-attention
   applies query chunking only.
   Passing `sow_attention_weights=True` sows the attention weights `[batch, heads, q_len, kv_len]` into the
-  `intermediates` collection under `attention_weights`.
+  `intermediates` collection under `SOWN_WEIGHTS` (read them with `model.attention_weights`).
   """
 
   config: ModelConfig
@@ -154,7 +156,7 @@ class MultiHeadAttention(nn.Module):
           return_weights=sow_attention_weights)
       if sow_attention_weights:
         result, weights = result
-        self.sow("intermediates", "attention_weights", weights)
+        self.sow("intermediates", SOWN_WEIGHTS, weights)
       return result
 
     if not isinstance(mask, AttentionMask):
@@ -165,7 +167,7 @@ class MultiHeadAttention(nn.Module):
       result, weights = full_attention_weights(query, key, value, mask, relative,
                                                dropout_rate=cfg.attention_dropout_rate, dropout_rng=dropout_rng)
       if sow_attention_weights:
-        self.sow("intermediates", "attention_weights", weights)
+        self.sow("intermediates", SOWN_WEIGHTS, weights)
       return result
     return blocked_attention(query, key, value, mask, chunk_size=chunk or max(q_len, kv_len),
                              band=max(window - 1, 0), relative=relative)

@@ -166,7 +166,7 @@ def build_datasets(data_config: Any, workdir: str, *, seed: int, process_index: 
   """Vocabulary + this process's packed training stream + evaluation sets for `data_config`.
 
   `barrier(name)`: on several processes, waits until every process got there (the trainer passes
-  `sharding.sync_processes`): the vocabulary is trained by process 0 alone, the id shards by all.
+  `multihost.sync_processes`): the vocabulary is trained by process 0 alone, the id shards by all.
   Raises ValueError for the data errors (`prepare_ids`, `pipeline.TrainStream`).
   """
   eval_names = list(data_config.eval_splits)

@@ -13,8 +13,8 @@ from typing import Sequence
 import jax
 import jax.numpy as jnp
 
-from transformer_jax import diagnostics
 from transformer_jax.config import ModelConfig
+from transformer_jax.model import attention_weights
 
 Array = jax.Array
 
@@ -33,7 +33,7 @@ def cross_attention_alignment(params_list: Sequence, config: ModelConfig, inputs
   """
   weights = 0.0
   for params in params_list:
-    cross = diagnostics.attention_weights(params, config, inputs, targets)["cross"][-1]  # [b, heads, T, S]
+    cross = attention_weights(params, config, inputs, targets)["cross"][-1]  # [b, heads, T, S]
     weights = weights + jnp.mean(cross.astype(jnp.float32), axis=1)
   allowed = (inputs != config.pad_id) & (inputs != config.eos_id)  # [b, S]
   weights = jnp.where(allowed[:, None, :], weights, -1.0)

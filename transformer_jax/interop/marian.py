@@ -49,9 +49,9 @@ from transformer_jax.data.tokenizer import Tokenizer, VocabularyError
 from transformer_jax.data.marian_vocab import (EOS_PIECE, MARIAN_TOKENIZER_FILES, PAD_PIECE, SOURCE_SPM,
                                               TARGET_SPM, TOKENIZER_NAME, VOCAB_JSON, MarianVocabulary)
 from transformer_jax.model import sinusoid_table
-from transformer_jax.training import schedule, steps
+from transformer_jax.training import optimizer, steps
 from transformer_jax.training.steps import init_params
-from transformer_jax.workdir import IMPORTED_DATASET
+from transformer_jax.workdir import IMPORTED_DATASET, Workdir
 
 MARIAN_LAYER_NORM_EPSILON = 1e-5  # torch.nn.LayerNorm's default; MarianMTModel does not make it configurable
 # Positions an exported model's sinusoid tables hold at least: CTranslate2's default `max_input_length` (1024,
@@ -464,6 +464,7 @@ def save_marian(params: Mapping, config: ModelConfig, output_dir: str, *, tokeni
 
 
 def _write_json(path: str, value: Mapping) -> None:
+  """A Hugging Face directory's JSON file (`save_pretrained`'s layout: indented, keys in their order, UTF-8)."""
   with open(path, "w", encoding="utf-8") as f:
     json.dump(value, f, indent=2, ensure_ascii=False)
 
@@ -501,16 +502,16 @@ def import_to_workdir(model_dir: str, workdir: str) -> dict:
   parent = os.path.dirname(os.path.abspath(workdir))
   os.makedirs(parent, exist_ok=True)
   tmp = tempfile.mkdtemp(prefix=".import-", dir=parent)
+  staged = Workdir(tmp)  # the workdir's layout, assembled in a temporary sibling
   try:
-    os.makedirs(os.path.join(tmp, "vocab"))
-    copy_marian_tokenizer_files(model_dir, os.path.join(tmp, "vocab"))
-    _write_json(os.path.join(tmp, "config.json"), value)
+    staged.vocab_dir.mkdir()
+    copy_marian_tokenizer_files(model_dir, os.fspath(staged.vocab_dir))
+    staged.write_config(value)
     state = steps.TrainState.create(apply_fn=None, params=jax.tree_util.tree_map(jax.numpy.asarray, params),
-                                    tx=schedule.adam_with_schedule(config.d_model))
-    with checkpoint_lib.Checkpointer(os.path.join(tmp, "checkpoints"),
-                                     enable_async_checkpointing=False) as ckpt:
+                                    tx=optimizer.adam_with_schedule(config.d_model))
+    with checkpoint_lib.Checkpointer(os.fspath(staged.checkpoints), enable_async_checkpointing=False) as ckpt:
       saved = ckpt.save(0, state, jax.random.key(0), None, value, force=True)
-    checkpoint_lib.require_saved(saved, os.path.join(tmp, "checkpoints"), 0)
+    checkpoint_lib.require_saved(saved, os.fspath(staged.checkpoints), 0)
     if os.path.isdir(workdir):
       os.rmdir(workdir)
     os.replace(tmp, workdir)

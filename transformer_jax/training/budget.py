@@ -19,8 +19,9 @@ is revised again halfway through the rest of it each time (at 1/2, 3/4, 7/8, ...
 on the budget: the training time so far is measured, only the rest is extrapolated, and the error shrinks with
 it. Such a revision pins the cool-down's progress reached so far as a knot (`cooldown_knots`, see
 `schedule.cooldown`), so the rate stays continuous and the steps a run has taken follow the schedule it ends
-with. Every decision is written to `<workdir>/train_budget.json`; a resumed run starts from it, so a restart
-follows the same plan.
+with. The trainer saves every decision in `<workdir>/train_budget.json` (`Workdir.write_train_budget`; `from_json`
+reads it back); a resumed run starts from it, so a restart follows the same plan. Nothing here reads or writes
+a file: these are the budget's decisions only.
 The idea of a schedule set by a time budget: Geiping & Goldstein, "Cramming" (2022), section 3.
 """
 
@@ -28,11 +29,9 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import os
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 from transformer_jax.training import schedule as schedule_lib
-from transformer_jax.workdir import Workdir, read_json, write_json_atomically
 
 MIN_MEASURED_STEPS = 20  # steps of this process the rate is measured over, at least
 
@@ -65,20 +64,13 @@ class BudgetDecision:
             f"{self.decided_at_step} (cap {self.cap})")
 
 
-def path(workdir: Workdir | str | os.PathLike) -> os.PathLike:
-  return (workdir if isinstance(workdir, Workdir) else Workdir(workdir)).train_budget_json
+def from_json(saved: Mapping | None) -> BudgetDecision | None:
+  """The decision a workdir saved (`Workdir.read_train_budget()`: its fields, tuples as lists), or None for none.
 
-
-def read(workdir) -> BudgetDecision | None:
-  """The decision saved in `workdir`, or None."""
-  saved = read_json(path(workdir))
+  Raises TypeError when `saved` lacks a field or holds an unknown one (a file of another version)."""
   if not saved:
     return None
   return BudgetDecision(**{**saved, "cooldown_knots": tuple(tuple(k) for k in saved.get("cooldown_knots", ()))})
-
-
-def write(workdir, decision: BudgetDecision) -> None:
-  write_json_atomically(path(workdir), dataclasses.asdict(decision))
 
 
 def decision_step(config: Any, start_step: int) -> int | None:
@@ -158,9 +150,9 @@ def next_decision(config: Any, previous: BudgetDecision | None, *, step: int, st
 
   `seconds` and `first_step_seconds` are this process's training time so far and its first step's share of it
   (see `decide`). `agree(num_train_steps, cooldown_steps)` returns the numbers every host uses (process 0's:
-  the trainer passes `sharding.agree_on_ints`). A revision that moves the end by at most 1% keeps `previous`'s
+  the trainer passes `multihost.agree_on_ints`). A revision that moves the end by at most 1% keeps `previous`'s
   length, cool-down and knots (the trainer then rebuilds nothing). The caller applies the decision
-  (`with_decision`) and saves it (`write`).
+  (`with_decision`) and saves it (`Workdir.write_train_budget`).
   """
   measured = dict(step=step, start_step=start_step, seconds=seconds, first_step_seconds=first_step_seconds)
   if previous and step >= previous.cooldown_start:

@@ -103,6 +103,6 @@ def train_step(state: TrainState, batch: Batch, rng: jax.Array, *, config: Model
 def eval_step(params, batch: Batch, *, config: ModelConfig, label_smoothing: float = 0.1) -> dict:
   """Summed loss/NLL/correct/token_count over a batch (sum across batches, then `metrics_from_sums`).
 
-  Jit it through `sharding.jit_eval_step` (the one jit road).
+  Jit it through `partitioned.jit_eval_step` (the one jit road).
   """
   return _forward_sums(params, batch, config=config, label_smoothing=label_smoothing, dropout_rng=None)
