@@ -119,3 +119,20 @@ def test_kill_9_of_both_processes_then_restart_is_bit_identical(prepared, tmp_pa
         losses.setdefault(row["step"], set()).add(row["train/loss"])
   assert all(len(v) == 1 for v in losses.values())  # a step logged by the killed run and again: the same loss
   assert np.isfinite([v.pop() for v in losses.values()]).all()
+
+
+def test_every_process_meets_the_same_barriers_whatever_it_finds_on_disk(prepared, tmp_path):
+  """Process 0 on a fresh workdir trains the vocabulary and writes the shards; process 1 arriving after it finds
+  them all: both still call the same barriers in the same order (a process that skipped one would meet another
+  process's next barrier under a different name: jax's `sync_global_devices` name mismatch)."""
+  from experiments.configs import number_words
+  from transformer_jax.data import datasets
+  cfg = number_words.get_config().data
+  cfg.update(dict(builder_config="tiny", vocab_size=128, tfds_data_dir=str(prepared / "tfds"), max_len=32,
+                  tokens_per_batch=16 * 32))
+  met = {0: [], 1: []}
+  for process_index in (0, 1):
+    datasets.build_datasets(cfg, str(tmp_path / "work"), seed=0, process_index=process_index, process_count=2,
+                            barrier=met[process_index].append)
+  assert (tmp_path / "work" / "vocab").exists()
+  assert met[0] == met[1] == ["vocabulary", "token ids"]

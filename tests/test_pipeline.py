@@ -283,3 +283,31 @@ def test_epoch_pairs_name_what_the_batches_hold(tmp_path):
   read = [i for _ in range(60) for row in _examples(next(stream)) for i in row]
   expected = np.concatenate([stream.epoch_pairs(e) for e in range(3)])[:stream.consumed]
   assert stream.consumed > stream.share and sorted(read) == sorted(expected.tolist())
+
+
+def test_scale_probe_finds_the_batches_that_cross_an_epoch_boundary(tmp_path):
+  """The probe's boundary steps, against the pairs counted in the batches themselves (each epoch holds every
+  kept pair once, so a boundary falls after every `kept` pairs)."""
+  sources, targets = _corpus(300)
+  shards = _shards(tmp_path, sources, targets)
+  found = scale_probe.epoch_boundaries(shards, tokens=4 * 32, row_length=32, steps=80)
+  stream = _stream(shards, rows=4, seed=0, pad_id=scale_probe.tok_lib.PAD_ID)
+  kept, consumed, expected = len(stream.kept), 0, set()
+  for step in range(1, 81):
+    pairs = sum(map(len, _examples(next(stream))))
+    last = consumed + pairs - 1
+    if last // kept > consumed // kept or (consumed and consumed % kept == 0):
+      expected.add(step)
+    consumed += pairs
+  assert consumed > 2 * kept and len(expected) >= 2
+  assert found == expected
+
+
+def test_scale_probe_reads_step_seconds_from_the_training_log():
+  log = ("I1206 23:59:59.500000 1 trainer.py:676] step 1/3 | loss 1\n"
+         "I1206 23:59:59.900000 1 checkpoint.py:9] saved\n"
+         "I1207 00:00:00.250000 1 trainer.py:676] step 2/3 | loss 1\n"
+         "I1207 00:00:01.000000 1 trainer.py:676] step 3/3 | loss 1\n")
+  seconds = scale_probe.step_seconds(log)
+  assert seconds.keys() == {2, 3}
+  np.testing.assert_allclose([seconds[2], seconds[3]], [0.75, 0.75])

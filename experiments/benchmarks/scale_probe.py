@@ -11,7 +11,10 @@ per size: time to the first training step (the first `step N/M` log line) and pe
 (`os.wait4`'s `ru_maxrss`) for the first start and the restart, the tokenisation and vocabulary times the child
 logged, the id shards' bytes on disk, the pipeline's packed target tokens/s (`pipeline.TrainStream` over the
 workdir's shards in this process, `--tokens` slots per batch, after its first batch) and its packing efficiency.
-Last, the packing efficiency of the Multi30k recipe's own rows (64 slots, its `data.tokens_per_batch`).
+Then the packing efficiency of the Multi30k recipe's own rows (64 slots, its `data.tokens_per_batch`). Last, whether
+an epoch boundary stalls training: a run over a small corpus (`--epoch_pairs`, many epochs in `--epoch_steps`
+steps) logs every step; the steps whose batch crosses an epoch boundary (the same stream replayed here) are
+compared with all steps (median, p99, max seconds).
 
 Timings only (nothing is trained to convergence); the machine is shared: run it under `flock -x`.
 """
@@ -21,6 +24,7 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import shutil
 import subprocess
 import sys
 import time
@@ -68,10 +72,10 @@ def build_corpus(multi30k: Path, directory: Path, pairs: int, seed: int = 0) -> 
   return chars / pairs
 
 
-def run_train(corpus: Path, workdir: Path, steps: int, tokens: int) -> dict:
-  """`experiments.train` as a child: seconds to its first step log line, peak RSS, what it logged."""
+def run_train(corpus: Path, workdir: Path, steps: int, tokens: int, vocab_size: int = 32_000) -> dict:
+  """`experiments.train` as a child: seconds to its first step log line, peak RSS, what it logged (`log`)."""
   cmd = [sys.executable, "-m", "experiments.train", f"--workdir={workdir}", "--config.data.dataset=parallel_text",
-         f"--config.data.dir={corpus}", "--config.data.vocab_size=32000", "--config.data.max_len=256",
+         f"--config.data.dir={corpus}", f"--config.data.vocab_size={vocab_size}", "--config.data.max_len=256",
          f"--config.data.tokens_per_batch={tokens}", "--config.model.max_len=256", *TINY,
          f"--config.num_train_steps={steps}", "--config.warmup_steps=1", "--config.log_every_steps=1",
          f"--config.checkpoint_every_steps={steps}", "--config.evals.loss.every_steps=0",
@@ -92,9 +96,48 @@ def run_train(corpus: Path, workdir: Path, steps: int, tokens: int) -> dict:
   Path(f"{workdir}.{steps}.log").write_text(text)  # the child's log, for the breakdown
   found = lambda pattern: (float(m.group(1)) if (m := re.search(pattern, text)) else float("nan"))  # noqa: E731
   return {"first_step_s": first_step, "peak_rss_gb": usage.ru_maxrss / 2**20, "wall_s": time.perf_counter() - start,
+          "log": text,
           "tokenise_s": found(r"Tokenised \d+ of the \d+ shards of \S+ into \S+ in ([\d.]+)s"),
           "efficiency": re.findall(r"padding efficiency of the next \d+ batches \(epoch \d+\): source ([\d.]+)%, "
                                    r"target ([\d.]+)%", text)}
+
+
+def step_seconds(log: str) -> dict[int, float]:
+  """{step: seconds since the previous step's log line} from a child's `step N/M |` lines (logged every step)."""
+  stamps = {int(m.group(2)): 3600 * int(m.group(1)[:2]) + 60 * int(m.group(1)[3:5]) + float(m.group(1)[6:])
+            for m in re.finditer(r"^I\d{4} (\d\d:\d\d:[\d.]+) .*\] step (\d+)/\d+ \|", log, re.M)}
+  return {k: (t - stamps[k - 1]) % 86_400 for k, t in stamps.items() if k - 1 in stamps}
+
+
+def epoch_boundaries(shards: pipeline.IdShards, tokens: int, row_length: int, steps: int) -> set[int]:
+  """The training steps (1-based) whose batch holds the first pairs of a new epoch: the same stream the run read
+  (seed 0, one process), replayed batch by batch."""
+  stream = pipeline.TrainStream(shards, tokens_per_batch=tokens, row_length=row_length, pad_id=tok_lib.PAD_ID)
+  boundaries = set()
+  for step in range(1, steps + 1):
+    first = stream.consumed  # stream index of the batch's first pair
+    next(stream)
+    last = stream.consumed - 1
+    if last // stream.share > first // stream.share or (first and first % stream.share == 0):
+      boundaries.add(step)
+  return boundaries
+
+
+def epoch_stalls(multi30k: Path, root: Path, pairs: int, steps: int, tokens: int) -> dict:
+  """Step times of a run of `steps` steps over a corpus of `pairs` pairs (many epochs): at the steps whose batch
+  crosses an epoch boundary against all steps. The pipeline computes no epoch plan, so none should stand out."""
+  corpus, workdir = root / f"corpus_epochs_{pairs}", root / f"work_epochs_{pairs}"
+  build_corpus(multi30k, corpus, pairs)
+  if workdir.exists():
+    shutil.rmtree(workdir)
+  seconds = step_seconds(run_train(corpus, workdir, steps, tokens, vocab_size=2000)["log"])
+  shards = pipeline.IdShards.newest(workdir / "data" / "train.ids")
+  boundaries = epoch_boundaries(shards, tokens, 256, steps) & set(seconds)
+  every = np.asarray([seconds[k] for k in sorted(seconds) if k > 2])  # steps 1-2 compile
+  at = np.asarray([seconds[k] for k in sorted(boundaries) if k > 2])
+  return {"steps": len(every), "boundaries": len(at), "median_s": float(np.median(every)),
+          "p99_s": float(np.percentile(every, 99)), "max_s": float(every.max()),
+          "boundary_median_s": float(np.median(at)), "boundary_max_s": float(at.max())}
 
 
 def last_step(workdir: Path) -> int:
@@ -177,6 +220,9 @@ def main(argv=None) -> int:
   parser.add_argument("--pipeline_tokens", type=int, default=26_624, help="slots per batch of the pipeline rate")
   parser.add_argument("--pipeline_batches", type=int, default=100)
   parser.add_argument("--restart_only", action="store_true", help="reuse existing workdirs (time restarts only)")
+  parser.add_argument("--epoch_pairs", type=int, default=3000,
+                      help="corpus size of the epoch-boundary run (0: skip it); small, so it crosses many epochs")
+  parser.add_argument("--epoch_steps", type=int, default=400, help="steps of the epoch-boundary run")
   args = parser.parse_args(argv)
   multi30k, root = Path(args.multi30k), Path(args.root)
   if not (multi30k / "train.en").exists():
@@ -206,6 +252,12 @@ def main(argv=None) -> int:
           flush=True)
   src, tgt = multi30k_packing(multi30k, root, args.pipeline_batches)
   print(f"Multi30k recipe rows of 64: packing source {100 * src:.1f}%, target {100 * tgt:.1f}%", flush=True)
+  if args.epoch_pairs:
+    e = epoch_stalls(multi30k, root, args.epoch_pairs, args.epoch_steps, args.tokens)
+    print(f"Epoch boundaries ({args.epoch_pairs:,} pairs, {e['steps']} steps logged one by one, {e['boundaries']} "
+          f"of them cross an epoch boundary): step seconds median {e['median_s']:.4f}, p99 {e['p99_s']:.4f}, "
+          f"max {e['max_s']:.4f}; at the boundaries median {e['boundary_median_s']:.4f}, "
+          f"max {e['boundary_max_s']:.4f} ({e['boundary_max_s'] / e['median_s']:.2f}x the median step)", flush=True)
   return 0
 
 

@@ -120,7 +120,8 @@ def prepare_ids(data_config: Any, workdir: str, builder, source_key: str, target
   A missing SentencePiece vocabulary is trained by process 0 on an evenly spaced sample of
   `data.vocab_max_sentences` lines (`pipeline.evenly_spaced_splits`: the corpus is not read for it), the other
   processes wait at `barrier`; then every process writes its shards, waits, and writes any shard it still
-  cannot see (workdirs that are not shared). Raises ValueError when the split has no non-blank pair.
+  cannot see (workdirs that are not shared). Every process calls `barrier("vocabulary")`, then
+  `barrier("token ids")`, whatever it finds on disk. Raises ValueError when the split has no non-blank pair.
   """
   split = data_config.train_split
   read = lambda s: records.read_pairs(builder, s, source_key, target_key)  # noqa: E731
@@ -128,24 +129,29 @@ def prepare_ids(data_config: Any, workdir: str, builder, source_key: str, target
     pairs = builder.info.splits[split].num_examples
   except KeyError:  # no split metadata (tfds.testing.mock_data): count by reading
     pairs = len(read(split))
-  if not (data_config.tokenizer == MARIAN_TOKENIZER or epath.Path(vocab_path(data_config, workdir)).exists()):
-    if process_index == 0:
-      sample = pipeline.evenly_spaced_splits(split, pairs, -(-data_config.vocab_max_sentences // 2))
-      load_tokenizer(data_config, workdir, pipeline.iterate_pairs(read, sample))
-    if barrier:
-      barrier("vocabulary")
+  # Every process passes both barriers whatever it finds on disk: which files exist depends on when each one
+  # looks (process 0 may have written the vocabulary already), and the processes must meet the same barriers.
+  vocab_missing = not (data_config.tokenizer == MARIAN_TOKENIZER or
+                       epath.Path(vocab_path(data_config, workdir)).exists())
+  if vocab_missing and process_index == 0:
+    sample = pipeline.evenly_spaced_splits(split, pairs, -(-data_config.vocab_max_sentences // 2))
+    load_tokenizer(data_config, workdir, pipeline.iterate_pairs(read, sample))
+  if barrier:
+    barrier("vocabulary")
   tok = open_tokenizer(data_config, workdir)
   key = token_cache.cache_key(builder.info.full_name, split, source_key, target_key,
                               vocab_path(data_config, workdir), normalize.signature(tok.normalization, tok.lowercase))
   directory = pipeline.key_directory(ids_root(workdir, split), key)
   shards = pipeline.IdShards.open(directory, key)
+  shard_splits = tfds.even_splits(split, max(1, -(-pairs // pipeline.SHARD_PAIRS)))
+  start, wrote = time.perf_counter(), 0
   if shards is None:
-    shard_splits = tfds.even_splits(split, max(1, -(-pairs // pipeline.SHARD_PAIRS)))
-    start = time.perf_counter()
     wrote = pipeline.write_shards(directory, key, shard_splits, read, tok, process_index=process_index,
                                   process_count=process_count)
-    if barrier:
-      barrier("token ids")
+  if barrier:
+    barrier("token ids")
+  if shards is None:
+    if barrier:  # the shards of processes whose files this one cannot see (workdirs that are not shared)
       wrote += pipeline.write_shards(directory, key, shard_splits, read, tok, only_mine=False)
     shards = pipeline.IdShards.open(directory, key)
     logging.info("Tokenised %d of the %d shards of %s into %s in %.1fs", wrote, len(shard_splits), split,
