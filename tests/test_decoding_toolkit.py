@@ -39,16 +39,21 @@ def _jsonl(text):
   return [json.loads(line) for line in text.splitlines()]
 
 
-def _teacher_forced(model, source: str, ids: list[int]) -> np.ndarray:
+def _teacher_forced(model, source: str, ids: list[int], finished: bool = True) -> np.ndarray:
   """Per-token log-probs of `ids + [EOS]` given `source`, straight from the model (decoding.sequence_log_probs'
-  terms)."""
+  terms); without the EOS term unless `finished` (a hypothesis stopped at the length limit never emitted it)."""
   config, params, tokenizer = model
   src = jnp.asarray([tokenizer.encode(source)], jnp.int32)
   tgt = jnp.asarray([ids + [config.eos_id]], jnp.int32)
   total = float(decoding.sequence_log_probs(params, config, src, tgt)[0])
   per_token = np.asarray(scoring.token_log_probs(params, config, src, tgt))[0]
   assert per_token.sum() == pytest.approx(total, abs=1e-4)
-  return per_token
+  return per_token if finished else per_token[:len(ids)]
+
+
+def _finished(hypothesis: dict) -> bool:
+  """Whether a printed hypothesis ended with EOS (its token_log_probs hold the EOS term) or at the length limit."""
+  return len(hypothesis["token_log_probs"]) == len(hypothesis["ids"]) + 1
 
 
 # -- 1. n-best lists with scores ---------------------------------------------------------------------------
@@ -66,10 +71,10 @@ def test_nbest_jsonl_is_sorted_scored_and_its_first_is_todays_output(workdir, mo
     assert hyps[0]["text"] == line
     assert [h["score"] for h in hyps] == sorted((h["score"] for h in hyps), reverse=True)
     for h in hyps:
-      expected = _teacher_forced(model, record["source"], h["ids"])
+      expected = _teacher_forced(model, record["source"], h["ids"], _finished(h))
       assert h["log_prob"] == pytest.approx(float(expected.sum()), abs=1e-4)
       np.testing.assert_allclose(h["token_log_probs"], expected, atol=1e-4)
-      assert h["score"] == pytest.approx(h["log_prob"] / decoding.length_penalty(len(h["ids"]) + 1, 0.6), abs=1e-5)
+      assert h["score"] == pytest.approx(h["log_prob"] / decoding.length_penalty(len(expected), 0.6), abs=1e-5)
       assert config.eos_id not in h["ids"]
 
 
@@ -215,8 +220,9 @@ def test_prefix_file_of_another_length_is_refused(workdir, tmp_path):
 
 # -- 5. ensembles --------------------------------------------------------------------------------------------
 
-def _numpy_ensemble_log_probs(models, source: str, ids: list[int]) -> float:
-  """NumPy: sum over t of the renormalised mean of the models' log-probs, pad and BOS impossible."""
+def _numpy_ensemble_log_probs(models, source: str, ids: list[int], finished: bool = True) -> float:
+  """NumPy: sum over t of the renormalised mean of the models' log-probs, pad and BOS impossible; the EOS term
+  only for a `finished` hypothesis (one that stopped at the length limit never emitted it)."""
   config, _, tokenizer = models[0]
   src = jnp.asarray([tokenizer.encode(source)], jnp.int32)
   tgt = jnp.asarray([ids + [config.eos_id]], jnp.int32)
@@ -227,7 +233,8 @@ def _numpy_ensemble_log_probs(models, source: str, ids: list[int]) -> float:
                  - logits.max(-1, keepdims=True))
   mean = np.mean(logps, axis=0)
   mean = mean - np.log(np.exp(mean - mean.max(-1, keepdims=True)).sum(-1, keepdims=True)) - mean.max(-1, keepdims=True)
-  return float(mean[np.arange(len(ids) + 1), np.asarray(tgt)[0]].sum())
+  steps = len(ids) + int(finished)
+  return float(mean[np.arange(steps), np.asarray(tgt)[0][:steps]].sum())
 
 
 def test_ensemble_of_a_model_with_itself_is_the_model_and_of_two_is_the_mean(workdir, model):
@@ -242,8 +249,8 @@ def test_ensemble_of_a_model_with_itself_is_the_model_and_of_two_is_the_mean(wor
     assert [h["ids"] for h in a["hypotheses"]] == [h["ids"] for h in b["hypotheses"]]
     assert b["hypotheses"][0]["log_prob"] == pytest.approx(a["hypotheses"][0]["log_prob"], abs=1e-4)
     hyp = c["hypotheses"][0]
-    assert hyp["log_prob"] == pytest.approx(_numpy_ensemble_log_probs([model, other], c["source"], hyp["ids"]),
-                                            abs=1e-4)
+    assert hyp["log_prob"] == pytest.approx(
+        _numpy_ensemble_log_probs([model, other], c["source"], hyp["ids"], _finished(hyp)), abs=1e-4)
     differs += abs(hyp["log_prob"] - a["hypotheses"][0]["log_prob"]) > 1e-3
   assert differs >= 3
 
