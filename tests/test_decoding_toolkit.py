@@ -188,7 +188,8 @@ def test_prefix_is_the_start_of_every_output(workdir, model, tmp_path, flags):
     assert ids[: len(forced)] == forced
     if not prefix:
       assert record["hypotheses"] == without["hypotheses"]
-    expected = _teacher_forced(model, record["source"], ids)  # the prefix's tokens keep the model's log-probs
+    expected = _teacher_forced(model, record["source"], ids,  # the prefix's tokens keep the model's log-probs
+                               _finished(record["hypotheses"][0]))
     assert record["hypotheses"][0]["log_prob"] == pytest.approx(float(expected.sum()), abs=1e-4)
   assert any(p and not r["hypotheses"][0]["text"].startswith(p) for p, r in zip(prefixes, plain) if r["hypotheses"])
 
@@ -312,7 +313,8 @@ def test_constraints_file_puts_every_phrase_in_every_output(workdir, model, tmp_
       ids = hyp["ids"]
       assert hyp["constraints_met"]
       assert all(any(ids[i:i + len(w)] == w for i in range(len(ids))) for w in wanted)
-      assert hyp["log_prob"] == pytest.approx(float(_teacher_forced(model, record["source"], ids).sum()), abs=1e-4)
+      expected = _teacher_forced(model, record["source"], ids, _finished(hyp))
+      assert hyp["log_prob"] == pytest.approx(float(expected.sum()), abs=1e-4)
 
 
 def test_constraints_with_sampling_are_refused(workdir, tmp_path):
