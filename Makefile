@@ -36,8 +36,8 @@ test-all: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python -m pip install -q -e '.[bench]'
-	$(BIN)/python -m experiments.benchmarks.flax_peer   # the Flax example's models.py from the flax sdist (PyPI)
-	$(BIN)/python -m experiments.benchmarks.run $(BENCH_ARGS)
+	$(BIN)/python -m benchmarks.flax_peer   # the Flax example's models.py from the flax sdist (PyPI)
+	$(BIN)/python -m benchmarks.run $(BENCH_ARGS)
 
 clean:
 	rm -rf $(VENV) runs

@@ -49,7 +49,7 @@ import numpy as np
 from flax import linen as nn
 
 from experiments import common as program_common
-from experiments.benchmarks import common
+from benchmarks import common
 from experiments.configs import number_words
 from transformer_jax import checkpoint as checkpoint_lib
 from transformer_jax import sharding, trainer

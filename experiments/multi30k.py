@@ -25,7 +25,7 @@ from absl import flags
 from etils import epath
 
 from experiments import common, docblock, launch
-from experiments.benchmarks import common as bench_common
+from benchmarks import common as bench_common
 from transformer_jax import checkpoint as checkpoint_lib
 from transformer_jax import factories, metrics, trainer, visualize
 from transformer_jax.decoding import inference

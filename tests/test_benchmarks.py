@@ -1,7 +1,7 @@
 """The benchmarks time the trainer's own compiled step (issue 12): same program, same numbers.
 
 A tiny number-words run is prepared by the trainer (`prepare` + `init_or_restore`, what
-`python -m experiments.train` does); `experiments.benchmarks.common.build_train_step` builds the benchmark's
+`python -m experiments.train` does); `benchmarks.common.build_train_step` builds the benchmark's
 step for the same config. Both must lower to the same StableHLO text, take the same step with the same
 numbers, and a changed config must change the program.
 """
@@ -14,7 +14,7 @@ import numpy as np
 import optax
 import pytest
 
-from experiments.benchmarks import ablations, common, flax_peer
+from benchmarks import ablations, common, flax_peer
 from experiments.configs import default, number_words
 from transformer_jax import factories, sharding, trainer
 
@@ -172,7 +172,7 @@ def test_flax_peer_gets_packing_only_from_packed_batches():
 
 def test_torch_plain_batch_has_the_causal_mask_only():
   torch = pytest.importorskip("torch")
-  from experiments.benchmarks import torch_peer
+  from benchmarks import torch_peer
   batch = torch_peer.to_plain_torch_batch(common.plain_batch(3, 5, 100))
   assert batch["src_mask"] is None and batch["memory_mask"] is None and batch["tgt_is_causal"]
   blocked = np.isneginf(batch["tgt_mask"].numpy())

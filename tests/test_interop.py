@@ -372,7 +372,7 @@ def test_export_refuses_what_marian_cannot_hold_and_writes_nothing(tmp_path, our
 def test_ctranslate2_bench_section_runs_on_a_tiny_model(our_spm):
   import argparse
 
-  from experiments.benchmarks import common, ctranslate2_bench
+  from benchmarks import common, ctranslate2_bench
 
   tokenizer = tokenizer_lib.Tokenizer(our_spm)
   config, params = _our_model(tokenizer.vocab_size)

@@ -123,7 +123,8 @@ def test_programs_use_the_trainer_only_to_run_training():
   """The trainer is the run's loop and lifecycle, not a toolbox: programs and benchmarks build models, optimizers,
   states and steps through `factories`, a trained model through `trained`, an import's config through
   `imported_workdir`; of `trainer` they use only `train_and_evaluate` and its `TrainResult`."""
-  offenders = [f"{path.name}:{line} trainer.{name}" for path in sorted((PACKAGE.parent / "experiments").rglob("*.py"))
+  programs = [*(PACKAGE.parent / "experiments").rglob("*.py"), *(PACKAGE.parent / "benchmarks").rglob("*.py")]
+  offenders = [f"{path.name}:{line} trainer.{name}" for path in sorted(programs)
                for name, line in _trainer_uses(ast.parse(path.read_text()))
                if name not in ("train_and_evaluate", "TrainResult")]
   assert not offenders, offenders

@@ -17,10 +17,10 @@ import types
 
 import pytest
 
-import experiments.benchmarks
+import benchmarks
 import transformer_jax
 
-PACKAGES = (transformer_jax, experiments.benchmarks)
+PACKAGES = (transformer_jax, benchmarks)
 
 
 def _modules():

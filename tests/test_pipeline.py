@@ -14,7 +14,7 @@ import pytest
 from etils import epath
 
 import grain
-from experiments.benchmarks import scale_probe
+from benchmarks import scale_probe
 from transformer_jax import config as C
 from transformer_jax.data import pipeline
 from transformer_jax.model import Transformer

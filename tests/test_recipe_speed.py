@@ -1,4 +1,4 @@
-"""`experiments.benchmarks.recipe_speed`: variants of a recipe timed side by side on a workdir's cached ids.
+"""`benchmarks.recipe_speed`: variants of a recipe timed side by side on a workdir's cached ids.
 
 A workdir is faked with what a run leaves (id shards in `data/train.ids/` through `pipeline.write_id_arrays`,
 `config.json`); the
@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from etils import epath
 
-from experiments.benchmarks import recipe_speed
+from benchmarks import recipe_speed
 from transformer_jax.data import pipeline
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -91,7 +91,7 @@ def test_a_variant_whose_rows_do_not_split_over_its_devices_is_refused(workdir, 
 ])
 def test_bad_variants_are_one_line_refusals(workdir, extra, message):
   before = sorted(p.name for p in workdir.rglob("*"))
-  proc = subprocess.run([sys.executable, "-m", "experiments.benchmarks.recipe_speed", f"--workdir={workdir}",
+  proc = subprocess.run([sys.executable, "-m", "benchmarks.recipe_speed", f"--workdir={workdir}",
                          *extra], cwd=REPO, capture_output=True, text=True, timeout=300,
                         env=dict(os.environ, PYTHONPATH=REPO, TRANSFORMER_JAX_HUGE_PAGES="0"))
   assert proc.returncode == 1 and proc.stderr.startswith("error: ") and message in proc.stderr

@@ -18,7 +18,7 @@ from tensorboard.plugins.hparams import metadata as hparams_metadata
 from tensorboard.util import tensor_util
 
 import helpers
-from experiments.benchmarks import profile as profile_bench
+from benchmarks import profile as profile_bench
 from experiments.configs import default
 from transformer_jax import evaluators, trackers, trainer
 from transformer_jax.data import sources

@@ -7,7 +7,7 @@ steps, checkpoint manager.
     eval_step = factories.make_eval_step(config, model_config, mesh, state.params, rules)
     checkpointer = factories.checkpointer(config, workdir.checkpoints)
 
-What the trainer (`transformer_jax.trainer`) and the benchmarks (`experiments/benchmarks/common.py`) both build,
+What the trainer (`transformer_jax.trainer`) and the benchmarks (`benchmarks/common.py`) both build,
 so the benchmarks time the program `python -m experiments.train` runs (`tests/test_benchmarks.py` compares the
 two lowered programs). `config` is an `ml_collections.ConfigDict` built on `experiments/configs/default.py`
 (every key present); nothing here modifies it. The pieces are t5x's `utils.create_train_state` / MaxText's
@@ -76,7 +76,7 @@ def make_train_step(config: Any, model_config: ModelConfig, mesh: jax.sharding.M
                     rules=sharding.LOGICAL_AXIS_RULES) -> sharding.PartitionedFunction:
   """The compiled train step of a run: `(state, batch, rng) -> (state, metrics)`, the state donated.
 
-  The trainer runs exactly this (with `train_model_config`'s dropout rate); `experiments/benchmarks` time it.
+  The trainer runs exactly this (with `train_model_config`'s dropout rate); `benchmarks` time it.
   """
   _, learning_rate_fn = optimizer(config, model_config.d_model)
   return partitioned.jit_train_step(model_config, mesh, sharding.shardings_of(state), rules,

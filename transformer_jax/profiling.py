@@ -11,7 +11,7 @@ before it stops, so the trace holds exactly those steps, each inside a `jax.prof
 ("train", step_num) that the profile plugin's step-time view reads. Outside the window nothing is added to
 a step. The trace is XProf's `.xplane.pb` under `<directory>/plugins/profile/<time>/`, what TensorBoard's
 profile plugin (`tensorboard --logdir=<workdir>`, with `tensorboard-plugin-profile`) and
-`experiments.benchmarks.profile` read (`jax.profiler.ProfileData`).
+`benchmarks.profile` read (`jax.profiler.ProfileData`).
 """
 
 from __future__ import annotations

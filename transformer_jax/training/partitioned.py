@@ -26,7 +26,7 @@ def jit_train_step(model_config: ModelConfig, mesh: Mesh, state_shardings: Any,
   The state keeps `state_shardings` (`sharding.shardings_of(state.create_train_state(...))`); the batch (from
   `sharding.shard_batch`, int32 `[rows, length]`, or `[grad_accum_steps, rows, length]`) is split along its
   rows; the rng and the metrics (float32 scalars) are replicated. This is the step the trainer runs and the
-  benchmarks time (`experiments/benchmarks`). Raises ValueError when the model does not divide over the mesh.
+  benchmarks time (`benchmarks`). Raises ValueError when the model does not divide over the mesh.
   """
   rules = sharding.validate_model_for_mesh(model_config, mesh, rules)
   fn = functools.partial(steps.train_step, config=model_config, label_smoothing=label_smoothing,

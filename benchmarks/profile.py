@@ -1,9 +1,9 @@
 r"""Where a training or decoding step's time goes: a `jax.profiler` trace aggregated by XLA op and model source.
 
-    python -m experiments.benchmarks.profile --preset=tiny            # CPU preset, 4096-token batches
-    python -m experiments.benchmarks.profile --preset=base --vocab=37000 --steps=2
-    python -m experiments.benchmarks.profile --preset=base --search=beam4 --sources=64   # one decoding batch
-    python -m experiments.benchmarks.profile --preset=base --search=beam4 --sources=32 --fixed_len=50
+    python -m benchmarks.profile --preset=tiny            # CPU preset, 4096-token batches
+    python -m benchmarks.profile --preset=base --vocab=37000 --steps=2
+    python -m benchmarks.profile --preset=base --search=beam4 --sources=64   # one decoding batch
+    python -m benchmarks.profile --preset=base --search=beam4 --sources=32 --fixed_len=50
 
 With `--search=greedy|beam4` it traces `translate_ids`' compiled search on one batch of `--sources` multi30k
 test2016 sources of the `--bucket` length bucket (random init, outputs capped at len(source)+50, as the
@@ -35,7 +35,7 @@ import flax.linen as nn
 import jax
 import numpy as np
 
-from experiments.benchmarks import common
+from benchmarks import common
 from transformer_jax import sharding
 from transformer_jax.decoding import inference
 from transformer_jax.decoding.generate import DecodeOptions

@@ -1,7 +1,7 @@
 r"""Per-device train-state memory and step time of the base Transformer under data parallelism vs FSDP.
 
-    python -m experiments.benchmarks.sharding_bench                      # 8 forced host CPU devices
-    python -m experiments.benchmarks.sharding_bench --meshes=data=8 --meshes=fsdp=8,data=1 --rows=8 --length=128
+    python -m benchmarks.sharding_bench                      # 8 forced host CPU devices
+    python -m benchmarks.sharding_bench --meshes=data=8 --meshes=fsdp=8,data=1 --rows=8 --length=128
 
 Every mesh trains the same model (`config.base(vocab_size=32000)`, float32, dropout as the preset) with the
 trainer's own compiled step for that mesh (`common.build_train_step`: `factories.create_state` +
@@ -29,7 +29,7 @@ import warnings  # noqa: E402
 
 import jax  # noqa: E402
 
-from experiments.benchmarks import common  # noqa: E402
+from benchmarks import common  # noqa: E402
 from transformer_jax import config as presets  # noqa: E402
 from transformer_jax import sharding  # noqa: E402
 

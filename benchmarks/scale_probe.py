@@ -1,6 +1,6 @@
 r"""The input pipeline at WMT scale: start-up, memory and throughput of `experiments.train` on a WMT-like corpus.
 
-    python -m experiments.benchmarks.scale_probe --pairs=100000,1000000,4500000 --root=/tmp/scale_probe
+    python -m benchmarks.scale_probe --pairs=100000,1000000,4500000 --root=/tmp/scale_probe
 
 Builds, for each size, a parallel corpus from Multi30k (`../shared/data/multi30k`, or `--multi30k`): every line
 joins 1-3 consecutive training sentences (seeded), ~124 characters per English line like news text, with

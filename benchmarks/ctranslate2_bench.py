@@ -23,7 +23,7 @@ import time
 import jax.numpy as jnp
 import numpy as np
 
-from experiments.benchmarks import common
+from benchmarks import common
 from transformer_jax.decoding import inference
 from transformer_jax.data.tokenizer import Tokenizer
 from transformer_jax.interop import ctranslate2 as ct2

@@ -31,7 +31,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from experiments.benchmarks import common
+from benchmarks import common
 from transformer_jax import model as model_lib
 from transformer_jax.training import steps
 

@@ -1,6 +1,6 @@
 r"""Side by side: the training step of a recipe's variants on that recipe's own data, in one process.
 
-    python -m experiments.benchmarks.recipe_speed --workdir=runs/multi30k \
+    python -m benchmarks.recipe_speed --workdir=runs/multi30k \
         --variant='rows 128:data.max_len=128,data.tokens_per_batch=4096' \
         --variant='rows 64, 2048 tokens:data.max_len=64,data.tokens_per_batch=2048' \
         --variant='4+4 x d128:model.d_model=128,model.num_encoder_layers=4,model.num_decoder_layers=4'
@@ -35,7 +35,7 @@ import ml_collections
 import numpy as np
 
 from experiments import launch
-from experiments.benchmarks import common
+from benchmarks import common
 from transformer_jax import run_checks, sharding
 from transformer_jax.data import pipeline
 from transformer_jax.workdir import Workdir

@@ -1,7 +1,7 @@
 r"""Long inputs: training step time and peak memory against length for full, windowed and chunked attention.
 
-    python -m experiments.benchmarks.run --sections=long_inputs            # 512 .. 16,384 tokens
-    python -m experiments.benchmarks.long_inputs --mode=chunked --length=4096 --out=/tmp/one.json   # one point
+    python -m benchmarks.run --sections=long_inputs            # 512 .. 16,384 tokens
+    python -m benchmarks.long_inputs --mode=chunked --length=4096 --out=/tmp/one.json   # one point
 
 One row per batch, `length` source and `length` target tokens (random ids), the CPU preset's sizes
 (`config.tiny`: 3+3 layers, d_model 128, 4 heads, d_ff 512). Modes:
@@ -32,7 +32,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from experiments.benchmarks import common  # noqa: E402
+from benchmarks import common  # noqa: E402
 from transformer_jax import config as presets  # noqa: E402
 
 MODES = {"full": {}, "windowed": dict(attention_window=256, query_chunk_size=256),
@@ -109,7 +109,7 @@ def sweep(modes, lengths, steps: int, vocab_size: int, limit_gib: float, budget_
 
 def _run_one(mode, length, steps, vocab_size, limit_gib, budget_s) -> dict:
   out = f"/tmp/long_inputs_{os.getpid()}_{mode}_{length}.json"
-  cmd = [sys.executable, "-m", "experiments.benchmarks.long_inputs", f"--mode={mode}", f"--length={length}",
+  cmd = [sys.executable, "-m", "benchmarks.long_inputs", f"--mode={mode}", f"--length={length}",
          f"--steps={steps}", f"--vocab={vocab_size}", f"--limit_gib={limit_gib}", f"--budget_s={budget_s}",
          f"--out={out}"]
   proc = subprocess.run(cmd, cwd=common.REPO)

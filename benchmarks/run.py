@@ -1,8 +1,8 @@
 r"""The benchmark suite: one command, a table on stdout, JSON, plots and the table in docs/performance.md.
 
-    python -m experiments.benchmarks.run            # full suite (~15 min on 2 cores)
-    python -m experiments.benchmarks.run --quick    # smoke run (~2-3 min): CPU preset only, few steps
-    python -m experiments.benchmarks.run --sections=machine,train_tiny,peers_tiny --no-torch --no-flax
+    python -m benchmarks.run            # full suite (~15 min on 2 cores)
+    python -m benchmarks.run --quick    # smoke run (~2-3 min): CPU preset only, few steps
+    python -m benchmarks.run --sections=machine,train_tiny,peers_tiny --no-torch --no-flax
     make bench
 
 Every timed JAX training step is the trainer's own compiled step (`factories.create_state` +
@@ -15,7 +15,7 @@ Sections (each in its own process, so peak memory is per configuration):
   train_base    base preset (`config.base`, 37k vocabulary): 4096 target slots/batch packed from multi30k
                 (rows of 64), real tokens/s, step time (median of >= 20 steps), compile time, peak RSS,
                 analytic model FLOP/s vs the matmul rate of the same rounds, and ablations that undo one
-                library speed-up each (experiments/benchmarks/ablations.py), plus the host data pipeline's
+                library speed-up each (benchmarks/ablations.py), plus the host data pipeline's
                 tokens/s on the same config
   hugepages_off the CPU-preset step again in a process without glibc huge pages (experiments/huge_pages.py)
   peers_tiny    ours, the Flax example's model (flax examples/wmt/models.py, downloaded into the bench cache)
@@ -29,10 +29,10 @@ Sections (each in its own process, so peak memory is per configuration):
                 init) and the same 500 test2016 sources, 2 CTranslate2 threads (needs the interop extra)
   long_inputs   step time and peak memory vs length 512..16,384 (one row, CPU preset) for full, windowed
                 and chunked attention, one process per point; the longest length each fits in 16 GiB
-                (experiments/benchmarks/long_inputs.py)
+                (benchmarks/long_inputs.py)
 
 Needs `pip install -e '.[bench]'` for the PyTorch peer (skipped with a note otherwise) and PyPI (or a cached
-copy) for the Flax example (`python -m experiments.benchmarks.flax_peer`; the run stops with one line
+copy) for the Flax example (`python -m benchmarks.flax_peer`; the run stops with one line
 otherwise, `--no-flax` skips it). Not part of the tests.
 """
 
@@ -49,7 +49,7 @@ import time
 from pathlib import Path
 
 from experiments import docblock
-from experiments.benchmarks import common, flax_peer
+from benchmarks import common, flax_peer
 
 DOC = common.REPO / "docs" / "performance.md"
 PLOTS = common.REPO / "docs" / "benchmarks"
@@ -117,7 +117,7 @@ def peer_args(preset: str, kind: str, framework: str, quick: bool) -> list[str]:
 
 
 def _run_process(label: str, args: list[str], out: str, env=None) -> dict:
-  cmd = [sys.executable, "-m", "experiments.benchmarks.sections"] + args + [f"--out={out}"]
+  cmd = [sys.executable, "-m", "benchmarks.sections"] + args + [f"--out={out}"]
   print(f"== {label}: {' '.join(cmd[2:])}", file=sys.stderr, flush=True)
   start = time.perf_counter()
   proc = subprocess.run(cmd, cwd=common.REPO, env=env)
@@ -286,7 +286,7 @@ def render(results: dict) -> str:
               "(the machine was not contended): " + "; ".join(
                   f"{t['preset']}: {len(t['quiet']['quiet_rounds'])} of {t['quiet']['rounds']}, matmul "
                   f"{_g(t['quiet']['matmul_flops'] / 1e9)} GFLOP/s" for _, t in trains if "quiet" in t) + ".",
-              "", "Ablations (experiments/benchmarks/ablations.py): each undoes one of the library's speed-ups; "
+              "", "Ablations (benchmarks/ablations.py): each undoes one of the library's speed-ups; "
               "the library's speed-up = the variant's step time / the library's, same rounds (all rounds; "
               "quiet rounds). `no_dropout` is a reference (P_drop = 0), not an ablation:", "",
               "| variant | " + " | ".join(t["preset"] for _, t in trains) + " |",
@@ -528,7 +528,7 @@ def _render_ctranslate2_fixed(f: dict) -> list[str]:
 
 
 def _render_ctranslate2(c: dict) -> list[str]:
-  """Section 6: our searches vs CTranslate2 fp32/int8 (experiments/benchmarks/ctranslate2_bench.py)."""
+  """Section 6: our searches vs CTranslate2 fp32/int8 (benchmarks/ctranslate2_bench.py)."""
   fixed = _render_ctranslate2_fixed(c["fixed"]) if "fixed" in c else []
   if "ours_greedy" not in c:
     return ([f"**4b. Decoding vs CTranslate2**: {c['error']}", ""] if "error" in c else []) + fixed
@@ -620,7 +620,7 @@ def main(argv=None):
   print(table)
   print(f"\nTotal {results.get('total_wall_s', float('nan')) / 60:.1f} min. JSON: {args.json}")
   if not args.no_plots:
-    from experiments.benchmarks import plots
+    from benchmarks import plots
     written = plots.write_all(results, PLOTS)
     print("Plots: " + ", ".join(str(Path(p).relative_to(common.REPO)) for p in written))
   full = not args.quick and set(sections) == set(all_sections)

@@ -1,6 +1,6 @@
 r"""The Flax peer: the Flax example's WMT model (flax `examples/wmt/models.py`), trained by a plain `jax.jit` step.
 
-    python -m experiments.benchmarks.flax_peer     # download + extract the example (what `make bench` runs)
+    python -m benchmarks.flax_peer     # download + extract the example (what `make bench` runs)
 
 The example is not copied into this repository: `ensure_example` downloads the sdist of the installed flax
 version from PyPI (`pip download --no-deps --no-binary :all: flax==<version>`) into the bench cache
@@ -37,7 +37,7 @@ import jax
 import jax.numpy as jnp
 from flax.training import train_state
 
-from experiments.benchmarks import common
+from benchmarks import common
 from transformer_jax import factories
 from transformer_jax.config import ModelConfig
 

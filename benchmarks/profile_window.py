@@ -1,7 +1,7 @@
 r"""The time cost of `config.profile_steps` stays inside its window: step times before, during and after it.
 
-    python -m experiments.benchmarks.profile_window                 # tiny number-words runs, ~1-2 min on 2 cores
-    python -m experiments.benchmarks.profile_window --steps=80 --window=30,33
+    python -m benchmarks.profile_window                 # tiny number-words runs, ~1-2 min on 2 cores
+    python -m benchmarks.profile_window --steps=80 --window=30,33
 
 Trains the same tiny number-words config in this process, in temporary workdirs, with `log_every_steps=1`,
 `--rounds` times each way in turns: without `profile_steps` and with it = the window. From each run's

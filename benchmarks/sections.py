@@ -1,11 +1,11 @@
 r"""The benchmark sections; each runs in its own process (`run.py` starts them) and writes one JSON file.
 
-    python -m experiments.benchmarks.sections machine  --out=/tmp/m.json
-    python -m experiments.benchmarks.sections train    --out=/tmp/t.json --preset=tiny --steps=20
-    python -m experiments.benchmarks.sections peer     --out=/tmp/p.json --framework=flax --kind=plain
-    python -m experiments.benchmarks.sections decode   --out=/tmp/d.json --sources=500
-    python -m experiments.benchmarks.sections scaling  --out=/tmp/s.json
-    python -m experiments.benchmarks.sections long_inputs --out=/tmp/l.json --lengths=512,1024 --steps=2
+    python -m benchmarks.sections machine  --out=/tmp/m.json
+    python -m benchmarks.sections train    --out=/tmp/t.json --preset=tiny --steps=20
+    python -m benchmarks.sections peer     --out=/tmp/p.json --framework=flax --kind=plain
+    python -m benchmarks.sections decode   --out=/tmp/d.json --sources=500
+    python -m benchmarks.sections scaling  --out=/tmp/s.json
+    python -m benchmarks.sections long_inputs --out=/tmp/l.json --lengths=512,1024 --steps=2
 
 Every timed JAX training step is the trainer's own compiled step (`common.build_train_step`: the
 `factories.create_state` + `factories.make_train_step` of `experiments/configs/default.py` with the preset's
@@ -31,7 +31,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from experiments.benchmarks import ablations, common, flax_peer  # noqa: E402
+from benchmarks import ablations, common, flax_peer  # noqa: E402
 from transformer_jax import config as presets  # noqa: E402
 from transformer_jax import sharding  # noqa: E402
 
@@ -259,7 +259,7 @@ def _flax_peer(cfg, host: list[dict]):
 
 def _torch_peer(cfg, host: list[dict]):
   import torch  # the optional `bench` extra; only this process imports it
-  from experiments.benchmarks import torch_peer
+  from benchmarks import torch_peer
   trainer = torch_peer.TorchTrainer(cfg)
   packed = "inputs_segmentation" in host[0]
   batches = [torch_peer.to_torch_batch(b, cfg.num_heads) if packed else torch_peer.to_plain_torch_batch(b)
@@ -494,7 +494,7 @@ def ctranslate2(args) -> dict:
   from flax import linen as nn
   from transformer_jax.training.steps import init_params
   try:
-    from experiments.benchmarks import ctranslate2_bench
+    from benchmarks import ctranslate2_bench
   except ImportError as e:  # the interop extra is not installed
     return {"error": f"needs the interop extra ({e})"}
   corpus = common.load_corpus()
@@ -569,7 +569,7 @@ def scaling(args) -> dict:
 # ----------------------------------------------------------------------------------------------------------
 
 def long_inputs(args) -> dict:
-  from experiments.benchmarks import long_inputs as long_inputs_lib
+  from benchmarks import long_inputs as long_inputs_lib
   return long_inputs_lib.sweep(args.modes, args.lengths, args.steps, args.vocab or 8192, args.limit_gib,
                                args.budget_s)
 
