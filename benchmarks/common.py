@@ -18,12 +18,13 @@ import re
 import subprocess
 import time
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
 import ml_collections
 import numpy as np
+from absl import flags
 
 from experiments.configs import default as default_config
 from transformer_jax import config as presets
@@ -37,7 +38,7 @@ from transformer_jax.training import steps
 
 PRESETS = {"tiny": presets.tiny, "base": presets.base, "big": presets.big}
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[1]
 MULTI30K = Path(os.environ.get("BENCH_MULTI30K", REPO.parent / "shared" / "data" / "multi30k"))
 CACHE = Path(os.environ.get("BENCH_CACHE", REPO / "runs" / "benchmarks" / "cache"))
 VOCAB_SIZE = 8000  # shared SentencePiece BPE trained on multi30k train.en + train.de
@@ -317,3 +318,45 @@ def dump_json(value, path: str) -> None:
   with open(tmp, "w") as f:
     json.dump(value, f, indent=1, default=float)
   os.replace(tmp, path)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Flags
+# ----------------------------------------------------------------------------------------------------------
+
+flags.disclaim_key_flags()  # the flags `define_int_list` defines belong to the program that calls it (--help)
+
+class _IntListParser(flags.ListParser):
+  """absl's comma-separated list parser whose items are integers (`--lengths=64,128`)."""
+
+  def __init__(self) -> None:
+    super().__init__()
+    self.syntactic_help = "a comma separated list of integers"
+
+  def parse(self, argument) -> list[int]:
+    items = super().parse(argument)
+    try:
+      return [int(item) for item in items]
+    except (TypeError, ValueError):
+      raise ValueError(f"comma-separated integers expected, got {argument!r}") from None
+
+  def flag_type(self) -> str:
+    return "comma separated list of integers"
+
+
+def define_int_list(name: str, default: list[int], help_text: str) -> None:
+  """An absl flag holding a list of integers, written comma-separated; a non-integer item is refused in one
+  line by absl's flag parsing (`--name=...: comma-separated integers expected, got '...'`)."""
+  flags.DEFINE(_IntListParser(), name, default, help_text, serializer=flags.CsvListSerializer(","))
+
+
+def check_flag(name: str, parse: Callable[[Any], Any]) -> None:
+  """Registers an absl validator for flag `name`: `parse(value)` must not raise ValueError, whose message
+  (naming the flag) becomes absl's one-line refusal."""
+  def validator(value) -> bool:
+    try:
+      parse(value)
+    except ValueError as error:
+      raise flags.ValidationError(str(error)) from None
+    return True
+  flags.register_validator(name, validator)

@@ -38,6 +38,8 @@ import jax.numpy as jnp
 from flax.training import train_state
 
 from benchmarks import common
+from experiments import common as program_common
+from experiments import launch
 from transformer_jax import factories
 from transformer_jax.config import ModelConfig
 
@@ -161,15 +163,15 @@ def make_train_step(models: ModuleType, cfg: ModelConfig, config):
   return jax.jit(train_step, donate_argnums=(0,))
 
 
-def main() -> int:
+@program_common.program
+def main() -> None:
+  """Downloads and extracts the example (no flags); ExampleUnavailableError is one line, exit status 1."""
   try:
     path = ensure_example()
   except ExampleUnavailableError as e:
-    print(f"error: {e}", file=sys.stderr)
-    return 1
+    raise ValueError(str(e)) from None
   print(f"Flax example model: {path}")
-  return 0
 
 
 if __name__ == "__main__":
-  sys.exit(main())
+  launch.run(main)

@@ -19,7 +19,6 @@ is reported as not fitting, as is a process that dies. Lengths above a mode's fi
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import subprocess
@@ -32,7 +31,11 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
+from absl import flags  # noqa: E402
+
 from benchmarks import common  # noqa: E402
+from experiments import common as program_common  # noqa: E402
+from experiments import launch  # noqa: E402
 from transformer_jax import config as presets  # noqa: E402
 
 MODES = {"full": {}, "windowed": dict(attention_window=256, query_chunk_size=256),
@@ -136,21 +139,27 @@ def _targets(points, longest) -> dict:
   return result
 
 
-def main(argv=None):
-  parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-  parser.add_argument("--mode", choices=sorted(MODES), required=True)
-  parser.add_argument("--length", type=int, required=True)
-  parser.add_argument("--steps", type=int, default=3)
-  parser.add_argument("--vocab", type=int, default=8192)
-  parser.add_argument("--limit_gib", type=float, default=16.0)
-  parser.add_argument("--budget_s", type=float, default=60.0, help="stop timing after this long (>= 1 step)")
-  parser.add_argument("--out", required=True)
-  args = parser.parse_args(argv)
-  if args.length <= 0 or args.steps <= 0:
-    parser.error(f"--length={args.length} and --steps={args.steps} must be positive")
-  result = measure(args.mode, args.length, args.steps, args.vocab, int(args.limit_gib * GIB), args.budget_s)
-  common.dump_json(result, args.out)
+FLAGS = flags.FLAGS
+
+
+def define_flags() -> None:
+  """The program's flags (defined only when it runs as the program: the sections import this module)."""
+  flags.DEFINE_enum("mode", None, sorted(MODES), "attention mode of the point")
+  flags.DEFINE_integer("length", None, "source and target tokens of the one row", lower_bound=1)
+  flags.DEFINE_integer("steps", 3, "timed steps (at most)", lower_bound=1)
+  flags.DEFINE_integer("vocab", 8192, "vocabulary size")
+  flags.DEFINE_float("limit_gib", 16.0, "the memory the point may use (GiB)")
+  flags.DEFINE_float("budget_s", 60.0, "stop timing after this long (>= 1 step)")
+  flags.DEFINE_string("out", None, "the JSON file the point goes to")
+  flags.mark_flags_as_required(["mode", "length", "out"])
+
+
+@program_common.program
+def main() -> None:
+  result = measure(FLAGS.mode, FLAGS.length, FLAGS.steps, FLAGS.vocab, int(FLAGS.limit_gib * GIB), FLAGS.budget_s)
+  common.dump_json(result, FLAGS.out)
 
 
 if __name__ == "__main__":
-  main()
+  define_flags()
+  launch.run(main)

@@ -24,7 +24,6 @@ reads it too (tests/test_trackers.py does).
 
 from __future__ import annotations
 
-import argparse
 import collections
 import glob
 import re
@@ -34,8 +33,11 @@ import time
 import flax.linen as nn
 import jax
 import numpy as np
+from absl import flags
 
 from benchmarks import common
+from experiments import common as program_common
+from experiments import launch
 from transformer_jax import sharding
 from transformer_jax.decoding import inference
 from transformer_jax.decoding.generate import DecodeOptions
@@ -97,25 +99,30 @@ def concurrency(events) -> dict:
   return {k: v / (end - start) for k, v in sorted(busy.items())}, end - start
 
 
-def main(argv=None):
-  parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-  parser.add_argument("--preset", default="tiny", choices=("tiny", "base", "big"))
-  parser.add_argument("--vocab", type=int, default=0, help="0: the benchmark tokenizer's (8000)")
-  parser.add_argument("--tokens", type=int, default=4096)
-  parser.add_argument("--row_length", type=int, default=64)
-  parser.add_argument("--steps", type=int, default=3)
-  parser.add_argument("--search", choices=("train", "greedy", "beam4"), default="train",
-                      help="profile the train step (default) or a decoding batch")
-  parser.add_argument("--sources", type=int, default=64, help="decoding: sources in the batch")
-  parser.add_argument("--bucket", type=int, default=16, help="decoding: their padded source length")
-  parser.add_argument("--fixed_len", type=int, default=0,
-                      help="decoding: every output exactly this long (`common.fixed_length_search`, the searches "
-                      "of the fixed-shape CTranslate2 comparison); 0: translate_ids' search, capped at len+50")
-  parser.add_argument("--top", type=int, default=15)
-  parser.add_argument("--trace_dir", default="")
-  args = parser.parse_args(argv)
-  program = _train_program(args) if args.search == "train" else _decode_program(args)
-  _report(args, *program)
+FLAGS = flags.FLAGS
+
+
+def define_flags() -> None:
+  """The program's flags (defined only when it runs as the program: tests import this module for `op_events`)."""
+  flags.DEFINE_enum("preset", "tiny", ["tiny", "base", "big"], "model preset")
+  flags.DEFINE_integer("vocab", 0, "0: the benchmark tokenizer's (8000)")
+  flags.DEFINE_integer("tokens", 4096, "training: slots per packed batch")
+  flags.DEFINE_integer("row_length", 64, "training: slots per packed row")
+  flags.DEFINE_integer("steps", 3, "training: traced steps")
+  flags.DEFINE_enum("search", "train", ["train", "greedy", "beam4"],
+                    "profile the train step (default) or a decoding batch")
+  flags.DEFINE_integer("sources", 64, "decoding: sources in the batch")
+  flags.DEFINE_integer("bucket", 16, "decoding: their padded source length")
+  flags.DEFINE_integer("fixed_len", 0, "decoding: every output exactly this long (`common.fixed_length_search`, the "
+                       "searches of the fixed-shape CTranslate2 comparison); 0: translate_ids' search, capped at len+50")
+  flags.DEFINE_integer("top", 15, "rows of each printed ranking")
+  flags.DEFINE_string("trace_dir", "", "keep the raw trace here (default: a temporary directory)")
+
+
+@program_common.program
+def main() -> None:
+  program = _train_program(FLAGS) if FLAGS.search == "train" else _decode_program(FLAGS)
+  _report(FLAGS, *program)
 
 
 def _train_program(args):
@@ -147,7 +154,7 @@ def _decode_program(args):
   prepared = [p for p in inference._prepare_sources(corpus.test_sources, cfg, 50, True)
               if inference._bucket_of(p[1], cfg) == args.bucket][:args.sources]
   if not prepared:
-    raise SystemExit(f"error: no test source falls in bucket {args.bucket}")
+    raise ValueError(f"--bucket={args.bucket}: no test source falls in that length bucket")
   inputs = np.full((len(prepared), args.bucket), cfg.pad_id, np.int32)
   limits = np.zeros((len(prepared),), np.int32)
   for r, (_, ids, limit) in enumerate(prepared):
@@ -212,4 +219,5 @@ def _report(args, compiled, run_once, steps_per_run: int, title: str, flops: flo
 
 
 if __name__ == "__main__":
-  main()
+  define_flags()
+  launch.run(main)

@@ -13,12 +13,15 @@ before and after should read ~1.00 (within the noise of a shared machine), insid
 
 from __future__ import annotations
 
-import argparse
 import json
 import tempfile
 
 import numpy as np
+from absl import flags
 
+from benchmarks import common
+from experiments import common as program_common
+from experiments import launch
 from experiments.configs import number_words
 from transformer_jax import trainer
 from transformer_jax.workdir import Workdir
@@ -49,21 +52,30 @@ def parts(seconds: dict[int, float], window: tuple[int, int]) -> dict[str, float
           "after": pick(lambda k: k > stop + 1)}  # the step after the window waits for the trace to be written
 
 
-def main(argv=None):
-  parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-  parser.add_argument("--steps", type=int, default=60)
-  parser.add_argument("--window", default="25,28")
-  parser.add_argument("--rounds", type=int, default=3)
-  args = parser.parse_args(argv)
-  window = tuple(int(x) for x in args.window.split(","))
+FLAGS = flags.FLAGS
+
+
+def define_flags() -> None:
+  """The program's flags (defined only when it runs as the program)."""
+  flags.DEFINE_integer("steps", 60, "training steps of each run")
+  common.define_int_list("window", [25, 28], "the profiled steps: FIRST,LAST (config.profile_steps)")
+  flags.DEFINE_integer("rounds", 3, "runs each way, in turns")
+  flags.register_multi_flags_validator(
+      ["window", "steps"], lambda v: len(v["window"]) == 2 and 6 < v["window"][0] <= v["window"][1] < v["steps"] - 1,
+      message="--window must be FIRST,LAST with 6 < FIRST <= LAST < --steps - 1 (steps before, inside and after it)")
+
+
+@program_common.program
+def main() -> None:
+  window = tuple(FLAGS.window)
   rows = []
   with tempfile.TemporaryDirectory(prefix="profile_window_") as tmp:
-    for r in range(args.rounds):
+    for r in range(FLAGS.rounds):
       for name, profile in (("plain", ()), ("profiled", window)):
         workdir = f"{tmp}/{name}_{r}"
-        trainer.train_and_evaluate(tiny_config(args.steps, profile, f"{tmp}/tfds"), workdir)
+        trainer.train_and_evaluate(tiny_config(FLAGS.steps, profile, f"{tmp}/tfds"), workdir)
         rows.append((r, name, parts(step_seconds(workdir), window)))
-  print(f"median step time (ms) of {args.steps}-step tiny runs, profile_steps={window}:")
+  print(f"median step time (ms) of {FLAGS.steps}-step tiny runs, profile_steps={window}:")
   print(f"{'round':5s} {'run':10s} {'before':>8s} {'inside':>8s} {'after':>8s}")
   for r, name, part in rows:
     print(f"{r:<5d} {name:10s} " + " ".join(f"{1e3 * part[k]:8.2f}" for k in ("before", "inside", "after")))
@@ -74,4 +86,5 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-  main()
+  define_flags()
+  launch.run(main)

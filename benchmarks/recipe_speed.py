@@ -7,7 +7,7 @@ r"""Side by side: the training step of a recipe's variants on that recipe's own 
 
 What it answers: which sizes give the most real target tokens per second on this machine, before an hour is
 spent on a run (the run log, docs/multi30k_runs.md, quotes it). Each `--variant` is `NAME:KEY=VALUE,...` of overrides
-to `--config` (a module in `experiments/configs`, the one the workdir was trained with by default), the first is
+to `--config` (a config file, as `experiments.train` takes it; the Multi30k recipe's by default), the first is
 the reference. Every variant packs the workdir's training ids (the id shards in `data/train.ids/`, written by any
 `experiments.train`/`experiments.multi30k` run) into its own batches (`pipeline.TrainStream`, its `data.max_len` row
 length and `data.tokens_per_batch`), builds the trainer's own state and compiled step
@@ -23,9 +23,8 @@ Timings only: nothing is trained to convergence and nothing in the workdir is wr
 
 from __future__ import annotations
 
-import argparse
 import ast
-import importlib
+import copy
 import os
 import sys
 import time
@@ -33,7 +32,9 @@ import time
 import jax
 import ml_collections
 import numpy as np
+from absl import flags
 
+from experiments import common as program_common
 from experiments import launch
 from benchmarks import common
 from transformer_jax import run_checks, sharding
@@ -60,10 +61,10 @@ def parse_variant(text: str) -> tuple[str, dict]:
   return name.strip(), overrides
 
 
-def variant_config(config_module: str, vocab_size: int, overrides: dict):
-  """The recipe's config with `overrides` applied. Raises KeyError naming a key the config does not have,
-  TypeError for a value of another type than the key's."""
-  config = importlib.import_module(f"experiments.configs.{config_module}").get_config()
+def variant_config(base: ml_collections.ConfigDict, config_file: str, vocab_size: int, overrides: dict):
+  """A copy of the recipe's config `base` (read from `config_file`) with `overrides` applied. Raises ValueError
+  naming a key the config does not have or a value of another type than the key's."""
+  config = copy.deepcopy(base)
   config.model.vocab_size = vocab_size
   for key, value in overrides.items():
     *parents, leaf = key.split(".")
@@ -71,74 +72,65 @@ def variant_config(config_module: str, vocab_size: int, overrides: dict):
     for part in parents:
       node = node.get(part) if isinstance(node, ml_collections.ConfigDict) else None
     if not isinstance(node, ml_collections.ConfigDict) or leaf not in node:
-      raise KeyError(f"--variant key {key!r} is not in experiments/configs/{config_module}.py")
-    node[leaf] = value
+      raise ValueError(f"--variant key {key!r} is not in {config_file}")
+    try:
+      node[leaf] = value
+    except TypeError as error:
+      raise ValueError(f"--variant key {key!r}: {error}") from None
   return config
 
 
-def main(argv=None) -> int:
-  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-  parser.add_argument("--workdir", required=True, help="a run whose data/train.ids/ and config.json to use")
-  parser.add_argument("--config", default="multi30k", help="module in experiments/configs")
-  parser.add_argument("--variant", action="append", default=[], help="NAME:KEY=VALUE,... (repeatable)")
-  parser.add_argument("--rounds", type=int, default=3)
-  parser.add_argument("--steps_per_round", type=int, default=4)
-  parser.add_argument("--batches", type=int, default=6, help="distinct batches cycled per variant")
-  args = parser.parse_args(argv)
-
-  run_dir = Workdir(args.workdir)
+def train_ids(workdir: str) -> tuple[pipeline.IdShards, int]:
+  """The workdir's training id shards and its vocabulary size; FileNotFoundError names what is missing."""
+  run_dir = Workdir(workdir)
   ids_path, config_json = os.fspath(run_dir.token_ids("train")), os.fspath(run_dir.config_json)
   shards = pipeline.IdShards.newest(ids_path)
   for path, present in ((ids_path, shards is not None), (config_json, os.path.exists(config_json))):
     if not present:
-      print(f"error: {path} does not exist or is incomplete (run experiments.train or experiments.multi30k there "
-            "first)",
-            file=sys.stderr)
-      return 1
+      raise FileNotFoundError(f"{path} does not exist or is incomplete (run experiments.train or "
+                              "experiments.multi30k there first)")
+  return shards, int(run_dir.require_config()["model"]["vocab_size"])
+
+
+def build_variant(name: str, config: ml_collections.ConfigDict, shards: pipeline.IdShards, batches: int) -> dict:
+  """Variant `name`'s compiled step on its own mesh and `batches` of its own packed batches, after one step (which
+  compiles). ValueError when its devices or rows do not fit this process."""
+  devices = max(config.num_cpu_devices, 1)
+  if devices > jax.device_count():
+    raise ValueError(f"variant {name!r} wants {devices} devices (num_cpu_devices); this process has "
+                     f"{jax.device_count()}")
+  mesh = sharding.mesh_from_config(config.mesh, devices=jax.devices()[:devices])
   try:
-    variants = [parse_variant(v) for v in (args.variant or ["recipe:"])]
+    run_checks.check_batch_rows(config.data, mesh)
   except ValueError as e:
-    print(f"error: {e}", file=sys.stderr)
-    return 1
-  vocab_size = int(run_dir.require_config()["model"]["vocab_size"])
+    raise ValueError(f"variant {name!r}: {e}") from None
+  built = common.build_train_step(config, mesh)
+  stream = pipeline.TrainStream(shards, tokens_per_batch=config.data.tokens_per_batch,
+                                row_length=config.data.max_len, seed=config.seed, pad_id=built.model_config.pad_id)
+  host = [next(stream) for _ in range(batches)]
+  real = float(np.mean([(b["targets"] != built.model_config.pad_id).sum() for b in host]))
+  sharded = [sharding.shard_batch(b, built.mesh, built.rules) for b in host]
+  start = time.perf_counter()
+  state, metrics = built.step(built.state, sharded[0], built.rng)
+  jax.block_until_ready(metrics)
+  params = sum(x.size for x in jax.tree.leaves(state.params))
+  print(f"[recipe_speed] {name}: {params / 1e6:.2f}M parameters, first step (compiles) "
+        f"{time.perf_counter() - start:.1f}s", file=sys.stderr, flush=True)
+  return dict(built=built, state=state, batches=sharded, real=real, params=params, devices=devices, times=[])
 
-  runs = {}
-  for name, overrides in variants:
-    try:
-      config = variant_config(args.config, vocab_size, overrides)
-    except (KeyError, TypeError) as e:
-      print(f"error: {e.args[0]}", file=sys.stderr)
-      return 1
-    devices = max(config.num_cpu_devices, 1)
-    if devices > jax.device_count():
-      print(f"error: variant {name!r} wants {devices} devices (num_cpu_devices); this process has "
-            f"{jax.device_count()}", file=sys.stderr)
-      return 1
-    mesh = sharding.mesh_from_config(config.mesh, devices=jax.devices()[:devices])
-    try:
-      run_checks.check_batch_rows(config.data, mesh)
-    except ValueError as e:
-      print(f"error: variant {name!r}: {e}", file=sys.stderr)
-      return 1
-    built = common.build_train_step(config, mesh)
-    batches = pipeline.TrainStream(shards, tokens_per_batch=config.data.tokens_per_batch,
-                                   row_length=config.data.max_len, seed=config.seed,
-                                   pad_id=built.model_config.pad_id)
-    batches = [next(batches) for _ in range(args.batches)]
-    real = float(np.mean([(b["targets"] != built.model_config.pad_id).sum() for b in batches]))
-    batches = [sharding.shard_batch(b, built.mesh, built.rules) for b in batches]
-    start = time.perf_counter()
-    state, metrics = built.step(built.state, batches[0], built.rng)
-    jax.block_until_ready(metrics)
-    params = sum(x.size for x in jax.tree.leaves(state.params))
-    print(f"[recipe_speed] {name}: {params / 1e6:.2f}M parameters, first step (compiles) "
-          f"{time.perf_counter() - start:.1f}s", file=sys.stderr, flush=True)
-    runs[name] = dict(built=built, state=state, batches=batches, real=real, params=params, devices=devices,
-                      times=[])
 
-  for _ in range(args.rounds):
+def compare(workdir: str, base: ml_collections.ConfigDict, config_file: str, variants: list[str], rounds: int,
+            steps_per_round: int, batches: int) -> None:
+  """Times `variants` (`NAME:KEY=VALUE,...` texts; none: the recipe as is) of `base` side by side in `rounds`
+  interleaved rounds of `steps_per_round` steps each and prints one row per variant (the first is the
+  reference). Raises ValueError or FileNotFoundError (one line) on a bad variant or workdir, before timing."""
+  shards, vocab_size = train_ids(workdir)
+  parsed = [parse_variant(v) for v in (variants or ["recipe:"])]
+  configs = {name: variant_config(base, config_file, vocab_size, overrides) for name, overrides in parsed}
+  runs = {name: build_variant(name, config, shards, batches) for name, config in configs.items()}
+  for _ in range(rounds):
     for run in runs.values():
-      for i in range(args.steps_per_round):
+      for i in range(steps_per_round):
         start = time.perf_counter()
         run["state"], metrics = run["built"].step(run["state"], run["batches"][i % len(run["batches"])],
                                                   run["built"].rng)
@@ -154,9 +146,37 @@ def main(argv=None) -> int:
     reference = reference or tokens_per_s
     print(f"{name:36s} {run['params'] / 1e6:6.2f}M {run['devices']:7d} {step_s:13.3f}s {run['real']:19.0f} "
           f"{tokens_per_s:15.0f} {tokens_per_s / reference:5.2f}x {1 / step_s:8.2f}")
-  return 0
+
+
+FLAGS = flags.FLAGS
+DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "experiments", "configs",
+                              "multi30k.py")
+
+
+def define_flags() -> None:
+  """The program's flags (defined only when it runs as the program: tests import this module)."""
+  flags.DEFINE_string("workdir", None, "a run whose data/train.ids/ and config.json to use")
+  launch.define_config_flag(DEFAULT_CONFIG, "the recipe's config file the variants override (default: Multi30k)")
+  flags.DEFINE_multi_string("variant", [], "NAME:KEY=VALUE,... (repeatable; the first is the reference)")
+  flags.DEFINE_integer("rounds", 3, "interleaved rounds", lower_bound=1)
+  flags.DEFINE_integer("steps_per_round", 4, "timed steps per variant and round", lower_bound=1)
+  flags.DEFINE_integer("batches", 6, "distinct batches cycled per variant", lower_bound=1)
+  flags.mark_flags_as_required(["workdir"])
+  common.check_flag("variant", lambda texts: [parse_variant(text) for text in texts])
+
+
+def _config_file() -> str:
+  path = os.path.abspath(FLAGS["config"].config_filename)
+  return os.path.relpath(path, common.REPO) if path.startswith(str(common.REPO) + os.sep) else path
+
+
+@program_common.program
+def main() -> None:
+  launch.set_cpu_devices(os.cpu_count() or 1)  # each variant takes the first num_cpu_devices of them
+  compare(FLAGS.workdir, FLAGS.config, _config_file(), FLAGS.variant, FLAGS.rounds, FLAGS.steps_per_round,
+          FLAGS.batches)
 
 
 if __name__ == "__main__":
-  launch.set_cpu_devices(os.cpu_count() or 1)  # each variant takes the first num_cpu_devices of them
-  sys.exit(main())
+  define_flags()
+  launch.run(main)

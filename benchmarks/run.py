@@ -2,8 +2,8 @@ r"""The benchmark suite: one command, a table on stdout, JSON, plots and the tab
 
     python -m benchmarks.run            # full suite (~15 min on 2 cores)
     python -m benchmarks.run --quick    # smoke run (~2-3 min): CPU preset only, few steps
-    python -m benchmarks.run --sections=machine,train_tiny,peers_tiny --no-torch --no-flax
-    make bench
+    python -m benchmarks.run --sections=machine,train_tiny,peers_tiny --notorch --noflax
+    make bench BENCH_ARGS="--quick --sections=machine,decode"
 
 Every timed JAX training step is the trainer's own compiled step (`factories.create_state` +
 `factories.make_train_step` of `experiments/configs/default.py` with the preset's sizes, one-device mesh:
@@ -33,12 +33,12 @@ Sections (each in its own process, so peak memory is per configuration):
 
 Needs `pip install -e '.[bench]'` for the PyTorch peer (skipped with a note otherwise) and PyPI (or a cached
 copy) for the Flax example (`python -m benchmarks.flax_peer`; the run stops with one line
-otherwise, `--no-flax` skips it). Not part of the tests.
+otherwise, `--noflax` skips it). Not part of the tests. Flags are absl's (`--help` lists them); a bad value is
+one line, `error: ...`, and exit status 1.
 """
 
 from __future__ import annotations
 
-import argparse
 import importlib.util
 import json
 import os
@@ -48,8 +48,13 @@ import tempfile
 import time
 from pathlib import Path
 
-from experiments import docblock
+from absl import flags
+
+from experiments import common as program_common
+from experiments import docblock, launch
 from benchmarks import common, flax_peer
+
+FLAGS = flags.FLAGS
 
 DOC = common.REPO / "docs" / "performance.md"
 PLOTS = common.REPO / "docs" / "benchmarks"
@@ -70,38 +75,38 @@ PEER_STEPS = {"tiny": dict(rounds=4, block=3, warmup=2), "base": dict(rounds=2, 
 
 def section_args(name: str, quick: bool) -> list[str]:
   if name == "machine":
-    return ["machine", "--reps=3", "--quick"] if quick else ["machine", "--reps=10"]
+    return ["--section=machine", "--reps=3", "--quick"] if quick else ["--section=machine", "--reps=10"]
   if name == "train_tiny":
     if quick:
-      return ["train", "--preset=tiny", "--steps=4", "--block=2", "--variants=unoptimized"]
+      return ["--section=train", "--preset=tiny", "--steps=4", "--block=2", "--variants=unoptimized"]
     # 30 library steps (3 per round: a robust per-round median); each ablation takes 1.
-    return ["train", "--preset=tiny", "--steps=30", "--block=3", "--variant_block=1",
+    return ["--section=train", "--preset=tiny", "--steps=30", "--block=3", "--variant_block=1",
             f"--variants={TINY_VARIANTS}"]
   if name == "train_base":
     # 20 library steps (4 per round); the ablation takes 1 step per round.
-    return ["train", "--preset=base", "--vocab=37000", "--steps=4" if quick else "--steps=20",
+    return ["--section=train", "--preset=base", "--vocab=37000", "--steps=4" if quick else "--steps=20",
             "--block=2" if quick else "--block=4", "--variant_block=1", "--warmup=1",
             f"--variants={BASE_VARIANTS}"]
   if name == "hugepages_off":
-    return ["train", "--preset=tiny", "--steps=4" if quick else "--steps=10", "--block=2"]
+    return ["--section=train", "--preset=tiny", "--steps=4" if quick else "--steps=10", "--block=2"]
   if name == "decode":
     if quick:
-      return ["decode", "--sources=48", "--rounds=1", "--subset=8"]
-    return ["decode", "--sources=500", "--rounds=2", "--subset=32"]
+      return ["--section=decode", "--sources=48", "--rounds=1", "--subset=8"]
+    return ["--section=decode", "--sources=500", "--rounds=2", "--subset=32"]
   if name == "ctranslate2":
     if quick:
-      return ["ctranslate2", "--preset=tiny", "--sources=16", "--rounds=1", "--threads=2"]
-    return ["ctranslate2", "--preset=base", "--sources=500", "--rounds=1", "--threads=2", "--fixed_sources=32",
-            "--fixed_len=50"]
+      return ["--section=ctranslate2", "--preset=tiny", "--sources=16", "--rounds=1", "--threads=2"]
+    return ["--section=ctranslate2", "--preset=base", "--sources=500", "--rounds=1", "--threads=2",
+            "--fixed_sources=32", "--fixed_len=50"]
   if name == "scaling":
     if quick:
-      return ["scaling", "--lengths=64,256", "--batch_tokens=2048", "--rounds=1", "--block=2"]
-    return ["scaling", "--lengths=64,128,256,512", "--batch_tokens=1024,2048,4096,8192", "--rounds=3",
+      return ["--section=scaling", "--lengths=64,256", "--batch_tokens=2048", "--rounds=1", "--block=2"]
+    return ["--section=scaling", "--lengths=64,128,256,512", "--batch_tokens=1024,2048,4096,8192", "--rounds=3",
             "--block=2"]
   if name == "long_inputs":
     if quick:
-      return ["long_inputs", "--lengths=256,512,1024", "--steps=2", "--budget_s=20", "--vocab=8192"]
-    return ["long_inputs", "--lengths=512,1024,2048,4096,8192,16384", "--steps=3", "--budget_s=90",
+      return ["--section=long_inputs", "--lengths=256,512,1024", "--steps=2", "--budget_s=20", "--vocab=8192"]
+    return ["--section=long_inputs", "--lengths=512,1024,2048,4096,8192,16384", "--steps=3", "--budget_s=90",
             "--vocab=8192", "--limit_gib=16"]
   raise ValueError(name)
 
@@ -110,7 +115,7 @@ def peer_args(preset: str, kind: str, framework: str, quick: bool) -> list[str]:
   """`sections peer` arguments of one framework on one batch kind of `preset`."""
   steps = dict(rounds=1, block=2, warmup=1) if quick else PEER_STEPS[preset]
   rows, length = PLAIN_SHAPE[preset]
-  args = ["peer", f"--preset={preset}", f"--kind={kind}", f"--framework={framework}",
+  args = ["--section=peer", f"--preset={preset}", f"--kind={kind}", f"--framework={framework}",
           f"--rounds={steps['rounds']}", f"--block={steps['block']}", f"--warmup={steps['warmup']}",
           "--num_batches=4", f"--rows={rows}", f"--length={length}"]
   return args + (["--vocab=37000"] if preset == "base" else [])
@@ -551,18 +556,19 @@ def update_doc(table: str) -> bool:
   return DOC.exists() and docblock.replace_block(str(DOC), TABLE_BLOCK, table, append_if_missing=False)
 
 
-def peer_frameworks(args, needed: bool) -> tuple[list[str] | None, list[str]]:
-  """The peer frameworks to run and notes on the skipped ones; None (after a one-line error) when the Flax
-  example is wanted but can be neither found in the bench cache nor downloaded."""
+def peer_frameworks(needed: bool, flax: bool, torch: bool) -> tuple[list[str], list[str]]:
+  """The peer frameworks to run (`flax`/`torch`: whether the flags ask for them) and notes on the skipped ones.
+
+  Raises ValueError (one line) when the Flax example is wanted but can be neither found in the bench cache nor
+  downloaded."""
   frameworks, notes = ["ours"], []
-  if needed and not args.no_flax:
+  if needed and flax:
     try:
       notes.append(f"Flax example model: {flax_peer.ensure_example().relative_to(common.REPO)}")
       frameworks.append("flax")
     except flax_peer.ExampleUnavailableError as e:
-      print(f"error: {e} (or pass --no-flax)", file=sys.stderr)
-      return None, notes
-  if not args.no_torch:
+      raise ValueError(f"{e} (or pass --noflax)") from None
+  if torch:
     if importlib.util.find_spec("torch") is None:
       notes.append("PyTorch peer skipped: torch is not installed (pip install -e '.[bench]')")
     else:
@@ -570,61 +576,68 @@ def peer_frameworks(args, needed: bool) -> tuple[list[str] | None, list[str]]:
   return frameworks, notes
 
 
-def main(argv=None):
-  parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-  parser.add_argument("--quick", action="store_true", help="smoke run: CPU preset only, few steps (~2-3 min)")
-  parser.add_argument("--sections", default="",
-                      help="comma-separated subset of " + ",".join(ALL_SECTIONS))
-  parser.add_argument("--json", default=str(DEFAULT_JSON), help="where to write the results")
-  parser.add_argument("--no-torch", action="store_true", help="skip the PyTorch peer")
-  parser.add_argument("--no-flax", action="store_true", help="skip the Flax example peer (no download)")
-  parser.add_argument("--no-plots", action="store_true")
-  parser.add_argument("--from-json", default="", help="re-render the table, plots and doc from saved results")
-  parser.add_argument("--update-doc", choices=("auto", "yes", "no"), default="auto",
-                      help="rewrite the table block of docs/performance.md (auto: full runs of every section)")
-  args = parser.parse_args(argv)
-
-  all_sections = ALL_SECTIONS
-  if args.sections:
-    sections = [s for s in args.sections.split(",") if s]
-  else:
-    sections = [s for s in all_sections
-                if not (args.quick and s in ("train_base", "hugepages_off", "peers_base"))]
-  unknown = set(sections) - set(all_sections)
+def _known_sections(names: list[str]) -> bool:
+  unknown = sorted(set(names) - set(ALL_SECTIONS))
   if unknown:
-    parser.error(f"unknown sections {sorted(unknown)}")
+    raise flags.ValidationError(f"unknown sections {unknown}; of {','.join(ALL_SECTIONS)}")
+  return True
 
-  if args.from_json:
-    with open(args.from_json) as f:
+
+def define_flags() -> None:
+  """The program's flags (defined only when it runs as the program: tests import this module)."""
+  flags.DEFINE_bool("quick", False, "smoke run: CPU preset only, few steps (~2-3 min)")
+  flags.DEFINE_list("sections", [], "comma-separated subset of " + ",".join(ALL_SECTIONS) + " (default: all; "
+                    "with --quick all but train_base, hugepages_off, peers_base)")
+  flags.DEFINE_string("json", str(DEFAULT_JSON), "where to write the results")
+  flags.DEFINE_bool("torch", True, "run the PyTorch peer (--notorch skips it)")
+  flags.DEFINE_bool("flax", True, "run the Flax example peer (--noflax skips it: no download)")
+  flags.DEFINE_bool("plots", True, "write the plots into docs/benchmarks (--noplots skips them)")
+  flags.DEFINE_string("from_json", "", "re-render the table, plots and doc from saved results")
+  flags.DEFINE_enum("update_doc", "auto", ["auto", "yes", "no"],
+                    "rewrite the table block of docs/performance.md (auto: full runs of every section)")
+  flags.register_validator("sections", _known_sections)
+
+
+def measure(sections: list[str], quick: bool) -> dict:
+  """Runs `sections` (each in its own process), writing partial results to --json after each."""
+  frameworks, notes = peer_frameworks(any(s.startswith("peers_") for s in sections), FLAGS.flax, FLAGS.torch)
+  start = time.perf_counter()
+  results = {"quick": quick, "flops_formula": common.FLOPS_FORMULA, "peer_notes": notes}
+  with tempfile.TemporaryDirectory() as tmp:
+    for name in sections:
+      results[name] = run_section(name, quick, frameworks, tmp)
+      common.dump_json(results, FLAGS.json)  # partial results survive an interrupted run
+  results["total_wall_s"] = time.perf_counter() - start
+  return results
+
+
+@program_common.program
+def main() -> int:
+  quick = FLAGS.quick
+  sections = FLAGS.sections or [s for s in ALL_SECTIONS
+                                if not (quick and s in ("train_base", "hugepages_off", "peers_base"))]
+  if FLAGS.from_json:
+    with open(FLAGS.from_json) as f:
       results = json.load(f)
-    sections = [s for s in all_sections if s in results]
-    args.quick = results.get("quick", False)
+    sections = [s for s in ALL_SECTIONS if s in results]
+    quick = results.get("quick", False)
   else:
-    frameworks, notes = peer_frameworks(args, any(s.startswith("peers_") for s in sections))
-    if frameworks is None:
-      return 1
-    start = time.perf_counter()
-    results = {"quick": args.quick, "flops_formula": common.FLOPS_FORMULA, "peer_notes": notes}
-    with tempfile.TemporaryDirectory() as tmp:
-      for name in sections:
-        results[name] = run_section(name, args.quick, frameworks, tmp)
-        common.dump_json(results, args.json)  # partial results survive an interrupted run
-    results["total_wall_s"] = time.perf_counter() - start
+    results = measure(sections, quick)
   for name in sections:
     if (name.startswith("train_") or name == "hugepages_off") and "jax" in results[name]:
       add_quiet_round_stats(results[name])
-  common.dump_json(results, args.json)
+  common.dump_json(results, FLAGS.json)
 
   table = render(results)
   print()
   print(table)
-  print(f"\nTotal {results.get('total_wall_s', float('nan')) / 60:.1f} min. JSON: {args.json}")
-  if not args.no_plots:
+  print(f"\nTotal {results.get('total_wall_s', float('nan')) / 60:.1f} min. JSON: {FLAGS.json}")
+  if FLAGS.plots:
     from benchmarks import plots
     written = plots.write_all(results, PLOTS)
     print("Plots: " + ", ".join(str(Path(p).relative_to(common.REPO)) for p in written))
-  full = not args.quick and set(sections) == set(all_sections)
-  if args.update_doc == "yes" or (args.update_doc == "auto" and full):
+  full = not quick and set(sections) == set(ALL_SECTIONS)
+  if FLAGS.update_doc == "yes" or (FLAGS.update_doc == "auto" and full):
     if update_doc(table):
       print(f"Updated the table in {DOC.relative_to(common.REPO)}")
   failed = [n for n in sections if "error" in results[n]]
@@ -635,4 +648,5 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-  sys.exit(main())
+  define_flags()
+  launch.run(main)

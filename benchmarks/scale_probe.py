@@ -21,7 +21,6 @@ Timings only (nothing is trained to convergence); the machine is shared: run it 
 
 from __future__ import annotations
 
-import argparse
 import os
 import re
 import shutil
@@ -33,12 +32,16 @@ from typing import Callable, Iterator
 
 import grain
 import numpy as np
+from absl import flags
 
+from benchmarks import common
+from experiments import common as program_common
+from experiments import launch
 from experiments.configs import multi30k as multi30k_config
 from transformer_jax.data import pipeline
 from transformer_jax.data import tokenizer as tok_lib
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[1]
 MULTI30K = REPO.parent / "shared" / "data" / "multi30k"
 TINY = ["--config.model.d_model=64", "--config.model.d_ff=128", "--config.model.num_heads=2",
         "--config.model.num_encoder_layers=1", "--config.model.num_decoder_layers=1"]
@@ -210,39 +213,51 @@ def multi30k_packing(multi30k: Path, root: Path, batches: int) -> tuple[float, f
   return stream.padding_efficiency(batches)
 
 
-def main(argv=None) -> int:
-  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-  parser.add_argument("--pairs", default="100000,1000000,4500000", help="corpus sizes, comma-separated")
-  parser.add_argument("--root", default="/tmp/scale_probe", help="corpora and workdirs go here")
-  parser.add_argument("--multi30k", default=str(MULTI30K))
-  parser.add_argument("--steps", type=int, default=3)
-  parser.add_argument("--tokens", type=int, default=8 * 256, help="slots per batch of the training runs")
-  parser.add_argument("--pipeline_tokens", type=int, default=26_624, help="slots per batch of the pipeline rate")
-  parser.add_argument("--pipeline_batches", type=int, default=100)
-  parser.add_argument("--restart_only", action="store_true", help="reuse existing workdirs (time restarts only)")
-  parser.add_argument("--epoch_pairs", type=int, default=3000,
-                      help="corpus size of the epoch-boundary run (0: skip it); small, so it crosses many epochs")
-  parser.add_argument("--epoch_steps", type=int, default=400, help="steps of the epoch-boundary run")
-  args = parser.parse_args(argv)
-  multi30k, root = Path(args.multi30k), Path(args.root)
-  if not (multi30k / "train.en").exists():
-    print(f"error: --multi30k={multi30k} has no train.en", file=sys.stderr)
-    return 1
+FLAGS = flags.FLAGS
+
+
+def _sizes(texts: list[str]) -> list[int]:
+  """Corpus sizes of `--pairs` (integers, `1e6` forms allowed); ValueError names the flag."""
   try:
-    sizes = [int(float(p)) for p in args.pairs.split(",")]
+    sizes = [int(float(p)) for p in texts]
   except ValueError:
-    print(f"error: --pairs={args.pairs!r}: comma-separated integers expected", file=sys.stderr)
-    return 1
+    raise ValueError(f"--pairs={','.join(texts)}: comma-separated integers expected") from None
+  if not sizes or min(sizes) < 1:
+    raise ValueError(f"--pairs={','.join(texts)}: positive corpus sizes expected")
+  return sizes
+
+
+def define_flags() -> None:
+  """The program's flags (defined only when it runs as the program: tests import this module)."""
+  flags.DEFINE_list("pairs", ["100000", "1000000", "4500000"], "corpus sizes, comma-separated")
+  flags.DEFINE_string("root", "/tmp/scale_probe", "corpora and workdirs go here")
+  flags.DEFINE_string("multi30k", str(MULTI30K), "the Multi30k corpus directory (train.en, train.de, val.*)")
+  flags.DEFINE_integer("steps", 3, "training steps of each run", lower_bound=1)
+  flags.DEFINE_integer("tokens", 8 * 256, "slots per batch of the training runs")
+  flags.DEFINE_integer("pipeline_tokens", 26_624, "slots per batch of the pipeline rate")
+  flags.DEFINE_integer("pipeline_batches", 100, "batches of the pipeline rate")
+  flags.DEFINE_bool("restart_only", False, "reuse existing workdirs (time restarts only)")
+  flags.DEFINE_integer("epoch_pairs", 3000,
+                       "corpus size of the epoch-boundary run (0: skip it); small, so it crosses many epochs")
+  flags.DEFINE_integer("epoch_steps", 400, "steps of the epoch-boundary run")
+  common.check_flag("pairs", _sizes)
+  flags.register_validator("multi30k", lambda path: (Path(path) / "train.en").exists(),
+                           message="--multi30k must name a directory holding train.en")
+
+
+@program_common.program
+def main() -> None:
+  multi30k, root, sizes = Path(FLAGS.multi30k), Path(FLAGS.root), _sizes(FLAGS.pairs)
   print("pairs | chars/line | first start: to step 1, peak RSS | restart: to first step, peak RSS | tokenise | "
         "ids on disk | pipeline target tok/s | with grain's packer | packing src/tgt (rows of 256)", flush=True)
   for n in sizes:
     corpus, workdir = root / f"corpus_{n}", root / f"work_{n}"
     chars = build_corpus(multi30k, corpus, n)
-    fresh = None if args.restart_only else run_train(corpus, workdir, args.steps, args.tokens)
-    restart = run_train(corpus, workdir, last_step(workdir) + args.steps, args.tokens)
+    fresh = None if FLAGS.restart_only else run_train(corpus, workdir, FLAGS.steps, FLAGS.tokens)
+    restart = run_train(corpus, workdir, last_step(workdir) + FLAGS.steps, FLAGS.tokens)
     shards = pipeline.IdShards.newest(workdir / "data" / "train.ids")
     disk = sum(os.path.getsize(p) for p in shards.directory.iterdir())
-    rate = pipeline_rate(shards, args.pipeline_tokens, 256, args.pipeline_batches)
+    rate = pipeline_rate(shards, FLAGS.pipeline_tokens, 256, FLAGS.pipeline_batches)
     first = f"{fresh['first_step_s']:.1f} s, {fresh['peak_rss_gb']:.2f} GB" if fresh else "-"
     print(f"{n:,} | {chars:.0f} | {first} | {restart['first_step_s']:.1f} s, {restart['peak_rss_gb']:.2f} GB | "
           f"{fresh['tokenise_s'] if fresh else float('nan'):.1f} s | {disk / 2**20:.0f} MiB | "
@@ -250,16 +265,16 @@ def main(argv=None) -> int:
           f"({rate['grain_over_ours']:.2f}x our packer's time) | "
           f"{100 * rate['source_eff']:.1f}% / {100 * rate['target_eff']:.1f}%",
           flush=True)
-  src, tgt = multi30k_packing(multi30k, root, args.pipeline_batches)
+  src, tgt = multi30k_packing(multi30k, root, FLAGS.pipeline_batches)
   print(f"Multi30k recipe rows of 64: packing source {100 * src:.1f}%, target {100 * tgt:.1f}%", flush=True)
-  if args.epoch_pairs:
-    e = epoch_stalls(multi30k, root, args.epoch_pairs, args.epoch_steps, args.tokens)
-    print(f"Epoch boundaries ({args.epoch_pairs:,} pairs, {e['steps']} steps logged one by one, {e['boundaries']} "
+  if FLAGS.epoch_pairs:
+    e = epoch_stalls(multi30k, root, FLAGS.epoch_pairs, FLAGS.epoch_steps, FLAGS.tokens)
+    print(f"Epoch boundaries ({FLAGS.epoch_pairs:,} pairs, {e['steps']} steps logged one by one, {e['boundaries']} "
           f"of them cross an epoch boundary): step seconds median {e['median_s']:.4f}, p99 {e['p99_s']:.4f}, "
           f"max {e['max_s']:.4f}; at the boundaries median {e['boundary_median_s']:.4f}, "
           f"max {e['boundary_max_s']:.4f} ({e['boundary_max_s'] / e['median_s']:.2f}x the median step)", flush=True)
-  return 0
 
 
 if __name__ == "__main__":
-  sys.exit(main())
+  define_flags()
+  launch.run(main)

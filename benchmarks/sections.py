@@ -1,11 +1,11 @@
 r"""The benchmark sections; each runs in its own process (`run.py` starts them) and writes one JSON file.
 
-    python -m benchmarks.sections machine  --out=/tmp/m.json
-    python -m benchmarks.sections train    --out=/tmp/t.json --preset=tiny --steps=20
-    python -m benchmarks.sections peer     --out=/tmp/p.json --framework=flax --kind=plain
-    python -m benchmarks.sections decode   --out=/tmp/d.json --sources=500
-    python -m benchmarks.sections scaling  --out=/tmp/s.json
-    python -m benchmarks.sections long_inputs --out=/tmp/l.json --lengths=512,1024 --steps=2
+    python -m benchmarks.sections --section=machine  --out=/tmp/m.json
+    python -m benchmarks.sections --section=train    --out=/tmp/t.json --preset=tiny --steps=20
+    python -m benchmarks.sections --section=peer     --out=/tmp/p.json --framework=flax --kind=plain
+    python -m benchmarks.sections --section=decode   --out=/tmp/d.json --sources=500
+    python -m benchmarks.sections --section=scaling  --out=/tmp/s.json
+    python -m benchmarks.sections --section=long_inputs --out=/tmp/l.json --lengths=512,1024 --steps=2
 
 Every timed JAX training step is the trainer's own compiled step (`common.build_train_step`: the
 `factories.create_state` + `factories.make_train_step` of `experiments/configs/default.py` with the preset's
@@ -18,7 +18,6 @@ in every round of each, on the same batches: packed multi30k, or plain full rows
 
 from __future__ import annotations
 
-import argparse
 import gc
 import os
 import sys
@@ -31,7 +30,11 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
+from absl import flags  # noqa: E402
+
 from benchmarks import ablations, common, flax_peer  # noqa: E402
+from experiments import common as program_common  # noqa: E402
+from experiments import launch  # noqa: E402
 from transformer_jax import config as presets  # noqa: E402
 from transformer_jax import sharding  # noqa: E402
 
@@ -187,7 +190,7 @@ def train(args) -> dict:
 
   # Ours (+ variants): lower/compile timed separately, then the AOT executable is what we step.
   runners = {}
-  variants = ["baseline"] + [v for v in args.variants.split(",") if v and v != "baseline"]
+  variants = ["baseline"] + [v for v in args.variants if v and v != "baseline"]
   for name in variants:
     built = ablations.variant_step(config, name, mesh=mesh)
     runners[name] = _compile_runner(built, dev_batches[0], args.warmup, dev_batches)
@@ -576,56 +579,62 @@ def long_inputs(args) -> dict:
 
 # ----------------------------------------------------------------------------------------------------------
 
-def main(argv=None):
-  parser = argparse.ArgumentParser()
-  parser.add_argument("section", choices=("machine", "train", "peer", "decode", "scaling", "ctranslate2",
-                                            "long_inputs"))
-  parser.add_argument("--out", required=True)
-  parser.add_argument("--quick", action="store_true")
-  parser.add_argument("--preset", default="tiny")
-  parser.add_argument("--vocab", type=int, default=0, help="0: the corpus tokenizer's vocabulary")
-  parser.add_argument("--tokens", type=int, default=4096)
-  parser.add_argument("--row_length", type=int, default=64)
-  parser.add_argument("--steps", type=int, default=20)
-  parser.add_argument("--block", type=int, default=2)
-  parser.add_argument("--warmup", type=int, default=2)
-  parser.add_argument("--num_batches", type=int, default=8)
-  parser.add_argument("--variants", default="")
-  parser.add_argument("--framework", choices=sorted(PEERS), default="ours", help="peer: who trains")
-  parser.add_argument("--kind", choices=("packed", "plain"), default="packed",
-                      help="peer: packed multi30k batches (--tokens, --row_length) or plain random full rows "
-                           "(--rows x --length)")
-  parser.add_argument("--rows", type=int, default=32, help="plain batches: rows")
-  parser.add_argument("--length", type=int, default=64, help="plain batches: tokens per row (both sides)")
-  parser.add_argument("--variant_block", type=int, default=0, help="ablation-variant steps per round")
-  parser.add_argument("--reps", type=int, default=10)
-  parser.add_argument("--rounds", type=int, default=3)
-  parser.add_argument("--sources", type=int, default=500)
-  parser.add_argument("--extra_len", type=int, default=50)
-  parser.add_argument("--max_tokens", type=int, default=4096)
-  parser.add_argument("--subset", type=int, default=32)
-  parser.add_argument("--gen_len", type=int, default=50)
-  parser.add_argument("--threads", type=int, default=2, help="CTranslate2 intra-op threads")
-  parser.add_argument("--ct2_batch", type=int, default=64, help="CTranslate2 max_batch_size (sentences)")
-  parser.add_argument("--fixed_sources", type=int, default=0,
-                      help="ctranslate2: also this many sources in one batch with fixed-length outputs (0: no)")
-  parser.add_argument("--fixed_len", type=int, default=50, help="ctranslate2: the fixed output length")
-  parser.add_argument("--lengths", type=lambda s: [int(x) for x in s.split(",")], default=[64, 128, 256, 512])
-  parser.add_argument("--batch_tokens", type=lambda s: [int(x) for x in s.split(",")],
-                      default=[1024, 2048, 4096, 8192])
-  parser.add_argument("--modes", type=lambda s: s.split(","), default=["full", "windowed", "chunked"])
-  parser.add_argument("--limit_gib", type=float, default=16.0, help="long_inputs: the memory a point may use")
-  parser.add_argument("--budget_s", type=float, default=60.0, help="long_inputs: timing budget per point")
-  args = parser.parse_args(argv)
+SECTIONS = ("machine", "train", "peer", "decode", "scaling", "ctranslate2", "long_inputs")
+FLAGS = flags.FLAGS
+
+
+def define_flags() -> None:
+  """The program's flags (defined only when it runs as the program: other modules and tests import this one)."""
+  flags.DEFINE_enum("section", None, SECTIONS, "which section to measure")
+  flags.DEFINE_string("out", None, "the JSON file the section's results go to")
+  flags.DEFINE_bool("quick", False, "machine: skip the 4096^2 matmul")
+  flags.DEFINE_string("preset", "tiny", "model preset: tiny, base or big")
+  flags.DEFINE_integer("vocab", 0, "0: the corpus tokenizer's vocabulary")
+  flags.DEFINE_integer("tokens", 4096, "slots per packed batch")
+  flags.DEFINE_integer("row_length", 64, "slots per packed row")
+  flags.DEFINE_integer("steps", 20, "timed steps")
+  flags.DEFINE_integer("block", 2, "steps per round")
+  flags.DEFINE_integer("warmup", 2, "untimed steps first (the first compiles)")
+  flags.DEFINE_integer("num_batches", 8, "distinct batches cycled")
+  flags.DEFINE_list("variants", [], "train: ablation variants (benchmarks/ablations.py), comma-separated")
+  flags.DEFINE_enum("framework", "ours", sorted(PEERS), "peer: who trains")
+  flags.DEFINE_enum("kind", "packed", ["packed", "plain"], "peer: packed multi30k batches (--tokens, --row_length) "
+                    "or plain random full rows (--rows x --length)")
+  flags.DEFINE_integer("rows", 32, "plain batches: rows")
+  flags.DEFINE_integer("length", 64, "plain batches: tokens per row (both sides)")
+  flags.DEFINE_integer("variant_block", 0, "ablation-variant steps per round")
+  flags.DEFINE_integer("reps", 10, "machine: timed calls per matmul size")
+  flags.DEFINE_integer("rounds", 3, "interleaved rounds")
+  flags.DEFINE_integer("sources", 500, "decode, ctranslate2: test sources translated")
+  flags.DEFINE_integer("extra_len", 50, "decoding: outputs capped at len(source) + extra_len")
+  flags.DEFINE_integer("max_tokens", 4096, "decoding: source tokens per batch")
+  flags.DEFINE_integer("subset", 32, "decode: sources of the uncached-vs-cached comparison")
+  flags.DEFINE_integer("gen_len", 50, "decode: generated tokens of the cache comparison")
+  flags.DEFINE_integer("threads", 2, "CTranslate2 intra-op threads")
+  flags.DEFINE_integer("ct2_batch", 64, "CTranslate2 max_batch_size (sentences)")
+  flags.DEFINE_integer("fixed_sources", 0,
+                       "ctranslate2: also this many sources in one batch with fixed-length outputs (0: no)")
+  flags.DEFINE_integer("fixed_len", 50, "ctranslate2: the fixed output length")
+  common.define_int_list("lengths", [64, 128, 256, 512], "scaling, long_inputs: row lengths")
+  common.define_int_list("batch_tokens", [1024, 2048, 4096, 8192], "scaling: tokens per batch")
+  flags.DEFINE_list("modes", ["full", "windowed", "chunked"], "long_inputs: attention modes")
+  flags.DEFINE_float("limit_gib", 16.0, "long_inputs: the memory a point may use")
+  flags.DEFINE_float("budget_s", 60.0, "long_inputs: timing budget per point")
+  flags.mark_flags_as_required(["section", "out"])
+
+
+@program_common.program
+def main() -> None:
   start = time.perf_counter()
   load_start = os.getloadavg()
-  result = globals()[args.section](args)
+  result = globals()[FLAGS.section](FLAGS)
   result["load_average"] = {"start": list(load_start), "end": list(os.getloadavg())}
   result["section_wall_s"] = time.perf_counter() - start
   result["process_peak_rss_mb"] = common.peak_rss_mb()
   result["glibc_tunables"] = os.environ.get("GLIBC_TUNABLES", "")
-  common.dump_json(result, args.out)
+  common.dump_json(result, FLAGS.out)
 
 
 if __name__ == "__main__":
-  main()
+  define_flags()
+  launch.run(main)

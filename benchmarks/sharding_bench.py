@@ -21,24 +21,32 @@ if "jax" not in sys.modules and "--xla_force_host_platform_device_count" not in 
                              f" --xla_force_host_platform_device_count={_devices}").strip()
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
-import argparse  # noqa: E402
 import gc  # noqa: E402
 import statistics  # noqa: E402
 import time  # noqa: E402
 import warnings  # noqa: E402
 
 import jax  # noqa: E402
+from absl import flags  # noqa: E402
 
 from benchmarks import common  # noqa: E402
+from experiments import common as program_common  # noqa: E402
+from experiments import launch  # noqa: E402
 from transformer_jax import config as presets  # noqa: E402
 from transformer_jax import sharding  # noqa: E402
 
 
 def parse_mesh(text: str) -> dict[str, int]:
-  """'fsdp=8,data=1' -> {'fsdp': 8, 'data': 1} (unnamed axes keep make_mesh's defaults)."""
+  """'fsdp=8,data=1' -> {'fsdp': 8, 'data': 1} (unnamed axes keep make_mesh's defaults).
+
+  Raises ValueError naming the flag for an axis that is not one of `sharding.MESH_AXES` or a size that is not
+  a positive integer."""
   values = {}
   for part in text.split(","):
     name, _, size = part.partition("=")
+    if name.strip() not in sharding.MESH_AXES or not size.strip().isdigit() or int(size) < 1:
+      raise ValueError(f"--meshes={text}: expected AXIS=SIZE,... with axes of {', '.join(sharding.MESH_AXES)} "
+                       "and positive sizes (e.g. 'fsdp=8,data=1')")
     values[name.strip()] = int(size)
   return values
 
@@ -79,25 +87,32 @@ def measure(mesh_values: dict[str, int], model_config, rows: int, length: int, s
   return result
 
 
-def main(argv=None):
-  parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-  parser.add_argument("--meshes", action="append", default=None,
-                      help="mesh to measure, e.g. 'data=8' or 'fsdp=8,data=1' (repeatable)")
-  parser.add_argument("--devices", type=int, default=8, help="forced host devices (CPU only)")
-  parser.add_argument("--vocab_size", type=int, default=32000)
-  parser.add_argument("--rows", type=int, default=8)
-  parser.add_argument("--length", type=int, default=128)
-  parser.add_argument("--steps", type=int, default=5, help="timed steps after the first")
-  args = parser.parse_args(argv)
-  meshes = [parse_mesh(m) for m in (args.meshes or ["data=8", "fsdp=8,data=1"])]
-  model_config = presets.base(vocab_size=args.vocab_size)
+FLAGS = flags.FLAGS
+
+
+def define_flags() -> None:
+  """The program's flags (defined only when it runs as the program)."""
+  flags.DEFINE_multi_string("meshes", ["data=8", "fsdp=8,data=1"],
+                            "mesh to measure, e.g. 'data=8' or 'fsdp=8,data=1' (repeatable)")
+  flags.DEFINE_integer("devices", 8, "forced host devices (CPU only; read before JAX starts)", lower_bound=1)
+  flags.DEFINE_integer("vocab_size", 32000, "vocabulary size of the base model")
+  flags.DEFINE_integer("rows", 8, "batch rows")
+  flags.DEFINE_integer("length", 128, "tokens per row, both sides")
+  flags.DEFINE_integer("steps", 5, "timed steps after the first", lower_bound=1)
+  common.check_flag("meshes", lambda texts: [parse_mesh(text) for text in texts])
+
+
+@program_common.program
+def main() -> None:
+  meshes = [parse_mesh(m) for m in FLAGS.meshes]
+  model_config = presets.base(vocab_size=FLAGS.vocab_size)
   warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
 
-  print(f"{jax.device_count()} {jax.devices()[0].platform} devices; base model, vocab {args.vocab_size}, "
-        f"float32; batch {args.rows} rows x {args.length} tokens per side; median of {args.steps} steps")
+  print(f"{jax.device_count()} {jax.devices()[0].platform} devices; base model, vocab {FLAGS.vocab_size}, "
+        f"float32; batch {FLAGS.rows} rows x {FLAGS.length} tokens per side; median of {FLAGS.steps} steps")
   results = []
   for values in meshes:
-    result = measure(values, model_config, args.rows, args.length, args.steps)
+    result = measure(values, model_config, FLAGS.rows, FLAGS.length, FLAGS.steps)
     results.append(result)
     print(f"  done {result['mesh']}", flush=True)
 
@@ -110,8 +125,8 @@ def main(argv=None):
     temp = f"{r['temp_bytes'] * mib:.1f}" if r["temp_bytes"] is not None else "n/a"
     print(f"{shape:<28} {r['state_bytes_max'] * mib:>17.1f} {temp:>17} {r['compile_s']:>10.1f} "
           f"{r['step_s']:>16.3f} {r['loss']:>8.4f}")
-  return results
 
 
 if __name__ == "__main__":
-  main()
+  define_flags()
+  launch.run(main)

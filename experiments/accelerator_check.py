@@ -33,7 +33,6 @@ JSON (`--output`, default runs/accelerator_check/<platform>-<time>.json): {"mach
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import os
 import sys
@@ -46,9 +45,11 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 import numpy as np
+from absl import flags
 from flax import linen as nn
 
 from experiments import common as program_common
+from experiments import launch
 from benchmarks import common
 from experiments.configs import number_words
 from transformer_jax import checkpoint as checkpoint_lib
@@ -344,19 +345,31 @@ def format_row(row: Row) -> str:
   return f"{row.section:13s} {row.item:50s} {row.status:8s} {row.value}"
 
 
-def main(argv: list[str] | None = None) -> int:
-  parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-  parser.add_argument("--tiny", action="store_true", help="CPU sizes (automatic when JAX sees only CPUs)")
-  parser.add_argument("--output", default="", help="JSON path; default runs/accelerator_check/<platform>-<time>.json")
-  parser.add_argument("--skip", default="", help=f"comma-separated sections to skip, of {','.join(SECTIONS)}")
-  args = parser.parse_args(argv)
-  skip = {s for s in args.skip.split(",") if s}
-  if skip - set(SECTIONS):
-    parser.error(f"--skip: unknown sections {sorted(skip - set(SECTIONS))}; of {','.join(SECTIONS)}")
+FLAGS = flags.FLAGS
+
+
+def _known_sections(names: list[str]) -> bool:
+  unknown = sorted(set(names) - set(SECTIONS))
+  if unknown:
+    raise flags.ValidationError(f"--skip: unknown sections {unknown}; of {','.join(SECTIONS)}")
+  return True
+
+
+def define_flags() -> None:
+  """The program's flags (defined only when it runs as the program: tests import this module)."""
+  flags.DEFINE_bool("tiny", False, "CPU sizes (automatic when JAX sees only CPUs)")
+  flags.DEFINE_string("output", "", "JSON path; default runs/accelerator_check/<platform>-<time>.json")
+  flags.DEFINE_list("skip", [], f"comma-separated sections to skip, of {','.join(SECTIONS)}")
+  flags.register_validator("skip", _known_sections)
+
+
+@program_common.program
+def main() -> int:
+  skip = set(FLAGS.skip)
   platform = jax.devices()[0].platform
-  plan = TINY if args.tiny or platform == "cpu" else Plan(tiny=False)
-  output = args.output or os.path.join(common.REPO, "runs", "accelerator_check",
-                                       f"{platform}-{time.strftime('%Y%m%d-%H%M%S')}.json")
+  plan = TINY if FLAGS.tiny or platform == "cpu" else Plan(tiny=False)
+  output = FLAGS.output or os.path.join(common.REPO, "runs", "accelerator_check",
+                                        f"{platform}-{time.strftime('%Y%m%d-%H%M%S')}.json")
   start = time.perf_counter()
   print(f"{'section':13s} {'item':50s} {'status':8s} value", flush=True)
   rows = run_check(plan, skip)
@@ -370,4 +383,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-  sys.exit(main())
+  define_flags()
+  launch.run(main)

@@ -18,6 +18,7 @@ import os
 import sys
 
 TUNABLE = "glibc.malloc.hugetlb=1"
+PROGRAM_PACKAGES = ("experiments.", "benchmarks.")  # whose `python -m` programs restart with the tunable
 
 
 def available() -> bool:
@@ -44,11 +45,12 @@ def environment(env=None) -> dict:
 
 
 def starting_as_program() -> bool:
-  """True while `python -m experiments.<module>` is being located (Python sets `sys.argv[0]` to "-m" then)."""
+  """True while `python -m experiments.<module>` or `benchmarks.<module>` is being located (Python sets
+  `sys.argv[0]` to "-m" then)."""
   argv = getattr(sys, "orig_argv", [])
   if sys.argv[:1] != ["-m"] or "-m" not in argv[1:-1]:
     return False
-  return argv[argv.index("-m", 1) + 1].startswith("experiments.")  # the interpreter's options come before -m
+  return argv[argv.index("-m", 1) + 1].startswith(PROGRAM_PACKAGES)  # the interpreter's options come before -m
 
 
 def maybe_reexecute() -> None:
