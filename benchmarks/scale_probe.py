@@ -241,13 +241,13 @@ def define_flags() -> None:
                        "corpus size of the epoch-boundary run (0: skip it); small, so it crosses many epochs")
   flags.DEFINE_integer("epoch_steps", 400, "steps of the epoch-boundary run")
   common.check_flag("pairs", _sizes)
-  flags.register_validator("multi30k", lambda path: (Path(path) / "train.en").exists(),
-                           message="--multi30k must name a directory holding train.en")
 
 
 @program_common.program
 def main() -> None:
   multi30k, root, sizes = Path(FLAGS.multi30k), Path(FLAGS.root), _sizes(FLAGS.pairs)
+  if not (multi30k / "train.en").exists():
+    raise FileNotFoundError(f"--multi30k={multi30k} has no train.en")
   print("pairs | chars/line | first start: to step 1, peak RSS | restart: to first step, peak RSS | tokenise | "
         "ids on disk | pipeline target tok/s | with grain's packer | packing src/tgt (rows of 256)", flush=True)
   for n in sizes:

@@ -351,7 +351,7 @@ FLAGS = flags.FLAGS
 def _known_sections(names: list[str]) -> bool:
   unknown = sorted(set(names) - set(SECTIONS))
   if unknown:
-    raise flags.ValidationError(f"--skip: unknown sections {unknown}; of {','.join(SECTIONS)}")
+    raise flags.ValidationError(f"unknown sections {unknown}; of {','.join(SECTIONS)}")
   return True
 
 

@@ -7,6 +7,9 @@ numbers, and a changed config must change the program.
 """
 
 import copy
+import os
+import subprocess
+import sys
 import types
 
 import jax
@@ -17,6 +20,9 @@ import pytest
 from benchmarks import ablations, common, flax_peer
 from experiments.configs import default, number_words
 from transformer_jax import factories, sharding, trainer
+
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _tiny_config(tmp_path):
@@ -179,3 +185,43 @@ def test_torch_plain_batch_has_the_causal_mask_only():
   np.testing.assert_array_equal(blocked, np.triu(np.ones((5, 5), bool), k=1))
   np.testing.assert_array_equal(batch["targets_position"].numpy(), np.tile(np.arange(5), (3, 1)))
   assert batch["token_count"] == 15 and batch["inputs"].dtype == torch.int64
+
+
+@pytest.mark.parametrize("program, argv, message", [
+    ("run", ["--sections=machine,bogus"], "unknown sections ['bogus']; of machine,train_tiny,"),
+    ("sections", ["--section=nothing", "--out=x.json"], "--section"),
+    ("sections", ["--section=scaling", "--out=x.json", "--lengths=64,long"], "comma-separated integers expected"),
+    ("long_inputs", ["--mode=full", "--length=0", "--out=x.json"], "--length"),
+    ("profile", ["--search=beam8"], "--search"),
+    ("profile_window", ["--window=30"], "--window must be FIRST,LAST"),
+    ("scale_probe", ["--pairs=1000,lots"], "--pairs=1000,lots: comma-separated integers expected"),
+    ("sharding_bench", ["--meshes=model=8"], "--meshes=model=8: expected AXIS=SIZE,... with axes of data, fsdp, "
+                                             "tensor"),
+    ("flax_peer", ["--quick"], "Unknown command line flag 'quick'"),
+])
+def test_a_bad_flag_is_a_one_line_refusal(tmp_path, program, argv, message):
+  """Every benchmark program parses absl flags: a bad value is one line, `error: ...`, exit status 1, nothing
+  written (the programs run in an empty directory)."""
+  proc = subprocess.run([sys.executable, "-m", f"benchmarks.{program}", *argv], cwd=tmp_path, capture_output=True,
+                        text=True, timeout=300, env=dict(os.environ, PYTHONPATH=REPO, TRANSFORMER_JAX_HUGE_PAGES="0"))
+  assert proc.returncode == 1 and proc.stderr.startswith("error: "), proc.stderr[-2000:]
+  assert len(proc.stderr.strip().splitlines()) == 1 and message in proc.stderr
+  assert list(tmp_path.iterdir()) == []
+
+
+def test_the_suite_starts_each_section_with_its_flags():
+  """`run.py` starts `python -m benchmarks.sections --section=NAME ...`: every flag it passes is one the
+  sections program defines (absl refuses unknown ones), for the quick and the full suite."""
+  from benchmarks import run, sections
+  names = set()
+  section_names = [s for s in run.ALL_SECTIONS if not s.startswith("peers_")]
+  argvs = [run.section_args(s, quick) for s in section_names for quick in (True, False)]
+  argvs += [run.peer_args(p, k, f, q) for p in ("tiny", "base") for k in run.PEER_KINDS for f in run.PEER_FRAMEWORKS
+            for q in (True, False)]
+  for argv in argvs:
+    assert argv[0].startswith("--section=") and argv[0].split("=")[1] in sections.SECTIONS, argv
+    names |= {a[2:].split("=")[0] for a in argv}
+  code = "from absl import flags; from benchmarks import sections; sections.define_flags(); print(*flags.FLAGS)"
+  defined = set(subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True,
+                               timeout=300, env=dict(os.environ, PYTHONPATH=REPO)).stdout.split())
+  assert names <= defined, names - defined

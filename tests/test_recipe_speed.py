@@ -16,9 +16,11 @@ import pytest
 from etils import epath
 
 from benchmarks import recipe_speed
+from experiments.configs import multi30k
 from transformer_jax.data import pipeline
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RECIPE = "experiments/configs/multi30k.py"
 TINY = "model.d_model=32,model.d_ff=64,model.num_heads=2,model.num_encoder_layers=1,model.num_decoder_layers=1"
 
 
@@ -51,11 +53,13 @@ def test_parse_variant():
       recipe_speed.parse_variant(bad)
 
 
+def _compare(workdir, *variants, rounds=1, steps_per_round=1, batches=1):
+  recipe_speed.compare(str(workdir), multi30k.get_config(), RECIPE, list(variants), rounds, steps_per_round, batches)
+
+
 def test_variants_are_timed_side_by_side(workdir, capsys):
-  rc = recipe_speed.main([f"--workdir={workdir}", "--rounds=1", "--steps_per_round=2", "--batches=2",
-                          f"--variant=rows 32:{TINY},data.max_len=32,data.tokens_per_batch=256",
-                          f"--variant=rows 64:{TINY},data.max_len=64,data.tokens_per_batch=512"])
-  assert rc == 0
+  _compare(workdir, f"rows 32:{TINY},data.max_len=32,data.tokens_per_batch=256",
+           f"rows 64:{TINY},data.max_len=64,data.tokens_per_batch=512", steps_per_round=2, batches=2)
   lines = capsys.readouterr().out.strip().splitlines()
   assert lines[0].split()[0] == "variant" and len(lines) == 3
   assert lines[1].startswith("rows 32") and " 1.00x " in lines[1]  # the first variant is the reference
@@ -66,20 +70,18 @@ def test_variants_are_timed_side_by_side(workdir, capsys):
 
 def test_each_variant_runs_on_its_own_number_of_devices(workdir, capsys):
   """The recipe splits its batches over 2 host devices (num_cpu_devices); a variant can ask for 1."""
-  rc = recipe_speed.main([f"--workdir={workdir}", "--rounds=1", "--steps_per_round=1", "--batches=1",
-                          f"--variant=two:{TINY},data.max_len=32,data.tokens_per_batch=256",
-                          f"--variant=one:{TINY},data.max_len=32,data.tokens_per_batch=256,num_cpu_devices=0"])
-  assert rc == 0
+  _compare(workdir, f"two:{TINY},data.max_len=32,data.tokens_per_batch=256",
+           f"one:{TINY},data.max_len=32,data.tokens_per_batch=256,num_cpu_devices=0")
   lines = capsys.readouterr().out.strip().splitlines()[1:]
   assert [(line.split()[0], line.split()[2]) for line in lines] == [("two", "2"), ("one", "1")]
   # Same batches, same gradients: only the split differs, so the real tokens per batch are equal.
   assert lines[0].split()[-4] == lines[1].split()[-4]
 
 
-def test_a_variant_whose_rows_do_not_split_over_its_devices_is_refused(workdir, capsys):
-  rc = recipe_speed.main([f"--workdir={workdir}", f"--variant=odd:{TINY},data.max_len=32,data.tokens_per_batch=96"])
-  assert rc == 1
-  assert "packs 3 rows of data.max_len=32 slots, which do not split over the 2 devices" in capsys.readouterr().err
+def test_a_variant_whose_rows_do_not_split_over_its_devices_is_refused(workdir):
+  with pytest.raises(ValueError, match="packs 3 rows of data.max_len=32 slots, which do not split over the 2 "
+                     "devices"):
+    _compare(workdir, f"odd:{TINY},data.max_len=32,data.tokens_per_batch=96")
 
 
 @pytest.mark.parametrize("extra, message", [
@@ -88,6 +90,8 @@ def test_a_variant_whose_rows_do_not_split_over_its_devices_is_refused(workdir, 
     (["--variant=x:nowhere.d_model=1"], "'nowhere.d_model' is not in experiments/configs/multi30k.py"),
     (["--variant=x:data.max_len=long"], "max_len"),  # a value of another type than the key's
     (["--variant=no colon"], "expected NAME:KEY=VALUE"),
+    (["--rounds=0"], "--rounds"),  # absl's bound
+    (["--config.model.d_model=x"], "d_model"),  # an override of the recipe's config file, as experiments.train's
 ])
 def test_bad_variants_are_one_line_refusals(workdir, extra, message):
   before = sorted(p.name for p in workdir.rglob("*"))
@@ -100,4 +104,5 @@ def test_bad_variants_are_one_line_refusals(workdir, extra, message):
 
 
 def test_missing_workdir_is_a_one_line_refusal(tmp_path):
-  assert recipe_speed.main([f"--workdir={tmp_path / 'none'}"]) == 1
+  with pytest.raises(FileNotFoundError, match=r"none/data/train.ids does not exist or is incomplete"):
+    _compare(tmp_path / "none")
