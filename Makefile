@@ -1,6 +1,8 @@
 # Two entry points for a fresh machine with python3 >= 3.11:
 #   make train   set up .venv, train the built-in number-words task, translate a few sentences, print accuracy
 #   make test    set up .venv, run the test suite
+# and `make bench` (docs/performance.md): the benchmark suite, its absl flags in BENCH_ARGS, e.g.
+#   make bench BENCH_ARGS="--quick --sections=machine,decode --noflax --notorch"
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
