@@ -118,8 +118,15 @@ def test_validation_bleu_compares_lowercased_and_a_resume_cannot_change_the_case
   # An evaluator whose model writes the references lowercased, as a perfect case-folded model would.
   by_source = {s: t.lower() for s, t in pairs}
   monkeypatch.setattr(inference, "translate_texts", lambda p, m, tok, sources, **kw: [by_source[s] for s in sources])
-  evaluator = evaluators.BleuEvaluator(1, 0, 1, 0.6, run.model_config, run.data.tokenizer, run.data.eval_sets)
-  assert evaluator(None)["val/bleu"] == pytest.approx(100.0)
+  evaluator = evaluators.BleuEvaluator(1, 0, 1, 0.6, run.model_config, run.data.tokenizer, run.data.eval_sets,
+                                       samples=2)
+  evaluation = evaluator(None)
+  assert evaluation.metrics["val/bleu"] == pytest.approx(100.0)
+  # The evaluator returns its samples (the split's first pairs and their translations) and keeps nothing: a
+  # second call returns an equal, separate evaluation.
+  assert evaluation.samples == {"val": [(s, t, t.lower()) for s, t in pairs[:2]]}
+  again = evaluator(None)
+  assert again == evaluation and again.samples is not evaluation.samples
   run.writer.close()
 
   saved = (work / "config.json").read_bytes()

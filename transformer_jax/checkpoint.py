@@ -37,6 +37,7 @@ from etils import epath
 from orbax.checkpoint import checkpoint_managers as ocp_policies
 
 from transformer_jax.config import ModelConfig
+from transformer_jax.sharding import path_name
 from transformer_jax.training.optimizer import EMA_KEY
 from transformer_jax.training.steps import init_params
 from transformer_jax.workdir import absolute, to_jsonable
@@ -198,10 +199,6 @@ class CheckpointMismatchError(ValueError):
   """A checkpoint's tree (parameter names, shapes, dtypes) differs from the model it is restored into."""
 
 
-def _path_name(path) -> str:
-  return "/".join(str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path)
-
-
 def tree_signature(tree: PyTree) -> dict[str, tuple[tuple[int, ...], str]]:
   """`{"encoder/layer_0/.../kernel": (shape, dtype name)}` of the arrays of a tree, abstract tree or orbax metadata."""
 
@@ -211,7 +208,7 @@ def tree_signature(tree: PyTree) -> dict[str, tuple[tuple[int, ...], str]]:
   signature = {}
   for path, leaf in jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_leaf)[0]:
     if hasattr(leaf, "shape") and hasattr(leaf, "dtype"):
-      signature[_path_name(path)] = (tuple(int(d) for d in leaf.shape), np.dtype(leaf.dtype).name)
+      signature[path_name(path)] = (tuple(int(d) for d in leaf.shape), np.dtype(leaf.dtype).name)
   return signature
 
 

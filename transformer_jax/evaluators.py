@@ -3,10 +3,11 @@
     evaluators = make_evaluators(config, model_config=..., tokenizer=..., eval_sets=..., eval_step=..., mesh=...)
     for evaluator in evaluators:
       if itstime(step, evaluator.every_steps, total):
-        results.update(evaluator(params))      # {"<split>/<metric>": value}
+        evaluation = evaluator(params)         # Evaluation(metrics={"<split>/<metric>": value}, samples=...)
 
 Each is built with exactly what it needs (the model config, the eval splits, the compiled eval step and mesh,
-the tokenizer) and called with the parameters to score; `config.evals` lists them (`loss`, `attention`,
+the tokenizer), frozen, and called with the parameters to score: it returns what it found (`Evaluation`: the
+metrics and, for BLEU, sample translations) and keeps nothing. `config.evals` lists them (`loss`, `attention`,
 `bleu`), each with its own `every_steps` (0 = off). `logged_eval_metrics` and `check_best_metric` say which
 `<split>/<metric>` names they produce, for the trackers' HParams and for `checkpoint_best_metric`.
 """
@@ -26,7 +27,6 @@ from transformer_jax import diagnostics, metrics as metrics_lib, sharding
 from transformer_jax.config import ModelConfig
 from transformer_jax.data import batching, datasets as datasets_lib
 from transformer_jax.decoding import inference
-from transformer_jax.trackers import MetricWriter
 from transformer_jax.training import steps
 
 # The evaluator (a `config.evals` section) that computes each metric of `metrics_lib.METRIC_DIRECTIONS`.
@@ -34,13 +34,29 @@ METRIC_EVALUATORS = {"loss": "loss", "nll": "loss", "perplexity": "loss", "accur
                      "chrf": "bleu"}
 
 
+Sample = tuple[str, str, str]  # (source, reference, hypothesis) text
+
+
+@dataclasses.dataclass(frozen=True)
+class Evaluation:
+  """What evaluators return: `metrics` `{"<split>/<metric>": value}` and `samples` `{split: [(source, reference,
+  hypothesis), ...]}` (the BLEU evaluator's first translations of each split, for the trackers; {} otherwise)."""
+
+  metrics: dict[str, float]
+  samples: dict[str, list[Sample]] = dataclasses.field(default_factory=dict)
+
+  def merged(self, other: "Evaluation") -> "Evaluation":
+    """Both evaluations' metrics and samples (`other`'s win where a name or split repeats)."""
+    return Evaluation({**self.metrics, **other.metrics}, {**self.samples, **other.samples})
+
+
 class Evaluator(Protocol):
-  """Scores `params` on its eval splits; returns `{"<split>/<metric>": value}`."""
+  """Scores `params` on its eval splits; returns an `Evaluation` and keeps no state between calls."""
 
   name: str
   every_steps: int
 
-  def __call__(self, params: Any) -> dict[str, float]:
+  def __call__(self, params: Any) -> Evaluation:
     ...
 
 
@@ -58,13 +74,14 @@ def within_position_table(eval_set: datasets_lib.EvalSet, model_config: ModelCon
   return [eval_set.sources[i] for i in keep], [eval_set.targets[i] for i in keep]
 
 
-def _per_split(eval_sets: Mapping[str, datasets_lib.EvalSet], score) -> dict[str, float]:
-  """`{"<split>/<metric>": value}` from `score(split, eval_set) -> {metric: value}` over the splits in order."""
-  return {f"{split}/{metric}": value for split, eval_set in eval_sets.items()
-          for metric, value in score(split, eval_set).items()}
+def _per_split(eval_sets: Mapping[str, datasets_lib.EvalSet], score) -> Evaluation:
+  """The metrics `{"<split>/<metric>": value}` of `score(split, eval_set) -> {metric: value}` over the splits in
+  order."""
+  return Evaluation({f"{split}/{metric}": value for split, eval_set in eval_sets.items()
+                     for metric, value in score(split, eval_set).items()})
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class LossEvaluator:
   """Token-weighted loss, NLL, perplexity and accuracy over each whole eval split (teacher forcing), summed by
   `eval_step` (`factories.make_eval_step`: `(params, batch) -> sums`) over batches of `tokens_per_batch`
@@ -79,7 +96,7 @@ class LossEvaluator:
   rules: tuple = sharding.LOGICAL_AXIS_RULES
   name: str = "loss"
 
-  def __call__(self, params: Any) -> dict[str, float]:
+  def __call__(self, params: Any) -> Evaluation:
     return _per_split(self.eval_sets, lambda split, eval_set: self.score(params, split, eval_set))
 
   def score(self, params: Any, split: str, eval_set: datasets_lib.EvalSet) -> dict[str, float]:
@@ -100,11 +117,11 @@ class LossEvaluator:
     return metrics
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class BleuEvaluator:
   """sacreBLEU and chrF of translations (beam search, `beam_size`, length penalty `alpha`) of the first
   `max_examples` pairs (0 = all) of each eval split; the first `samples` (source, reference, hypothesis) of
-  each split wait in `samples_by_split` for the trackers (`write_samples`)."""
+  each split are returned with them (`Evaluation.samples`) for the trackers."""
 
   every_steps: int
   max_examples: int
@@ -116,24 +133,30 @@ class BleuEvaluator:
   samples: int = 0
   target_lang: str = ""  # BLEU's tokenizer follows it as sacreBLEU's does (`metrics.bleu_metric`)
   name: str = "bleu"
-  samples_by_split: dict = dataclasses.field(default_factory=dict)
 
-  def __call__(self, params: Any) -> dict[str, float]:
-    return _per_split(self.eval_sets, lambda split, eval_set: self.score(params, split, eval_set))
+  def __call__(self, params: Any) -> Evaluation:
+    metrics, samples = {}, {}
+    for split, eval_set in self.eval_sets.items():
+      scores, rows = self.score(params, split, eval_set)
+      metrics.update({f"{split}/{metric}": value for metric, value in scores.items()})
+      if rows:
+        samples[split] = rows
+    return Evaluation(metrics, samples)
 
-  def score(self, params: Any, split: str, eval_set: datasets_lib.EvalSet) -> dict[str, float]:
-    """`{bleu, chrf}` of one split (sacreBLEU's 0-100 scale)."""
+  def score(self, params: Any, split: str,
+            eval_set: datasets_lib.EvalSet) -> tuple[dict[str, float], list[Sample]]:
+    """`{bleu, chrf}` of one split (sacreBLEU's 0-100 scale) and its first `samples` translations."""
     pairs = eval_set.pairs[: self.max_examples or None]
     hyps = inference.translate_texts(params, self.model_config, self.tokenizer, [s for s, _ in pairs],
                                      beam_size=self.beam_size, alpha=self.alpha)
     scores = metrics_lib.sacrebleu_scores(hyps, [t for _, t in pairs], lowercase=self.tokenizer.lowercase,
                                            target_lang=self.target_lang)
     logging.info("BLEU %s: %.2f (chrF %.2f) %s", split, scores["bleu"], scores["chrf"], scores["bleu_signature"])
-    self.samples_by_split[split] = [(s, t, h) for (s, t), h in zip(pairs[:self.samples], hyps)]
-    return {"bleu": scores["bleu"], "chrf": scores["chrf"]}
+    rows = [(s, t, h) for (s, t), h in zip(pairs[:self.samples], hyps)]
+    return {"bleu": scores["bleu"], "chrf": scores["chrf"]}, rows
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class AttentionEvaluator:
   """Per layer and head, the mean entropy of the attention distributions and the share of near-uniform heads.
 
@@ -147,7 +170,7 @@ class AttentionEvaluator:
   eval_sets: Mapping[str, datasets_lib.EvalSet]
   name: str = "attention"
 
-  def __call__(self, params: Any) -> dict[str, float]:
+  def __call__(self, params: Any) -> Evaluation:
     return _per_split(self.eval_sets, lambda split, eval_set: self.score(params, split, eval_set))
 
   def score(self, params: Any, split: str, eval_set: datasets_lib.EvalSet) -> dict[str, float]:
@@ -175,16 +198,6 @@ def make_evaluators(config: Any, *, model_config: ModelConfig, tokenizer: Any,
           AttentionEvaluator(evals.attention.every_steps, evals.attention.rows, model_config, eval_sets),
           BleuEvaluator(evals.bleu.every_steps, evals.bleu.max_examples, evals.bleu.beam_size, config.decode.alpha,
                         model_config, tokenizer, eval_sets, evals.bleu.samples, config.data.target_lang)]
-
-
-def write_samples(writer: MetricWriter, evaluators: list[Evaluator], step: int) -> None:
-  """Sends the sample translations the BLEU evaluator kept at `step` to the trackers, then forgets them."""
-  for evaluator in evaluators:
-    if isinstance(evaluator, BleuEvaluator):
-      for split, rows in evaluator.samples_by_split.items():
-        if rows:
-          writer.write_samples(step, split, rows)
-      evaluator.samples_by_split.clear()
 
 
 def logged_eval_metrics(config: Any) -> list[str]:

@@ -227,8 +227,10 @@ def replicated(mesh: Mesh) -> NamedSharding:
 # A state's placement
 # ----------------------------------------------------------------------------------------------------------
 
-def _path_name(path) -> str:
-  return "/".join(str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path)
+def path_name(path: Sequence[Any]) -> str:
+  """A pytree key path as `"encoder/layer_0/.../kernel"`: dict keys, attribute names and sequence indices joined
+  by "/" (`jax.tree_util.keystr`'s simple form), the names errors and checkpoint signatures use."""
+  return jax.tree_util.keystr(tuple(path), simple=True, separator="/")
 
 
 def check_divisible(abstract_tree: Any, shardings: Any) -> None:
@@ -240,7 +242,7 @@ def check_divisible(abstract_tree: Any, shardings: Any) -> None:
     for dim, (size, axes) in enumerate(zip(leaf.shape, tuple(sharding.spec) + (None,) * leaf.ndim)):
       ways = _axis_size(sharding.mesh, axes)
       if size % ways:
-        problems.append(f"{_path_name(path)} {tuple(leaf.shape)}: dimension {dim} ({size}) over mesh axis "
+        problems.append(f"{path_name(path)} {tuple(leaf.shape)}: dimension {dim} ({size}) over mesh axis "
                         f"{axes!r} ({ways} devices)")
 
   jax.tree_util.tree_map_with_path(check, abstract_tree, shardings)
@@ -429,7 +431,7 @@ def sharding_summary(tree: Any, max_lines: Optional[int] = None) -> str:
   def describe(path, leaf):
     if isinstance(leaf, jax.Array):
       spec = getattr(leaf.sharding, "spec", leaf.sharding)
-      lines.append(f"{_path_name(path)} {tuple(leaf.shape)} {spec}")
+      lines.append(f"{path_name(path)} {tuple(leaf.shape)} {spec}")
 
   jax.tree_util.tree_map_with_path(describe, tree)
   if max_lines is not None and len(lines) > max_lines:

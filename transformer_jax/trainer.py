@@ -254,13 +254,22 @@ def apply_budget(run: Run, program: Program, state: steps.TrainState, decision: 
 
 # The loop ---------------------------------------------------------------------------------------------------
 
-def evaluate(evaluators: list[evaluators_lib.Evaluator], params: Any, step: int, total: int) -> dict[str, float]:
-  """Runs the evaluators due at `step` of `total`; returns `{"<split>/<metric>": value}`."""
-  results = {}
+def evaluate(evaluators: list[evaluators_lib.Evaluator], params: Any, step: int,
+             total: int) -> evaluators_lib.Evaluation:
+  """Runs the evaluators due at `step` of `total`; returns their metrics and sample translations together."""
+  evaluation = evaluators_lib.Evaluation({})
   for evaluator in evaluators:
     if itstime(step, evaluator.every_steps, total):
-      results.update(evaluator(params))
-  return results
+      evaluation = evaluation.merged(evaluator(params))
+  return evaluation
+
+
+def write_evaluation(run: Run, step: int, evaluation: evaluators_lib.Evaluation) -> None:
+  """The one place an evaluation reaches the trackers: its metrics (metrics.jsonl too), then each split's
+  sample translations (`<split>/samples`)."""
+  run.writer.write(step, evaluation.metrics)
+  for split, rows in evaluation.samples.items():
+    run.writer.write_samples(step, split, rows)
 
 
 def _checkpoint_due(config: Any, step: int, last_save_time: float) -> bool:
@@ -345,10 +354,10 @@ def train(run: Run, start: Start, checkpointer: checkpoint_lib.Checkpointer, sto
     if itstime(step, config.log_every_steps, total):
       train_metrics = log.flush(step, total)
       run.writer.write(step, {f"train/{k}": v for k, v in train_metrics.items()})
-    new_eval = evaluate(evaluators, state.params, step, total)
+    evaluation = evaluate(evaluators, state.params, step, total)
+    new_eval = evaluation.metrics
     if new_eval:
-      run.writer.write(step, new_eval)
-      evaluators_lib.write_samples(run.writer, evaluators, step)
+      write_evaluation(run, step, evaluation)
       eval_metrics.update(new_eval)
       early_stop = bool(early) and early.update(step, new_eval, run.workdir.early_stopping_json if run.is_chief
                                                 else None)
