@@ -576,13 +576,6 @@ def peer_frameworks(needed: bool, flax: bool, torch: bool) -> tuple[list[str], l
   return frameworks, notes
 
 
-def _known_sections(names: list[str]) -> bool:
-  unknown = sorted(set(names) - set(ALL_SECTIONS))
-  if unknown:
-    raise flags.ValidationError(f"unknown sections {unknown}; of {','.join(ALL_SECTIONS)}")
-  return True
-
-
 def define_flags() -> None:
   """The program's flags (defined only when it runs as the program: tests import this module)."""
   flags.DEFINE_bool("quick", False, "smoke run: CPU preset only, few steps (~2-3 min)")
@@ -595,7 +588,7 @@ def define_flags() -> None:
   flags.DEFINE_string("from_json", "", "re-render the table, plots and doc from saved results")
   flags.DEFINE_enum("update_doc", "auto", ["auto", "yes", "no"],
                     "rewrite the table block of docs/performance.md (auto: full runs of every section)")
-  flags.register_validator("sections", _known_sections)
+  launch.check_list_choices("sections", ALL_SECTIONS)
 
 
 def measure(sections: list[str], quick: bool) -> dict:

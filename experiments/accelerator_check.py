@@ -348,19 +348,12 @@ def format_row(row: Row) -> str:
 FLAGS = flags.FLAGS
 
 
-def _known_sections(names: list[str]) -> bool:
-  unknown = sorted(set(names) - set(SECTIONS))
-  if unknown:
-    raise flags.ValidationError(f"unknown sections {unknown}; of {','.join(SECTIONS)}")
-  return True
-
-
 def define_flags() -> None:
   """The program's flags (defined only when it runs as the program: tests import this module)."""
   flags.DEFINE_bool("tiny", False, "CPU sizes (automatic when JAX sees only CPUs)")
   flags.DEFINE_string("output", "", "JSON path; default runs/accelerator_check/<platform>-<time>.json")
   flags.DEFINE_list("skip", [], f"comma-separated sections to skip, of {','.join(SECTIONS)}")
-  flags.register_validator("skip", _known_sections)
+  launch.check_list_choices("skip", SECTIONS)
 
 
 @program_common.program

@@ -8,7 +8,7 @@ buffers happens earlier, when Python imports the package to run the program (`ex
 import os
 import sys
 import traceback
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import jax
 from absl import app, flags
@@ -153,6 +153,17 @@ def check_output_files(*flag_names: str) -> None:
   for name in flag_names:
     flags.register_validator(name, _writable_file_path,
                              message=f"--{name} must name a file to write (it is a directory, or under a file)")
+
+
+def check_list_choices(name: str, choices: Sequence[str]) -> None:
+  """Registers an absl validator: each item of the list flag `name` must be one of `choices` (the refusal names
+  the unknown ones and lists the choices)."""
+  def validator(values: list[str] | None) -> bool:
+    unknown = sorted(set(values or ()) - set(choices))
+    if unknown:
+      raise flags.ValidationError(f"unknown {unknown}; of {','.join(choices)}")
+    return True
+  flags.register_validator(name, validator)
 
 
 def run(main: Callable[[list[str]], Any]) -> None:

@@ -83,4 +83,4 @@ def test_an_unknown_section_to_skip_is_one_line(tmp_path):
                           capture_output=True, text=True, timeout=300)
   assert result.returncode == 1 and result.stderr.startswith("error: flag --skip=")  # absl flags, one line
   assert len(result.stderr.strip().splitlines()) == 1 and result.stderr.strip().endswith(
-      "unknown sections ['gpu']; of devices,matmul,train,attention,decode,number_words,checkpoint")
+      "unknown ['gpu']; of devices,matmul,train,attention,decode,number_words,checkpoint")

@@ -188,7 +188,7 @@ def test_torch_plain_batch_has_the_causal_mask_only():
 
 
 @pytest.mark.parametrize("program, argv, message", [
-    ("run", ["--sections=machine,bogus"], "unknown sections ['bogus']; of machine,train_tiny,"),
+    ("run", ["--sections=machine,bogus"], "unknown ['bogus']; of machine,train_tiny,"),
     ("sections", ["--section=nothing", "--out=x.json"], "--section"),
     ("sections", ["--section=scaling", "--out=x.json", "--lengths=64,long"], "comma-separated integers expected"),
     ("long_inputs", ["--mode=full", "--length=0", "--out=x.json"], "--length"),
