@@ -157,6 +157,7 @@ def define_flags() -> None:
   """The program's flags (defined only when it runs as the program: tests import this module)."""
   flags.DEFINE_string("workdir", None, "a run whose data/train.ids/ and config.json to use")
   launch.define_config_flag(DEFAULT_CONFIG, "the recipe's config file the variants override (default: Multi30k)")
+  flags.declare_key_flag("config")  # defined by launch: listed by this program's --help
   flags.DEFINE_multi_string("variant", [], "NAME:KEY=VALUE,... (repeatable; the first is the reference)")
   flags.DEFINE_integer("rounds", 3, "interleaved rounds", lower_bound=1)
   flags.DEFINE_integer("steps_per_round", 4, "timed steps per variant and round", lower_bound=1)
