@@ -30,7 +30,6 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-
 from absl import flags  # noqa: E402
 
 from benchmarks import common  # noqa: E402

@@ -113,8 +113,9 @@ def define_flags() -> None:
                     "profile the train step (default) or a decoding batch")
   flags.DEFINE_integer("sources", 64, "decoding: sources in the batch")
   flags.DEFINE_integer("bucket", 16, "decoding: their padded source length")
-  flags.DEFINE_integer("fixed_len", 0, "decoding: every output exactly this long (`common.fixed_length_search`, the "
-                       "searches of the fixed-shape CTranslate2 comparison); 0: translate_ids' search, capped at len+50")
+  flags.DEFINE_integer("fixed_len", 0, "decoding: every output exactly this long (`common.fixed_length_search`, "
+                       "the searches of the fixed-shape CTranslate2 comparison); 0: translate_ids' search, capped at "
+                       "len+50")
   flags.DEFINE_integer("top", 15, "rows of each printed ranking")
   flags.DEFINE_string("trace_dir", "", "keep the raw trace here (default: a temporary directory)")
 
