@@ -236,7 +236,8 @@ def _x(x, digits=2):
   return "n/a" if x is None or x != x else f"{x:.{digits}f}x"
 
 
-def render(results: dict) -> str:
+def _render_machine(results: dict) -> list[str]:
+  """Section 1: the machine and its matmul rate."""
   lines = []
   m = results.get("machine", {})
   info = m.get("machine", {})
@@ -252,7 +253,12 @@ def render(results: dict) -> str:
     for n, v in m["matmul"].items():
       lines.append(f"| {n}x{n} | {_g(v['median_flops'] / 1e9)} | {_g(v['max_flops'] / 1e9)} |")
     lines.append("")
+  return lines
 
+
+def _render_training(results: dict) -> list[str]:
+  """Section 2: the trainer's step per preset, then the ablations."""
+  lines = []
   trains = [(k, v) for k, v in results.items() if k.startswith("train_") and "jax" in v]
   if trains:
     lines += ["**2. Training** (the trainer's own compiled step, `factories.make_train_step`, on packed multi30k "
@@ -305,7 +311,12 @@ def render(results: dict) -> str:
                else "-" for _, t in trains]
       lines.append(f"| {n} | " + " | ".join(cells) + " |")
     lines.append("")
-  lines += render_peers(results)
+  return lines
+
+
+def _render_huge_pages(results: dict) -> list[str]:
+  """The tiny step without huge pages against the same with them."""
+  lines = []
   h, tiny = results.get("hugepages_off", {}), results.get("train_tiny", {})
   if "jax" in h and "jax" in tiny:
     off, on = h["jax"]["baseline"], tiny["jax"]["baseline"]
@@ -315,8 +326,12 @@ def render(results: dict) -> str:
               f"{_pct(mfu_vs_machine(results, h))} vs {_pct(mfu_vs_machine(results, tiny))}. (Without huge "
               f"pages the in-process probe reads {_g(h['matmul_flops'] / 1e9)} vs {_g(tiny['matmul_flops'] / 1e9)} "
               "GFLOP/s: its 16 MB output is page-faulted too.)", ""]
+  return lines
 
-  d = results.get("decode", {})
+
+def _render_decoding(d: dict) -> list[str]:
+  """Section 4: greedy and beam 4 over the file, cached vs uncached, the toolkit."""
+  lines = []
   if "beam4" in d:
     lines += [f"**4. Decoding** ({d['preset']} preset, random init, {d['sources']} multi30k test2016 sources, "
               f"length {d['source_len']['min']}-{d['source_len']['max']} (mean {d['source_len']['mean']:.1f}), "
@@ -350,10 +365,12 @@ def render(results: dict) -> str:
                 + ", ".join(f"{name} {t['file_s'][name]:.1f}s = {_x(r)} beam 4"
                             + (f" (1-best output tokens {_x(toks[name])})" if name in toks else "")
                             for name, r in t["ratios"].items()) + ".", ""]
+  return lines
 
-  lines += _render_ctranslate2(results.get("ctranslate2", {}))
 
-  s = results.get("scaling", {})
+def _render_scaling(s: dict) -> list[str]:
+  """Section 5: step time vs row length and vs tokens per batch."""
+  lines = []
   if "points" in s:
     lines += [f"**5. Scaling** ({s['preset']} preset, packed multi30k, step time relative to the first row)", "",
               "| sweep | row length | tokens/batch | rows | step | step rel. | analytic FLOPs rel. | "
@@ -364,9 +381,15 @@ def render(results: dict) -> str:
                    f"{_pct(p['attention_share_flops'])} | {_g(p['target_tokens_per_s'])} | "
                    f"{_pct(p['mfu_vs_matmul'])} |")
     lines.append("")
+  return lines
 
-  lines += render_long_inputs(results.get("long_inputs", {}))
-  lines += targets(results)
+
+def render(results: dict) -> str:
+  """The benchmark's Markdown report: one block per section that `results` holds, then the targets."""
+  lines = [*_render_machine(results), *_render_training(results), *render_peers(results),
+           *_render_huge_pages(results), *_render_decoding(results.get("decode", {})),
+           *_render_ctranslate2(results.get("ctranslate2", {})), *_render_scaling(results.get("scaling", {})),
+           *render_long_inputs(results.get("long_inputs", {})), *targets(results)]
   return "\n".join(lines)
 
 

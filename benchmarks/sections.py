@@ -378,10 +378,97 @@ def _toolkit_ratios(times: dict, beam4_times: list, tokens: dict, beam4_tokens: 
                   "tokens / plain beam 4's (the work differs by that much besides the per-step cost)"}
 
 
-def decode(args) -> dict:
-  from flax import linen as nn
+def _cached_vs_uncached(params, cfg, sources: list, args, file_s: dict) -> tuple[dict, dict]:
+  """Cached vs uncached decoding on `args.subset` middle-length sources in one batch, exactly `args.gen_len`
+  decoder steps each (no early stop): `(cache figures per search, whether both gave the same tokens)`; the
+  uncached time of the whole file is extrapolated from `file_s` {search: cached file seconds}."""
   from transformer_jax import decoding as decode_lib
   from transformer_jax.decoding import inference
+
+  subset = sorted(sources, key=len)[len(sources) // 2 - args.subset // 2:][:args.subset]
+  bucket = inference.length_bucket(max(len(s) for s in subset))
+  inputs = np.zeros((len(subset), bucket), np.int32)
+  for r, s in enumerate(subset):
+    inputs[r, :len(s)] = s
+  inputs = jnp.asarray(inputs)
+  length = args.gen_len
+
+  def search_fn(search, cached):  # a fresh jit per variant (the library's jits would share one cache entry)
+    if search == "greedy":
+      return jax.jit(lambda p, x: decode_lib.greedy_search(p, cfg, x, length, cached=cached)[0])
+    return jax.jit(lambda p, x: decode_lib.beam_search(p, cfg, x, 4, 0.6, length, cached=cached,
+                                                       early_stop="none")[0])
+
+  fns = {(search, mode): search_fn(search, mode == "cached")
+         for search in ("greedy", "beam4") for mode in ("cached", "uncached")}
+  tokens = {key: np.asarray(fn(params, inputs)) for key, fn in fns.items()}  # compiles
+  same_tokens = {search: bool((tokens[(search, "cached")] == tokens[(search, "uncached")]).all())
+                               for search in ("greedy", "beam4")}
+  times = {key: [] for key in fns}
+  for _ in range(args.rounds):
+    for key, fn in fns.items():
+      times[key].append(_timed(lambda: jax.block_until_ready(fn(params, inputs)))[1])
+  cache = {"subset_sources": len(subset), "bucket": bucket, "output_len": length,
+                  "note": "every hypothesis runs exactly output_len steps (early_stop='none'; greedy: "
+                          "an untrained model rarely emits EOS)"}
+  for search in ("greedy", "beam4"):
+    c_t, u_t = times[(search, "cached")], times[(search, "uncached")]
+    cached, uncached = common.median(c_t), common.median(u_t)
+    ratio = common.median([u / c for c, u in zip(c_t, u_t)])
+    cache[search] = {"cached_s": cached, "uncached_s": uncached, "speedup": ratio,
+                            "cached_tokens_per_s": len(subset) * length / cached,
+                            "uncached_tokens_per_s": len(subset) * length / uncached,
+                            "file_uncached_s_extrapolated": file_s[search] * ratio}
+  _log(f"[decode] cached vs uncached: greedy x{cache['greedy']['speedup']:.1f} "
+       f"beam4 x{cache['beam4']['speedup']:.1f}; same tokens: {same_tokens}")
+  return cache, same_tokens
+
+
+def _time_searches(params, cfg, sources: list, args, n_batches: int, run_encoder, probe) -> dict:
+  """Greedy and beam 4 over the file (`inference.translate_ids`: a first pass that compiles, then
+  `args.rounds` interleaved rounds with the decoding toolkit, the encoder alone and the matmul probe):
+  `{"searches": {beam: ...}, "toolkit": (times, tokens), "encoder": times, "matmul": rates}`."""
+  from transformer_jax.decoding import inference
+
+  searches = {}
+  for beam in (1, 4):
+    before = inference.compilation_count()
+    (outputs, first_s) = _timed(lambda: inference.translate_ids(
+        params, cfg, sources, beam_size=beam, extra_len=args.extra_len, max_tokens_per_batch=args.max_tokens))
+    searches[beam] = {"first_pass_s": first_s, "compilations_first_pass": inference.compilation_count() - before,
+                      "batches": n_batches, "output_tokens": int(sum(len(o) + 1 for o in outputs)),
+                      "times": [], "compilations_later_passes": 0}
+    _log(f"[decode] beam {beam}: first pass {first_s:.1f}s, "
+         f"{searches[beam]['compilations_first_pass']} compilations for {n_batches} batches")
+
+  toolkit, toolkit_tokens = _toolkit_searches(params, cfg, sources, args)
+  toolkit_times = {name: [] for name in toolkit}
+
+  enc_times, matmul = [], []
+  for r in range(args.rounds):
+    matmul.append(probe.rate(2))
+    for name, fn in toolkit.items():
+      toolkit_times[name].append(_timed(fn)[1])
+    for beam, s in searches.items():
+      before = inference.compilation_count()
+      _, t = _timed(lambda: inference.translate_ids(params, cfg, sources, beam_size=beam,
+                                                   extra_len=args.extra_len,
+                                                   max_tokens_per_batch=args.max_tokens))
+      s["times"].append(t)
+      s["compilations_later_passes"] += inference.compilation_count() - before
+    enc_times.append(_timed(run_encoder)[1])
+    _log(f"[decode] round {r + 1}/{args.rounds}: greedy {searches[1]['times'][-1]:.2f}s "
+         f"beam4 {searches[4]['times'][-1]:.2f}s encoder {enc_times[-1]:.3f}s")
+
+  return {"searches": searches, "toolkit": (toolkit_times, toolkit_tokens), "encoder": enc_times,
+          "matmul": matmul}
+
+
+def decode(args) -> dict:
+  """Greedy and beam 4 over the test sources with the library's `translate_ids` (a random base/tiny model):
+  sentences and tokens/s, compilations, the encoder's share, the decoding toolkit against plain beam 4, and
+  cached vs uncached decoding."""
+  from flax import linen as nn
   from transformer_jax.model import Transformer
   from transformer_jax.training.steps import init_params
 
@@ -408,35 +495,9 @@ def decode(args) -> dict:
     for b in enc_batches:
       encode(params, b).block_until_ready()
 
-  searches = {}
-  for beam in (1, 4):
-    before = inference.compilation_count()
-    (outputs, first_s) = _timed(lambda: inference.translate_ids(
-        params, cfg, sources, beam_size=beam, extra_len=args.extra_len, max_tokens_per_batch=args.max_tokens))
-    searches[beam] = {"first_pass_s": first_s, "compilations_first_pass": inference.compilation_count() - before,
-                      "batches": len(enc_batches), "output_tokens": int(sum(len(o) + 1 for o in outputs)),
-                      "times": [], "compilations_later_passes": 0}
-    _log(f"[decode] beam {beam}: first pass {first_s:.1f}s, "
-         f"{searches[beam]['compilations_first_pass']} compilations for {len(enc_batches)} batches")
-
-  toolkit, toolkit_tokens = _toolkit_searches(params, cfg, sources, args)
-  toolkit_times = {name: [] for name in toolkit}
-
-  enc_times, matmul = [], []
-  for r in range(args.rounds):
-    matmul.append(probe.rate(2))
-    for name, fn in toolkit.items():
-      toolkit_times[name].append(_timed(fn)[1])
-    for beam, s in searches.items():
-      before = inference.compilation_count()
-      _, t = _timed(lambda: inference.translate_ids(params, cfg, sources, beam_size=beam,
-                                                   extra_len=args.extra_len,
-                                                   max_tokens_per_batch=args.max_tokens))
-      s["times"].append(t)
-      s["compilations_later_passes"] += inference.compilation_count() - before
-    enc_times.append(_timed(run_encoder)[1])
-    _log(f"[decode] round {r + 1}/{args.rounds}: greedy {searches[1]['times'][-1]:.2f}s "
-         f"beam4 {searches[4]['times'][-1]:.2f}s encoder {enc_times[-1]:.3f}s")
+  timed = _time_searches(params, cfg, sources, args, len(enc_batches), run_encoder, probe)
+  searches, enc_times, matmul = timed["searches"], timed["encoder"], timed["matmul"]
+  toolkit_times, toolkit_tokens = timed["toolkit"]
 
   out["toolkit"] = _toolkit_ratios(toolkit_times, searches[4]["times"], toolkit_tokens, searches[4]["output_tokens"])
   _log(f"[decode] toolkit vs beam 4: {', '.join(f'{k} x{v:.2f}' for k, v in out['toolkit']['ratios'].items())}")
@@ -452,43 +513,8 @@ def decode(args) -> dict:
                 "compilations_later_passes": s["compilations_later_passes"], "batches": s["batches"],
                 "first_pass_s": s["first_pass_s"], "encoder_share": enc_s / t, "times": s["times"]}
 
-  # Cached vs uncached on a subset: one batch, exactly `gen_len` decoder steps each (no early stop).
-  subset = sorted(sources, key=len)[len(sources) // 2 - args.subset // 2:][:args.subset]
-  bucket = inference.length_bucket(max(len(s) for s in subset))
-  inputs = np.zeros((len(subset), bucket), np.int32)
-  for r, s in enumerate(subset):
-    inputs[r, :len(s)] = s
-  inputs = jnp.asarray(inputs)
-  length = args.gen_len
-
-  def search_fn(search, cached):  # a fresh jit per variant (the library's jits would share one cache entry)
-    if search == "greedy":
-      return jax.jit(lambda p, x: decode_lib.greedy_search(p, cfg, x, length, cached=cached)[0])
-    return jax.jit(lambda p, x: decode_lib.beam_search(p, cfg, x, 4, 0.6, length, cached=cached,
-                                                       early_stop="none")[0])
-
-  fns = {(search, mode): search_fn(search, mode == "cached")
-         for search in ("greedy", "beam4") for mode in ("cached", "uncached")}
-  tokens = {key: np.asarray(fn(params, inputs)) for key, fn in fns.items()}  # compiles
-  out["cached_same_tokens"] = {search: bool((tokens[(search, "cached")] == tokens[(search, "uncached")]).all())
-                               for search in ("greedy", "beam4")}
-  times = {key: [] for key in fns}
-  for _ in range(args.rounds):
-    for key, fn in fns.items():
-      times[key].append(_timed(lambda: jax.block_until_ready(fn(params, inputs)))[1])
-  out["cache"] = {"subset_sources": len(subset), "bucket": bucket, "output_len": length,
-                  "note": "every hypothesis runs exactly output_len steps (early_stop='none'; greedy: "
-                          "an untrained model rarely emits EOS)"}
-  for search in ("greedy", "beam4"):
-    c_t, u_t = times[(search, "cached")], times[(search, "uncached")]
-    cached, uncached = common.median(c_t), common.median(u_t)
-    ratio = common.median([u / c for c, u in zip(c_t, u_t)])
-    out["cache"][search] = {"cached_s": cached, "uncached_s": uncached, "speedup": ratio,
-                            "cached_tokens_per_s": len(subset) * length / cached,
-                            "uncached_tokens_per_s": len(subset) * length / uncached,
-                            "file_uncached_s_extrapolated": out[search]["file_s"] * ratio}
-  _log(f"[decode] cached vs uncached: greedy x{out['cache']['greedy']['speedup']:.1f} "
-       f"beam4 x{out['cache']['beam4']['speedup']:.1f}; same tokens: {out['cached_same_tokens']}")
+  out["cache"], out["cached_same_tokens"] = _cached_vs_uncached(
+      params, cfg, sources, args, {search: out[search]["file_s"] for search in ("greedy", "beam4")})
   return out
 
 
