@@ -44,7 +44,6 @@ from typing import Callable
 
 import jax
 import jax.numpy as jnp
-import ml_collections
 import numpy as np
 from flax import linen as nn
 
@@ -285,7 +284,7 @@ def number_words_row(plan: Plan) -> Row:
 
 
 def checkpoint_row(plan: Plan) -> Row:
-  mesh = sharding.mesh_from_config(ml_collections.ConfigDict(dict(data=-1, fsdp=1, tensor=1)))
+  mesh = sharding.mesh_from_config(sharding.MeshConfig(data=-1, fsdp=1, tensor=1))
   cfg = preset(plan, "base" if not plan.tiny else "tiny")
   built = common.build_train_step(common.train_config(cfg), mesh=mesh)
   with tempfile.TemporaryDirectory(prefix="accelerator_check_ckpt_") as directory:

@@ -30,11 +30,15 @@ RANKS = {
     "transformer_jax.sharding": 1,  # mesh, logical rules, placement, THE jit wrapper: knows only ModelConfig
     "transformer_jax.early_stopping": 2,  # the rule over a metric's values (metrics' direction table)
     "transformer_jax.model": 2,
+    "transformer_jax.training.schedule": 0.5,  # learning-rate schedule, cool-down, dropout stages: jax/optax only
+    "transformer_jax.decoding.mbr": 1.5,  # n-best selection by a sentence metric (metrics' BLEU), no model code
+    # the experiment schema: every key, its default, meaning and rule (ModelConfig, MeshConfig, the schedule's,
+    # trackers' and MBR's names nested); below everything that reads a typed config
+    "transformer_jax.experiment_config": 2.5,
     "transformer_jax.training": 3, "transformer_jax.visualize": 3, "transformer_jax.diagnostics": 3,
     # decoding, above the model: the model-agnostic searches, the Transformer's step, the toolkit's wrappers
     # over the step seam, the one compiled decoding that combines them, host-side inference on top
     "transformer_jax.decoding.search": 3, "transformer_jax.decoding.scoring": 3,  # scoring: the model only
-    "transformer_jax.decoding.mbr": 3,  # n-best selection by a sentence metric (metrics' BLEU), no model code
     "transformer_jax.decoding.step": 3.2,
     "transformer_jax.decoding.ensemble": 3.5, "transformer_jax.decoding.prefix": 3.5,
     "transformer_jax.decoding.alignment": 3.5, "transformer_jax.decoding.constraints": 3.5,

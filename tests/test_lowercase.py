@@ -13,6 +13,7 @@ from experiments.configs import default
 from transformer_jax import evaluators, metrics, trainer
 from transformer_jax.decoding import inference
 from transformer_jax.data import datasets, normalize, tokenizer as tok_lib
+from transformer_jax.experiment_config import ConfigError, ExperimentConfig
 
 GERMAN = ["Die Straße ist größer", "Fünf Äpfel für Müller", "Ein Café am Fluss", "ZWÖLF Öfen über Nacht"]
 ENGLISH = ["The street is bigger", "Five apples for Miller", "A café by the river", "TWELVE ovens overnight"]
@@ -132,5 +133,5 @@ def test_validation_bleu_compares_lowercased_and_a_resume_cannot_change_the_case
 def test_config_refuses_lowercasing_a_marian_vocabulary():
   config = default.get_config()
   config.data.update(dict(lowercase=True, tokenizer="marian"))
-  with pytest.raises(default.ConfigError, match="data.lowercase=True: needs data.tokenizer='sentencepiece'"):
-    default.validate(config)
+  with pytest.raises(ConfigError, match="data.lowercase=True: needs data.tokenizer='sentencepiece'"):
+    ExperimentConfig.from_config_dict(config)

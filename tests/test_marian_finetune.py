@@ -31,6 +31,7 @@ from transformer_jax.interop import marian  # noqa: E402
 from transformer_jax.model import Transformer  # noqa: E402
 from transformer_jax.training import eval_step, token_weights  # noqa: E402
 from transformer_jax.workdir import Workdir, write_json_atomically  # noqa: E402
+from transformer_jax.experiment_config import ExperimentConfig
 
 
 @pytest.fixture(scope="module")
@@ -211,7 +212,7 @@ def test_config_for_workdir_takes_the_imported_architecture(marian_dir, tmp_path
   assert factories.model_config_from(adopted, imported_config.vocab_size) == imported_config.replace(dropout_rate=0.3)
   assert adopted.data.tokenizer == "marian" and adopted.data.vocab_size == imported_config.vocab_size
   assert config.model.d_model == 128 and config.data.tokenizer == "sentencepiece"  # the caller's is untouched
-  default.validate(adopted)
+  ExperimentConfig.from_config_dict(adopted)
   # An explicit key that agrees is accepted; one that does not names itself.
   config.model.d_model = imported_config.d_model
   imported_workdir.config_for_workdir(config, workdir, explicit={"model.d_model"})

@@ -8,6 +8,7 @@ import pytest
 from experiments.configs import default
 from transformer_jax.data import datasets, pipeline, subword_sampling
 from transformer_jax.data import tokenizer as tok_lib
+from transformer_jax.experiment_config import ConfigError, ExperimentConfig
 
 EN = [f"the {a} {b} walks past {c} houses near the river" for a in ("young", "old", "tall", "small")
       for b in ("man", "woman", "dog", "child") for c in ("three", "seven", "many")]
@@ -140,5 +141,5 @@ def test_training_batches_sample_and_resume_exactly_and_evaluation_does_not(tmp_
 def test_config_refuses_unusable_sampling(overrides, message):
   config = default.get_config()
   config.data.update(overrides)
-  with pytest.raises(default.ConfigError, match=message):
-    default.validate(config)
+  with pytest.raises(ConfigError, match=message):
+    ExperimentConfig.from_config_dict(config)
