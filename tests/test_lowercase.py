@@ -5,6 +5,7 @@ The vocabulary is trained on lowercased text and stamped so; every `encode` lowe
 disagree are refused in one line, as is resuming a workdir with the other setting.
 """
 
+import dataclasses
 import json
 
 import pytest
@@ -94,7 +95,7 @@ def _config(tmp_path, lowercase=True):
 
 def test_training_pairs_are_lowercased_and_a_mismatched_vocabulary_is_refused(tmp_path):
   en, de = _corpus(tmp_path / "corpus")
-  cfg, work = _config(tmp_path).data, str(tmp_path / "w")
+  cfg, work = ExperimentConfig.from_config_dict(_config(tmp_path)).data, str(tmp_path / "w")
   data = datasets.build_datasets(cfg, work, seed=0)
   tok = data.tokenizer
   assert tok.lowercase
@@ -103,7 +104,8 @@ def test_training_pairs_are_lowercased_and_a_mismatched_vocabulary_is_refused(tm
   assert targets[3].tolist() == tok.encode(de[3].lower())
   assert data.eval_sets["val"].pairs[0] == (en[0], de[0])  # the texts stay as written; their ids are lowercased
   assert data.train.shards.manifest["normalization"] == normalize.signature(lowercase=True)
-  cfg.lowercase = False  # the same vocabulary (data.vocab_path of another run, or a changed flag) for a cased run
+  # the same vocabulary (data.vocab_path of another run, or a changed flag) for a cased run
+  cfg = dataclasses.replace(cfg, lowercase=False)
   with pytest.raises(tok_lib.VocabularyError, match=r"is a lowercased vocabulary but "
                                                     r"--config.data.lowercase=False") as error:
     datasets.open_tokenizer(cfg, work)

@@ -9,6 +9,7 @@ from experiments.configs import default
 from transformer_jax.data import datasets, pipeline, subword_sampling
 from transformer_jax.data import tokenizer as tok_lib
 from transformer_jax.experiment_config import ConfigError, ExperimentConfig
+from transformer_jax.experiment_config import DataConfig
 
 EN = [f"the {a} {b} walks past {c} houses near the river" for a in ("young", "old", "tall", "small")
       for b in ("man", "woman", "dog", "child") for c in ("three", "seven", "many")]
@@ -90,10 +91,8 @@ def _corpus_config(tmp_path, alpha):
   corpus.mkdir(exist_ok=True)
   for lang, lines in (("en", EN), ("de", DE)):
     (corpus / f"train.{lang}").write_text("\n".join(lines) + "\n", encoding="utf-8")
-  cfg = default.get_config().data
-  cfg.update(dict(dataset="parallel_text", builder_config="", dir=str(corpus), tfds_data_dir=str(tmp_path / "tfds"),
-                  vocab_size=120, eval_splits=(), max_len=64, tokens_per_batch=512, subword_alpha=alpha))
-  return cfg
+  return DataConfig(dataset="parallel_text", builder_config="", dir=str(corpus), tfds_data_dir=str(tmp_path / "tfds"),
+                    vocab_size=120, eval_splits=(), max_len=64, tokens_per_batch=512, subword_alpha=alpha)
 
 
 def read_pairs(batches):

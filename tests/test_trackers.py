@@ -19,11 +19,10 @@ from tensorboard.util import tensor_util
 
 import helpers
 from benchmarks import profile as profile_bench
-from experiments.configs import default
 from transformer_jax import evaluators, trackers, trainer
 from transformer_jax.data import sources
-from transformer_jax.workdir import Workdir
 from transformer_jax.experiment_config import ConfigError, ExperimentConfig
+from transformer_jax.workdir import Workdir
 
 wandb_pb2 = pytest.importorskip("wandb.proto.wandb_internal_pb2", reason="the wandb extra: pip install -e '.[wandb]'")
 

@@ -231,7 +231,8 @@ def _build(cls: type, values: Mapping[str, Any], prefix: str, *, strict: bool) -
         raise ConfigError(f"--config.model: {error}") from None
     elif dataclasses.is_dataclass(default):
       if not isinstance(value, Mapping):
-        raise ConfigError(f"--config.{prefix}{name}={value!r}: must be a section of keys, as in {type(default).__name__}")
+        raise ConfigError(f"--config.{prefix}{name}={value!r}: must be a section of keys "
+                          f"({type(default).__name__})")
       value = _build(type(default), value, f"{prefix}{name}.", strict=strict)
     fields[name] = _tuples(value)
   return cls(**fields)
