@@ -38,6 +38,7 @@ from experiments import launch
 from benchmarks import common
 from transformer_jax import run_checks, sharding
 from transformer_jax.data import pipeline
+from transformer_jax.experiment_config import ConfigError, ExperimentConfig
 from transformer_jax.workdir import Workdir
 
 
@@ -60,9 +61,10 @@ def parse_variant(text: str) -> tuple[str, dict]:
   return name.strip(), overrides
 
 
-def variant_config(config_module: str, vocab_size: int, overrides: dict):
-  """The recipe's config with `overrides` applied. Raises KeyError naming a key the config does not have,
-  TypeError for a value of another type than the key's."""
+def variant_config(config_module: str, vocab_size: int, overrides: dict) -> ExperimentConfig:
+  """The recipe's config with `overrides` applied, typed (`ExperimentConfig.from_config_dict`). Raises KeyError
+  naming a key the config does not have, TypeError for a value of another type than the key's, ConfigError for
+  a value its rule refuses."""
   config = importlib.import_module(f"experiments.configs.{config_module}").get_config()
   config.model.vocab_size = vocab_size
   for key, value in overrides.items():
@@ -73,7 +75,7 @@ def variant_config(config_module: str, vocab_size: int, overrides: dict):
     if not isinstance(node, ml_collections.ConfigDict) or leaf not in node:
       raise KeyError(f"--variant key {key!r} is not in experiments/configs/{config_module}.py")
     node[leaf] = value
-  return config
+  return ExperimentConfig.from_config_dict(config)
 
 
 def main(argv=None) -> int:
@@ -106,7 +108,7 @@ def main(argv=None) -> int:
   for name, overrides in variants:
     try:
       config = variant_config(args.config, vocab_size, overrides)
-    except (KeyError, TypeError) as e:
+    except (KeyError, TypeError, ConfigError) as e:
       print(f"error: {e.args[0]}", file=sys.stderr)
       return 1
     devices = max(config.num_cpu_devices, 1)

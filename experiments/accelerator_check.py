@@ -53,6 +53,7 @@ from experiments.configs import number_words
 from transformer_jax import checkpoint as checkpoint_lib
 from transformer_jax import sharding, trainer
 from transformer_jax.decoding import inference
+from transformer_jax.experiment_config import ExperimentConfig
 from transformer_jax.training.steps import init_params
 
 SECTIONS = ("devices", "matmul", "train", "attention", "decode", "number_words", "checkpoint")
@@ -269,6 +270,7 @@ def number_words_row(plan: Plan) -> Row:
     config.num_train_steps, config.warmup_steps, config.log_every_steps = 30, 10, 10
     config.evals.loss.every_steps = config.evals.attention.every_steps = 0
     config.checkpoint_every_steps, config.final_eval.max_examples = 0, 20
+  config = ExperimentConfig.from_config_dict(config)
   with tempfile.TemporaryDirectory(prefix="accelerator_check_") as workdir:
     start = time.perf_counter()
     result = trainer.train_and_evaluate(config, workdir)

@@ -107,10 +107,55 @@ def test_no_module_imports_one_above_it(module, path):
 
 
 def test_library_reads_config_attributes_not_defaults():
-  """Every config key lives in experiments/configs/default.py; the library never guesses one."""
+  """Every config key lives in the schema (transformer_jax/experiment_config.py); the library never guesses one."""
   offenders = [f"{p.name}:{i}" for p in PACKAGE.rglob("*.py")
                for i, line in enumerate(p.read_text().splitlines(), 1) if "config.get(" in line]
+  offenders += [f"{p.name}:{node.lineno}" for p in PACKAGE.rglob("*.py") for node in ast.walk(ast.parse(p.read_text()))
+                if _is_getattr_with_default_of_a_config(node)]
   assert not offenders, offenders
+
+
+def _is_getattr_with_default_of_a_config(node: ast.AST) -> bool:
+  """`getattr(<...config...>, "key", default)`: a default guessed for a config key (the `data.lowercase` slip)."""
+  return (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "getattr"
+          and len(node.args) == 3 and "config" in ast.unparse(node.args[0]))
+
+
+def test_the_getattr_default_check_finds_the_slip_it_names():
+  slip = ast.parse('bool(getattr(data_config, "lowercase", False))')
+  assert any(_is_getattr_with_default_of_a_config(n) for n in ast.walk(slip))
+  assert not any(_is_getattr_with_default_of_a_config(n) for n in ast.walk(ast.parse("getattr(config.evals, name)")))
+
+
+UNTYPED = ("Any", "typing.Any", "object")
+
+
+def _untyped_config_parameters(path: pathlib.Path):
+  """(function, parameter, line) of every parameter named `*config` that is unannotated or annotated `Any`."""
+  for node in ast.walk(ast.parse(path.read_text())):
+    if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+      args = node.args
+      for arg in [*args.posonlyargs, *args.args, *args.kwonlyargs, args.vararg, args.kwarg]:
+        if arg is not None and arg.arg.endswith("config") and (
+            arg.annotation is None or ast.unparse(arg.annotation) in UNTYPED):
+          yield getattr(node, "name", "<lambda>"), arg.arg, node.lineno
+
+
+def test_no_library_function_takes_an_untyped_config():
+  """A library function takes a typed config (`ExperimentConfig`, `DataConfig`, `MeshConfig`, `ModelConfig`),
+  never an untyped one (an `ml_collections.ConfigDict` or `Any`): the programs convert at their boundary
+  (`ExperimentConfig.from_config_dict`)."""
+  offenders = [f"{path.relative_to(PACKAGE.parent)}:{line} {function}({name})" for path in sorted(PACKAGE.rglob("*.py"))
+               for function, name, line in _untyped_config_parameters(path)]
+  assert not offenders, offenders
+
+
+def test_the_untyped_config_check_finds_what_it_names(tmp_path):
+  source = tmp_path / "m.py"
+  source.write_text("def a(config): ...\ndef b(data_config: Any): ...\ndef c(config: DataConfig, x: Any): ...\n"
+                    "f = lambda mesh_config: 0\n")
+  assert [(f, p) for f, p, _ in _untyped_config_parameters(source)] == [
+      ("a", "config"), ("b", "data_config"), ("<lambda>", "mesh_config")]
 
 
 def _trainer_uses(tree: ast.Module):
