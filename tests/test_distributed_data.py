@@ -69,6 +69,7 @@ def test_two_processes_read_disjoint_halves_of_every_epoch(prepared, tmp_path):
 _TRAIN = """
     import helpers
     from transformer_jax import trainer
+    from transformer_jax.experiment_config import ExperimentConfig
     from pathlib import Path
     tmp, steps = Path(sys.argv[3]), int(sys.argv[4])
     config = helpers.tiny_number_words_config(tmp)
@@ -80,7 +81,7 @@ _TRAIN = """
     config.evals.bleu.every_steps = 0
     config.evals.attention.every_steps = 0
     config.final_eval.split = ""
-    result = trainer.train_and_evaluate(config, sys.argv[5])
+    result = trainer.train_and_evaluate(ExperimentConfig.from_config_dict(config), sys.argv[5])
     leaves = jax.tree_util.tree_leaves(result.state.params)
     digest = hashlib.sha256(b"".join(np.asarray(x.addressable_data(0)).tobytes() for x in leaves)).hexdigest()
     print("RESULT " + json.dumps({"params_sha256": digest, "step": result.final_step}), flush=True)

@@ -15,8 +15,8 @@ import pytest
 
 from experiments.configs import default
 from transformer_jax import early_stopping, metrics
-from transformer_jax.workdir import Workdir
 from transformer_jax.experiment_config import ConfigError, ExperimentConfig
+from transformer_jax.workdir import Workdir
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RULE = ("validation/loss", 3, 0.0)

@@ -114,7 +114,7 @@ def test_training_pairs_are_lowercased_and_a_mismatched_vocabulary_is_refused(tm
 
 def test_validation_bleu_compares_lowercased_and_a_resume_cannot_change_the_case(tmp_path, monkeypatch):
   _corpus(tmp_path / "corpus")
-  config, work = _config(tmp_path), tmp_path / "run"
+  config, work = ExperimentConfig.from_config_dict(_config(tmp_path)), tmp_path / "run"
   trainer.train_and_evaluate(config, str(work))
   run = trainer.prepare(config, str(work))
   pairs = run.data.eval_sets["val"].pairs
@@ -126,7 +126,7 @@ def test_validation_bleu_compares_lowercased_and_a_resume_cannot_change_the_case
   run.writer.close()
 
   saved = (work / "config.json").read_bytes()
-  cased = _config(tmp_path, lowercase=False)
+  cased = ExperimentConfig.from_config_dict(_config(tmp_path, lowercase=False))
   with pytest.raises(ValueError, match="data.lowercase: saved True, requested False"):
     trainer.train_and_evaluate(cased, str(work))
   assert (work / "config.json").read_bytes() == saved

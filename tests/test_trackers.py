@@ -45,8 +45,7 @@ def _config(tmp_path):
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
   tmp_path = tmp_path_factory.mktemp("tracked")
-  config = _config(tmp_path)
-  ExperimentConfig.from_config_dict(config)
+  config = ExperimentConfig.from_config_dict(_config(tmp_path))
   os.environ["WANDB_MODE"] = "offline"  # nothing reaches a network
   try:
     result = trainer.train_and_evaluate(config, str(tmp_path / "run"))
@@ -173,7 +172,7 @@ def test_a_tracker_that_cannot_start_is_one_line_and_nothing_is_written(tmp_path
   pytest.importorskip("wandb").teardown()  # wandb keeps the settings of an earlier run of this process
   with pytest.raises(trackers.TrackerError, match=r"^--config.trackers includes 'wandb' but wandb.init failed: "
                      r"AuthenticationError: .*API key") as error:
-    trainer.train_and_evaluate(config, str(tmp_path / "run"))
+    trainer.train_and_evaluate(ExperimentConfig.from_config_dict(config), str(tmp_path / "run"))
   assert "\n" not in str(error.value)
   assert not (tmp_path / "run").exists()
 
