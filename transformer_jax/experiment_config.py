@@ -119,7 +119,7 @@ class FinalEvalConfig:
 
 @dataclasses.dataclass(frozen=True)
 class ExperimentConfig:
-  """Every key of a training run (`python -m experiments.train`); the field order is `default.py`'s of old."""
+  """Every key of a training run (`python -m experiments.train`), in the order default.py listed them."""
 
   seed: int = 0                        # parameter init, dropout and batch order
   # Model: every ModelConfig field (Transformer base, Table 3); vocab_size is set from the trained vocabulary.
