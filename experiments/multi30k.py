@@ -74,7 +74,7 @@ def score(params, model_config, tokenizer, sources, references, lc_references, d
   start = time.time()
   hyps = inference.translate_texts(params, model_config, tokenizer, sources, beam_size=decode_cfg.beam_size,
                                    alpha=decode_cfg.alpha, extra_len=decode_cfg.extra_len,
-                                   mbr_utility=decode_cfg.get("mbr_utility", ""), target_lang="de")
+                                   mbr_utility=decode_cfg.mbr_utility, target_lang="de")
   out = metrics.sacrebleu_scores(hyps, references, lowercase=tokenizer.lowercase, target_lang="de")
   out["lc_tok_bleu"] = metrics.lowercased_tokenized_bleu(hyps, lc_references, lang="de")
   out["decode_seconds"] = time.time() - start
@@ -201,7 +201,7 @@ def _regularisation_words(config, model_config) -> str:
 
 
 def _mbr_words(decode_cfg) -> str:
-  utility = decode_cfg.get("mbr_utility", "")
+  utility = decode_cfg.mbr_utility
   return f", the MBR choice from the {decode_cfg.beam_size}-best list ({utility} utility)" if utility else ""
 
 
