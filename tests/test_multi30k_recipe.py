@@ -49,7 +49,9 @@ def test_the_recipe_config_is_the_one_the_docs_report():
   assert -(-slowest_steps // config.evals.bleu.every_steps) >= 8  # every N steps, and the last
 
 
-@pytest.mark.parametrize("ema_decay", [0.999, 0.0])
+# The recipe's own decode (the moving average) runs in the default suite; the average of the last 5, the
+# other path, with the slow tests (the averaging itself: tests/test_checkpoint.py, tests/test_experiments.py).
+@pytest.mark.parametrize("ema_decay", [0.999, pytest.param(0.0, marks=pytest.mark.slow)])
 def test_shortened_recipe_end_to_end(multi30k_dir, tmp_path, ema_decay):
   """Both ways the recipe can decode test2016: the moving average of the weights (`ema_decay` > 0) or the
   average of the last checkpoints (0); one of them is the recipe's own."""
