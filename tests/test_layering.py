@@ -3,7 +3,8 @@
     trainer / interop -> trained -> factories / imported_workdir -> checkpoint -> evaluators / run_checks -> data
       -> decoding (inference -> generate -> ensemble / prefix / constraints / alignment -> step -> search)
       / training -> experiment_config -> model -> early_stopping -> attention (layer -> kvcache -> core)
-      / trackers / owner_lock / sharding / metrics / train_log -> dropout / config / workdir / profiling / multihost / stop_signal
+      / trackers / owner_lock / sharding / metrics / train_log -> dropout / config / workdir / profiling / multihost
+      / stop_signal
 """
 
 import ast
