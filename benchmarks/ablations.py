@@ -33,6 +33,7 @@ import jax.numpy as jnp
 
 from benchmarks import common
 from transformer_jax import model as model_lib
+from transformer_jax.experiment_config import ExperimentConfig
 from transformer_jax.training import steps
 
 VARIANTS = ("baseline", "flax_dropout", "autodiff_logits", "autodiff_loss", "unoptimized", "no_dropout")
@@ -79,13 +80,11 @@ def variant(name: str):
     yield
 
 
-def variant_config(name: str, config):
-  """`config` (a training ConfigDict) for variant `name`: a copy with P_drop = 0 for 'no_dropout'."""
+def variant_config(name: str, config: ExperimentConfig) -> ExperimentConfig:
+  """`config` for variant `name`: with P_drop = 0 for 'no_dropout'."""
   if name != "no_dropout":
     return config
-  config = config.copy_and_resolve_references()
-  config.model.dropout_rate = 0.0
-  return config
+  return dataclasses.replace(config, model=config.model.replace(dropout_rate=0.0))
 
 
 class _VariantStep:

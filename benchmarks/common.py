@@ -2,7 +2,7 @@
 
 Every timed JAX training step of the suite (training sections, ablations, profile, sharding, scaling) comes
 from `build_train_step`: the trainer's own `factories.create_state` + `factories.make_train_step` on a config
-made by `train_config` (`experiments/configs/default.py` plus the preset's sizes), on a one-device mesh
+made by `train_config` (the schema's defaults, `ExperimentConfig()`, plus the preset's sizes), on a one-device mesh
 or the caller's. `tests/test_benchmarks.py` proves it lowers to the program `python -m experiments.train`
 runs. Everything else here is host-side and cheap; the sections in `sections.py` do the measuring.
 """
@@ -22,11 +22,9 @@ from typing import Any, Callable, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
-import ml_collections
 import numpy as np
 from absl import flags
 
-from experiments.configs import default as default_config
 from transformer_jax import config as presets
 from transformer_jax import decoding, factories, sharding
 from transformer_jax.config import ModelConfig
@@ -34,6 +32,7 @@ from transformer_jax.data import number_words as nw
 from transformer_jax.data import pipeline
 from transformer_jax.data import tokenizer as tok_lib
 from transformer_jax.data.batching import filter_by_length
+from transformer_jax.experiment_config import DataConfig, ExperimentConfig
 from transformer_jax.training import steps
 
 PRESETS = {"tiny": presets.tiny, "base": presets.base, "big": presets.big}
@@ -55,16 +54,14 @@ def preset_config(preset: str, vocab_size: int, **overrides) -> ModelConfig:
   return PRESETS[preset](vocab_size=vocab_size, **overrides)
 
 
-def train_config(model_config: ModelConfig) -> ml_collections.ConfigDict:
-  """`experiments/configs/default.py` with `config.model` set to `model_config` (the preset's sizes).
+def train_config(model_config: ModelConfig) -> ExperimentConfig:
+  """The default experiment config (`ExperimentConfig()`, what `experiments/configs/default.py` holds) with
+  `config.model` set to `model_config` (the preset's sizes) and `data.vocab_size` to its vocabulary.
 
   Everything else (label smoothing 0.1, Adam(0.9, 0.98, 1e-9), the rsqrt schedule with 4000 warm-up steps,
   no gradient accumulation, seed 0) is the default recipe's, as `python -m experiments.train` would use it.
   """
-  config = default_config.get_config()
-  config.model.update(dataclasses.asdict(model_config))
-  config.data.vocab_size = model_config.vocab_size
-  return config
+  return ExperimentConfig(model=model_config, data=DataConfig(vocab_size=model_config.vocab_size))
 
 
 @dataclasses.dataclass
@@ -83,14 +80,14 @@ class TrainStep:
     return sharding.shard_batch(batch, self.mesh, self.rules)
 
 
-def build_train_step(config: ml_collections.ConfigDict, mesh: Optional[jax.sharding.Mesh] = None) -> TrainStep:
+def build_train_step(config: ExperimentConfig, mesh: Optional[jax.sharding.Mesh] = None) -> TrainStep:
   """The train state and compiled step the trainer builds for `config` (no checkpoint).
 
   `config.model.vocab_size` must be set (the trainer takes it from the tokenizer); `mesh` defaults to the
   one-device mesh. The same calls as the trainer: `factories.model_config_from`,
   `sharding.validate_model_for_mesh`, `factories.create_state` with the first half of
   `split(key(config.seed))`, `factories.make_train_step`. Raises what those raise (ValueError on a model that
-  does not divide over the mesh, on unknown `config.model` fields).
+  does not divide over the mesh).
   """
   mesh = sharding.single_device_mesh() if mesh is None else mesh
   model_config = factories.model_config_from(config, config.model.vocab_size)

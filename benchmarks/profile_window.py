@@ -24,10 +24,11 @@ from experiments import common as program_common
 from experiments import launch
 from experiments.configs import number_words
 from transformer_jax import trainer
+from transformer_jax.experiment_config import ExperimentConfig
 from transformer_jax.workdir import Workdir
 
 
-def tiny_config(steps: int, window: tuple[int, int] | tuple[()], tfds_dir: str):
+def tiny_config(steps: int, window: tuple[int, int] | tuple[()], tfds_dir: str) -> ExperimentConfig:
   config = number_words.get_config()
   config.data.builder_config, config.data.vocab_size, config.data.tfds_data_dir = "tiny", 128, tfds_dir
   config.data.tokens_per_batch = 512
@@ -36,7 +37,7 @@ def tiny_config(steps: int, window: tuple[int, int] | tuple[()], tfds_dir: str):
   config.evals.loss.every_steps = config.evals.attention.every_steps = 0
   config.checkpoint_every_steps, config.final_eval.split, config.async_checkpointing = 0, "", False
   config.profile_steps = window
-  return config
+  return ExperimentConfig.from_config_dict(config)
 
 
 def step_seconds(workdir: str) -> dict[int, float]:

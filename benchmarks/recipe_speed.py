@@ -39,6 +39,7 @@ from experiments import launch
 from benchmarks import common
 from transformer_jax import run_checks, sharding
 from transformer_jax.data import pipeline
+from transformer_jax.experiment_config import ExperimentConfig
 from transformer_jax.workdir import Workdir
 
 
@@ -61,9 +62,11 @@ def parse_variant(text: str) -> tuple[str, dict]:
   return name.strip(), overrides
 
 
-def variant_config(base: ml_collections.ConfigDict, config_file: str, vocab_size: int, overrides: dict):
-  """A copy of the recipe's config `base` (read from `config_file`) with `overrides` applied. Raises ValueError
-  naming a key the config does not have or a value of another type than the key's."""
+def variant_config(base: ml_collections.ConfigDict, config_file: str, vocab_size: int,
+                   overrides: dict) -> ExperimentConfig:
+  """A copy of the recipe's config `base` (read from `config_file`) with `overrides` applied, typed
+  (`ExperimentConfig.from_config_dict`). Raises ValueError naming a key the config does not have or a value of
+  another type than the key's, ConfigError (a ValueError) for a value its rule refuses."""
   config = copy.deepcopy(base)
   config.model.vocab_size = vocab_size
   for key, value in overrides.items():
@@ -77,7 +80,7 @@ def variant_config(base: ml_collections.ConfigDict, config_file: str, vocab_size
       node[leaf] = value
     except TypeError as error:
       raise ValueError(f"--variant key {key!r}: {error}") from None
-  return config
+  return ExperimentConfig.from_config_dict(config)
 
 
 def train_ids(workdir: str) -> tuple[pipeline.IdShards, int]:
@@ -92,7 +95,7 @@ def train_ids(workdir: str) -> tuple[pipeline.IdShards, int]:
   return shards, int(run_dir.require_config()["model"]["vocab_size"])
 
 
-def build_variant(name: str, config: ml_collections.ConfigDict, shards: pipeline.IdShards, batches: int) -> dict:
+def build_variant(name: str, config: ExperimentConfig, shards: pipeline.IdShards, batches: int) -> dict:
   """Variant `name`'s compiled step on its own mesh and `batches` of its own packed batches, after one step (which
   compiles). ValueError when its devices or rows do not fit this process."""
   devices = max(config.num_cpu_devices, 1)

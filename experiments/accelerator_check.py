@@ -43,7 +43,6 @@ from typing import Callable
 
 import jax
 import jax.numpy as jnp
-import ml_collections
 import numpy as np
 from absl import flags
 from flax import linen as nn
@@ -55,6 +54,7 @@ from experiments.configs import number_words
 from transformer_jax import checkpoint as checkpoint_lib
 from transformer_jax import sharding, trainer
 from transformer_jax.decoding import inference
+from transformer_jax.experiment_config import ExperimentConfig
 from transformer_jax.training.steps import init_params
 
 SECTIONS = ("devices", "matmul", "train", "attention", "decode", "number_words", "checkpoint")
@@ -271,6 +271,7 @@ def number_words_row(plan: Plan) -> Row:
     config.num_train_steps, config.warmup_steps, config.log_every_steps = 30, 10, 10
     config.evals.loss.every_steps = config.evals.attention.every_steps = 0
     config.checkpoint_every_steps, config.final_eval.max_examples = 0, 20
+  config = ExperimentConfig.from_config_dict(config)
   with tempfile.TemporaryDirectory(prefix="accelerator_check_") as workdir:
     start = time.perf_counter()
     result = trainer.train_and_evaluate(config, workdir)
@@ -286,7 +287,7 @@ def number_words_row(plan: Plan) -> Row:
 
 
 def checkpoint_row(plan: Plan) -> Row:
-  mesh = sharding.mesh_from_config(ml_collections.ConfigDict(dict(data=-1, fsdp=1, tensor=1)))
+  mesh = sharding.mesh_from_config(sharding.MeshConfig(data=-1, fsdp=1, tensor=1))
   cfg = preset(plan, "base" if not plan.tiny else "tiny")
   built = common.build_train_step(common.train_config(cfg), mesh=mesh)
   with tempfile.TemporaryDirectory(prefix="accelerator_check_ckpt_") as directory:

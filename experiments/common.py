@@ -9,16 +9,15 @@ import sys
 import time
 from typing import Any, Callable
 
-import ml_collections
 import tensorflow_datasets as tfds
 from absl import app
 from absl import logging as absl_logging
 
-from experiments.configs import default
 from transformer_jax import factories, metrics, trained, trainer
 from transformer_jax.data import parallel_text, sources
 from transformer_jax.data.tokenizer import VocabularyError
 from transformer_jax.decoding import inference
+from transformer_jax.experiment_config import ExperimentConfig
 from transformer_jax.train_log import NonFiniteLossError
 from transformer_jax.workdir import Workdir, write_json_atomically
 
@@ -112,22 +111,22 @@ def read_lines(path: str | None) -> list[str]:
   return parallel_text.read_lines(path) if path else parallel_text.decode_lines(sys.stdin.buffer, "<stdin>")
 
 
-def load_workdir_config(workdir: str) -> ml_collections.ConfigDict:
-  """The config a training run saved in its workdir, keys it predates at their defaults (default.py).
+def load_workdir_config(workdir: str) -> ExperimentConfig:
+  """The config a training run saved in its workdir, keys it predates at their defaults (the schema's).
 
   FileNotFoundError when the workdir holds no run.
   """
-  return trained.workdir_config(workdir, default.get_config())
+  return trained.workdir_config(workdir)
 
 
 def load_for_inference(workdir: str, checkpoint: str | None = None,
                        ema: bool | None = None) -> trained.TrainedModel:
-  """(model_config, params, tokenizer) of a trained workdir: `transformer_jax.trained.load` with the defaults of
-  default.py (see there for `checkpoint`, `ema` and the errors raised)."""
-  return trained.load(workdir, checkpoint, ema, defaults=default.get_config())
+  """(model_config, params, tokenizer) of a trained workdir: `transformer_jax.trained.load` (see there for
+  `checkpoint`, `ema` and the errors raised)."""
+  return trained.load(workdir, checkpoint, ema)
 
 
-def report_final_eval(config, workdir: str, result: trainer.TrainResult) -> dict:
+def report_final_eval(config: ExperimentConfig, workdir: str, result: trainer.TrainResult) -> dict:
   """Translates `final_eval.split` with `config.decode`, prints samples, exact match and BLEU; writes final_eval.json."""
   final = config.final_eval
   if not final.split or result.stopped_early:
@@ -140,7 +139,7 @@ def report_final_eval(config, workdir: str, result: trainer.TrainResult) -> dict
                                    result.datasets.tokenizer,
                                    [s for s, _ in pairs], beam_size=config.decode.beam_size,
                                    alpha=config.decode.alpha, extra_len=config.decode.extra_len,
-                                   mbr_utility=config.decode.get("mbr_utility", ""),
+                                   mbr_utility=config.decode.mbr_utility,
                                    target_lang=config.data.target_lang)
   seconds = time.time() - start
   lowercase = result.datasets.tokenizer.lowercase  # a case-folded vocabulary writes lowercase

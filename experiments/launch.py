@@ -16,7 +16,7 @@ from etils import epath
 from ml_collections import config_flags
 
 from experiments import huge_pages
-from experiments.configs import default
+from transformer_jax import experiment_config
 
 
 def _one_line(error: BaseException) -> str:
@@ -55,7 +55,7 @@ def _config_error_message(error: BaseException) -> str:
     key = _one_line(error).strip("\"'")
     given = [a for a in sys.argv[1:] if a.startswith("--config.") and key in a.split("=", 1)[0].split(".")]
     return (f"{given[0] if given else '--config.' + key}: the config has no such key; the keys are those of "
-            "experiments/configs/default.py")
+            "transformer_jax/experiment_config.py")
   if isinstance(error, SyntaxError):  # the --config file is not Python
     return f"--config={error.filename}:{error.lineno}: {error.msg} (a config file is Python defining get_config())"
   if isinstance(error, OSError) and "No such file or directory" in str(error):
@@ -83,7 +83,8 @@ def parse_flags(argv: list[str]) -> list[str]:
   """absl flag parsing whose every refusal is one line, `error: ...`, and exit status 1 (absl's own status).
 
   Beyond absl's checks (unknown flags, bad literals, validators): a `--config` file that cannot be loaded or an
-  override of a key that does not exist is named, and a loaded config is checked with `default.validate`.
+  override of a key that does not exist is named, and a loaded config is checked by converting it to the library's
+  `ExperimentConfig` (`from_config_dict`: every key's rule).
   Nothing has been written when this refuses. A config's `num_cpu_devices` is applied here
   (`set_cpu_devices`), before the program's first JAX operation.
   """
@@ -93,7 +94,7 @@ def parse_flags(argv: list[str]) -> list[str]:
     _refuse(_config_error_message(error))
   try:
     if "config" in flags.FLAGS and flags.FLAGS.config is not None:
-      default.validate(flags.FLAGS.config)
+      experiment_config.ExperimentConfig.from_config_dict(flags.FLAGS.config)
       set_cpu_devices(flags.FLAGS.config.get("num_cpu_devices", 0))
     return args
   except (flags.Error, AttributeError, KeyError, OSError, ValueError, TypeError) as error:
@@ -114,13 +115,13 @@ def set_cpu_devices(count: int) -> None:
 
 
 def check_flags(**flag_to_key: str) -> None:
-  """Registers absl validators: each named flag must satisfy the rule of its config key (`default.RULES`)."""
+  """Registers absl validators: each named flag must satisfy the rule of its config key (`experiment_config.RULES`)."""
   for flag, key in flag_to_key.items():
     def validator(value, flag=flag, key=key):
       if value is not None:
         try:
-          default.check_value(key, value, flag=f"--{flag}")
-        except default.ConfigError as error:
+          experiment_config.check_value(key, value, flag=f"--{flag}")
+        except experiment_config.ConfigError as error:
           raise flags.ValidationError(str(error)) from None
       return True
     flags.register_validator(flag, validator)

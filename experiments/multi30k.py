@@ -29,6 +29,7 @@ from benchmarks import common as bench_common
 from transformer_jax import checkpoint as checkpoint_lib
 from transformer_jax import factories, metrics, trainer, visualize
 from transformer_jax.decoding import inference
+from transformer_jax.experiment_config import ExperimentConfig
 from transformer_jax.data.parallel_text import read_lines
 from transformer_jax.workdir import Workdir, read_json, write_json_atomically
 
@@ -73,7 +74,7 @@ def score(params, model_config, tokenizer, sources, references, lc_references, d
   start = time.time()
   hyps = inference.translate_texts(params, model_config, tokenizer, sources, beam_size=decode_cfg.beam_size,
                                    alpha=decode_cfg.alpha, extra_len=decode_cfg.extra_len,
-                                   mbr_utility=decode_cfg.get("mbr_utility", ""), target_lang="de")
+                                   mbr_utility=decode_cfg.mbr_utility, target_lang="de")
   out = metrics.sacrebleu_scores(hyps, references, lowercase=tokenizer.lowercase, target_lang="de")
   out["lc_tok_bleu"] = metrics.lowercased_tokenized_bleu(hyps, lc_references, lang="de")
   out["decode_seconds"] = time.time() - start
@@ -93,9 +94,9 @@ def _read_test(data_dir: str, max_examples: int) -> tuple[list[str], list[str], 
 
 @common.program
 def main():
-  config = FLAGS.config
   if FLAGS.data_dir:
-    config.data.dir = FLAGS.data_dir
+    FLAGS.config.data.dir = FLAGS.data_dir
+  config = ExperimentConfig.from_config_dict(FLAGS.config)
   test_src, test_ref, test_lc = _read_test(config.data.dir, config.final_eval.max_examples)
   run_dir = Workdir(FLAGS.workdir)
   wall_start = _wall_clock_start(run_dir)
@@ -187,20 +188,20 @@ def _shape_words(shape: str) -> str:
 def _regularisation_words(config, model_config) -> str:
   """"dropout 0.1 (0.2 from step 2400), attention dropout 0.1, label smoothing 0.2, weight decay 0.1": the
   residual rate with its stages, the attention weights' rate and the decoupled weight decay where they are set."""
-  stages = "; ".join(f"{rate:g} from step {step}" for step, rate in config.get("dropout_schedule", ()))
+  stages = "; ".join(f"{rate:g} from step {step}" for step, rate in config.dropout_schedule)
   words = f"dropout {model_config.dropout_rate:g}" + (f" ({stages})" if stages else "")
   if model_config.attention_dropout_rate:
     words += f", attention dropout {model_config.attention_dropout_rate:g}"
   words += f", label smoothing {config.label_smoothing:g}"
-  if config.get("weight_decay", 0.0):
+  if config.weight_decay:
     words += f", weight decay {config.weight_decay:g}"
-  if config.get("ema_decay", 0.0):
+  if config.ema_decay:
     words += f", a moving average of the weights (decay {config.ema_decay:g})"
   return words
 
 
 def _mbr_words(decode_cfg) -> str:
-  utility = decode_cfg.get("mbr_utility", "")
+  utility = decode_cfg.mbr_utility
   return f", the MBR choice from the {decode_cfg.beam_size}-best list ({utility} utility)" if utility else ""
 
 
@@ -236,7 +237,7 @@ def run_markdown(path, curve, config, model_config, rows, summary) -> str:
             "`test_2016_flickr.lc.norm.tok.de`.", "",
             f"Wall time: **{summary['total_minutes']:.1f} min** in total from the recipe's first start in its "
             f"workdir (data preparation, training at {summary['steps_per_s']:.3f} steps/s with periodic "
-            f"validation, {'' if config.get('ema_decay', 0.0) else 'averaging and '}test decoding; a resumed or "
+            f"validation, {'' if config.ema_decay else 'averaging and '}test decoding; a resumed or "
             "re-scored run counts from the first start).",
             "", f"Validation at the end: {val}", "",
             f"Validation BLEU (greedy, cased sacreBLEU) by step: {bleu_by_step}", "",

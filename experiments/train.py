@@ -14,6 +14,7 @@ from ml_collections import config_flags
 
 from experiments import common, launch
 from transformer_jax import imported_workdir, trainer
+from transformer_jax.experiment_config import ExperimentConfig
 
 _DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs", "number_words.py")
 
@@ -26,7 +27,7 @@ flags.mark_flags_as_required(["workdir"])
 @common.program
 def main():
   # An imported model's workdir fixes the model and tokenizer; the flags given must agree with them.
-  config = imported_workdir.config_for_workdir(FLAGS.config, FLAGS.workdir,
+  config = imported_workdir.config_for_workdir(ExperimentConfig.from_config_dict(FLAGS.config), FLAGS.workdir,
                                                explicit=config_flags.get_override_values(FLAGS["config"]))
   result = trainer.train_and_evaluate(config, FLAGS.workdir)
   common.report_final_eval(config, FLAGS.workdir, result)

@@ -24,7 +24,7 @@ import time
 from absl import flags
 
 from experiments import common, launch
-from experiments.configs import default
+from transformer_jax import experiment_config
 from transformer_jax import checkpoint as checkpoint_lib
 from transformer_jax import metrics
 from transformer_jax.decoding import generate, inference, mbr
@@ -64,7 +64,7 @@ def _grid() -> tuple[list[int | str], list[int], list[float], list[str]]:
       except ValueError:
         wanted = "an integer" if kind is int else "a number"
         raise ValueError(f"--{flag}={','.join(values)}: {value!r} is not {wanted}") from None
-      default.check_value(key, out[-1], f"--{flag}")
+      experiment_config.check_value(key, out[-1], f"--{flag}")
     return out
 
   return (parse(FLAGS.average_last, int, "decode.average_last", "average_last", words=("ema",)),

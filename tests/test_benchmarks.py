@@ -6,7 +6,6 @@ step for the same config. Both must lower to the same StableHLO text, take the s
 numbers, and a changed config must change the program.
 """
 
-import copy
 import os
 import subprocess
 import sys
@@ -20,6 +19,7 @@ import pytest
 from benchmarks import ablations, common, flax_peer
 from experiments.configs import default, number_words
 from transformer_jax import factories, sharding, trainer
+from transformer_jax.experiment_config import ExperimentConfig
 
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -34,7 +34,7 @@ def _tiny_config(tmp_path):
   config.model.update(d_model=32, d_ff=64, num_heads=2, num_encoder_layers=1, num_decoder_layers=1,
                       dropout_rate=0.1)
   config.evals.loss.every_steps = 0
-  return config
+  return ExperimentConfig.from_config_dict(config)
 
 
 @pytest.fixture(scope="module")
@@ -53,9 +53,7 @@ def prepared(tmp_path_factory):
 
 def _bench_config(run):
   """The run's config as the benchmark gets it: `config.model.vocab_size` = the tokenizer's."""
-  config = copy.deepcopy(run.config)
-  config.model.vocab_size = run.model_config.vocab_size
-  return config
+  return run.config.replace(model=run.config.model.replace(vocab_size=run.model_config.vocab_size))
 
 
 def test_benchmark_lowers_the_program_the_trainer_runs(prepared):
@@ -86,11 +84,11 @@ def test_a_changed_config_changes_the_program(prepared, change):
   run, batch = prepared
   config = _bench_config(run)
   if change == "label_smoothing":
-    config.label_smoothing = 0.2
+    config = config.replace(label_smoothing=0.2)
   elif change == "warmup_steps":
-    config.warmup_steps = 301
+    config = config.replace(warmup_steps=301)
   else:
-    config.model.d_ff = 96
+    config = config.replace(model=config.model.replace(d_ff=96))
   bench = common.build_train_step(config, mesh=run.mesh)
   assert (bench.step.lower(bench.state, batch, bench.rng).as_text()
           != run.train_step.lower(run.state, batch, run.rng).as_text())
@@ -113,7 +111,7 @@ def test_train_config_is_the_default_recipe_with_the_presets_sizes():
   assert factories.model_config_from(config, 8000) == model_config
   for key in ("label_smoothing", "warmup_steps", "learning_rate", "adam_b1", "adam_b2", "adam_eps", "weight_decay",
               "grad_accum_steps", "seed"):
-    assert config[key] == reference[key], key
+    assert getattr(config, key) == reference[key], key
   with pytest.raises(ValueError, match="unknown preset 'huge'"):
     common.preset_config("huge", 8000)
 

@@ -10,6 +10,7 @@ import pytest
 
 from experiments.configs import default, number_words
 from transformer_jax import factories, trainer
+from transformer_jax.experiment_config import ExperimentConfig
 from transformer_jax.training import budget as budget_lib
 from transformer_jax.training import schedule as schedule_lib
 from transformer_jax.workdir import Workdir
@@ -24,7 +25,7 @@ def _config(**overrides):
   config = default.get_config()
   config.update(num_train_steps=5000, warmup_steps=800, cooldown_steps=1000, train_budget_minutes=10.0)
   config.update(overrides)
-  return config
+  return ExperimentConfig.from_config_dict(config)
 
 
 def test_decide_fits_the_steps_left_in_the_budget_at_the_measured_rate():
@@ -131,7 +132,7 @@ def _tiny_config(tmp_path, **overrides):
   config.evals.loss.every_steps = 20
   config.evals.attention.every_steps = 0
   config.update(overrides)
-  return config
+  return ExperimentConfig.from_config_dict(config)
 
 
 def _fake_clock(monkeypatch, seconds_at):

@@ -4,6 +4,7 @@ process 0, the id shards are written by both, each process reads a disjoint half
 (counted from the packed rows it trains on) and their union is every kept pair once; a kill -9 of both
 processes and a restart end bit-identical to an uninterrupted run."""
 
+import dataclasses
 import json
 import signal
 
@@ -16,12 +17,13 @@ from transformer_jax.data import records
 from transformer_jax.data.number_words import NumberWords
 
 _DATA = """
+    import dataclasses
     from experiments.configs import number_words
     from transformer_jax.data import datasets, pipeline
+    from transformer_jax.experiment_config import ExperimentConfig
     pipeline.SHARD_PAIRS = 500  # 4 shards of the tiny split: each process writes two
-    cfg = number_words.get_config().data
-    cfg.update(dict(builder_config="tiny", vocab_size=128, tfds_data_dir=sys.argv[3] + "/tfds", max_len=32,
-                    tokens_per_batch=16 * 32))
+    cfg = dataclasses.replace(ExperimentConfig.from_config_dict(number_words.get_config()).data, builder_config="tiny",
+                              vocab_size=128, tfds_data_dir=sys.argv[3] + "/tfds", max_len=32, tokens_per_batch=16 * 32)
     data = datasets.build_datasets(cfg, sys.argv[3] + "/work", seed=0, process_index=jax.process_index(),
                                    process_count=jax.process_count(), barrier=multihost.sync_processes)
     train = data.train
@@ -67,6 +69,7 @@ def test_two_processes_read_disjoint_halves_of_every_epoch(prepared, tmp_path):
 _TRAIN = """
     import helpers
     from transformer_jax import trainer
+    from transformer_jax.experiment_config import ExperimentConfig
     from pathlib import Path
     tmp, steps = Path(sys.argv[3]), int(sys.argv[4])
     config = helpers.tiny_number_words_config(tmp)
@@ -78,7 +81,7 @@ _TRAIN = """
     config.evals.bleu.every_steps = 0
     config.evals.attention.every_steps = 0
     config.final_eval.split = ""
-    result = trainer.train_and_evaluate(config, sys.argv[5])
+    result = trainer.train_and_evaluate(ExperimentConfig.from_config_dict(config), sys.argv[5])
     leaves = jax.tree_util.tree_leaves(result.state.params)
     digest = hashlib.sha256(b"".join(np.asarray(x.addressable_data(0)).tobytes() for x in leaves)).hexdigest()
     print("RESULT " + json.dumps({"params_sha256": digest, "step": result.final_step}), flush=True)
@@ -127,9 +130,9 @@ def test_every_process_meets_the_same_barriers_whatever_it_finds_on_disk(prepare
   process's next barrier under a different name: jax's `sync_global_devices` name mismatch)."""
   from experiments.configs import number_words
   from transformer_jax.data import datasets
-  cfg = number_words.get_config().data
-  cfg.update(dict(builder_config="tiny", vocab_size=128, tfds_data_dir=str(prepared / "tfds"), max_len=32,
-                  tokens_per_batch=16 * 32))
+  from transformer_jax.experiment_config import ExperimentConfig
+  cfg = dataclasses.replace(ExperimentConfig.from_config_dict(number_words.get_config()).data, builder_config="tiny",
+                            vocab_size=128, tfds_data_dir=str(prepared / "tfds"), max_len=32, tokens_per_batch=16 * 32)
   met = {0: [], 1: []}
   for process_index in (0, 1):
     datasets.build_datasets(cfg, str(tmp_path / "work"), seed=0, process_index=process_index, process_count=2,

@@ -15,6 +15,7 @@ import pytest
 
 from experiments.configs import default
 from transformer_jax import early_stopping, metrics
+from transformer_jax.experiment_config import ConfigError, ExperimentConfig
 from transformer_jax.workdir import Workdir
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -59,8 +60,8 @@ def test_early_stopping_words_the_table_direction():
 def test_config_validation_refuses_a_rule_that_cannot_work_in_one_line(rule, message):
   config = default.get_config()
   config.early_stopping = rule
-  with pytest.raises(default.ConfigError) as error:
-    default.validate(config)
+  with pytest.raises(ConfigError) as error:
+    ExperimentConfig.from_config_dict(config)
   assert str(error.value).startswith("--config.early_stopping=") and message in str(error.value)
   assert "\n" not in str(error.value)
 

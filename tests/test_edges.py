@@ -21,6 +21,7 @@ import helpers
 from tests.test_experiments import REPO, TINY_OVERRIDES, _env, _one_line_error, _run, _tree
 from transformer_jax import config as config_lib
 from transformer_jax import evaluators, metrics, run_checks, trainer
+from transformer_jax.experiment_config import ExperimentConfig
 from transformer_jax.train_log import NonFiniteLossError
 from transformer_jax.owner_lock import LOCK_FILENAME, OwnerLock, WorkdirInUseError
 
@@ -52,10 +53,10 @@ def test_a_model_without_a_position_table_may_take_longer_rows():
   cfg = number_words.get_config()
   cfg.data.max_len, cfg.model.max_len = 128, 64
   cfg.model.position_embedding, cfg.model.max_relative_position = "none", 8
+  cfg = ExperimentConfig.from_config_dict(cfg)
   run_checks.check_position_table(cfg)  # relative distances are clipped: no table to run past
-  cfg.model.position_embedding = "sinusoidal"
   with pytest.raises(ValueError, match="data.max_len=128 exceeds --config.model.max_len=64"):
-    run_checks.check_position_table(cfg)
+    run_checks.check_position_table(cfg.replace(model=cfg.model.replace(position_embedding="sinusoidal")))
 
 
 @pytest.mark.parametrize("key, value, needle", [
@@ -94,7 +95,7 @@ def test_a_non_finite_grad_norm_names_the_quantity_step_and_batch(monkeypatch, t
   with pytest.raises(NonFiniteLossError,
                      match=r"training grad_norm is inf at step 4 \(non-finite: grad_norm\); its batch was read in "
                            r"epoch 0 of the data stream \(seed 0, process 0's position"):
-    trainer.train_and_evaluate(config, str(tmp_path / "run"))
+    trainer.train_and_evaluate(ExperimentConfig.from_config_dict(config), str(tmp_path / "run"))
 
 
 # -- one owner per workdir --------------------------------------------------------------------------------

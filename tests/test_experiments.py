@@ -184,6 +184,7 @@ def test_nan_loss_stops_with_the_step(monkeypatch, tmp_path):
   from experiments.configs import number_words
   from transformer_jax import trainer
   from transformer_jax.train_log import NonFiniteLossError
+  from transformer_jax.experiment_config import ExperimentConfig
 
   helpers.poison_train_step(monkeypatch, 7, loss=float("nan"))
   config = number_words.get_config()
@@ -193,7 +194,7 @@ def test_nan_loss_stops_with_the_step(monkeypatch, tmp_path):
   config.model.d_model, config.model.d_ff, config.model.num_heads = 32, 64, 2
   config.num_train_steps, config.log_every_steps, config.evals.loss.every_steps = 20, 5, 0
   with pytest.raises(NonFiniteLossError, match="at step 7"):
-    trainer.train_and_evaluate(config, str(tmp_path / "run"))
+    trainer.train_and_evaluate(ExperimentConfig.from_config_dict(config), str(tmp_path / "run"))
 
 
 # -- issue 13: another architecture's checkpoint, flags and config values out of range ----------------------

@@ -2,8 +2,9 @@
 
     trainer / interop -> trained -> factories / imported_workdir -> checkpoint -> evaluators / run_checks -> data
       -> decoding (inference -> generate -> ensemble / prefix / constraints / alignment -> step -> search)
-      / training -> model -> early_stopping -> attention (layer -> kvcache -> core) / trackers / owner_lock
-      / sharding / metrics / train_log -> dropout / config / workdir / profiling / multihost / stop_signal
+      / training -> experiment_config -> model -> early_stopping -> attention (layer -> kvcache -> core)
+      / trackers / owner_lock / sharding / metrics / train_log -> dropout / config / workdir / profiling / multihost
+      / stop_signal
 """
 
 import ast
@@ -30,11 +31,15 @@ RANKS = {
     "transformer_jax.sharding": 1,  # mesh, logical rules, placement, THE jit wrapper: knows only ModelConfig
     "transformer_jax.early_stopping": 2,  # the rule over a metric's values (metrics' direction table)
     "transformer_jax.model": 2,
+    "transformer_jax.training.schedule": 0.5,  # learning-rate schedule, cool-down, dropout stages: jax/optax only
+    "transformer_jax.decoding.mbr": 1.5,  # n-best selection by a sentence metric (metrics' BLEU), no model code
+    # the experiment schema: every key, its default, meaning and rule (ModelConfig, MeshConfig, the schedule's,
+    # trackers' and MBR's names nested); below everything that reads a typed config
+    "transformer_jax.experiment_config": 2.5,
     "transformer_jax.training": 3, "transformer_jax.visualize": 3, "transformer_jax.diagnostics": 3,
     # decoding, above the model: the model-agnostic searches, the Transformer's step, the toolkit's wrappers
     # over the step seam, the one compiled decoding that combines them, host-side inference on top
     "transformer_jax.decoding.search": 3, "transformer_jax.decoding.scoring": 3,  # scoring: the model only
-    "transformer_jax.decoding.mbr": 3,  # n-best selection by a sentence metric (metrics' BLEU), no model code
     "transformer_jax.decoding.step": 3.2,
     "transformer_jax.decoding.ensemble": 3.5, "transformer_jax.decoding.prefix": 3.5,
     "transformer_jax.decoding.alignment": 3.5, "transformer_jax.decoding.constraints": 3.5,
@@ -103,10 +108,55 @@ def test_no_module_imports_one_above_it(module, path):
 
 
 def test_library_reads_config_attributes_not_defaults():
-  """Every config key lives in experiments/configs/default.py; the library never guesses one."""
+  """Every config key lives in the schema (transformer_jax/experiment_config.py); the library never guesses one."""
   offenders = [f"{p.name}:{i}" for p in PACKAGE.rglob("*.py")
                for i, line in enumerate(p.read_text().splitlines(), 1) if "config.get(" in line]
+  offenders += [f"{p.name}:{node.lineno}" for p in PACKAGE.rglob("*.py") for node in ast.walk(ast.parse(p.read_text()))
+                if _is_getattr_with_default_of_a_config(node)]
   assert not offenders, offenders
+
+
+def _is_getattr_with_default_of_a_config(node: ast.AST) -> bool:
+  """`getattr(<...config...>, "key", default)`: a default guessed for a config key (the `data.lowercase` slip)."""
+  return (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "getattr"
+          and len(node.args) == 3 and "config" in ast.unparse(node.args[0]))
+
+
+def test_the_getattr_default_check_finds_the_slip_it_names():
+  slip = ast.parse('bool(getattr(data_config, "lowercase", False))')
+  assert any(_is_getattr_with_default_of_a_config(n) for n in ast.walk(slip))
+  assert not any(_is_getattr_with_default_of_a_config(n) for n in ast.walk(ast.parse("getattr(config.evals, name)")))
+
+
+UNTYPED = ("Any", "typing.Any", "object")
+
+
+def _untyped_config_parameters(path: pathlib.Path):
+  """(function, parameter, line) of every parameter named `*config` that is unannotated or annotated `Any`."""
+  for node in ast.walk(ast.parse(path.read_text())):
+    if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+      args = node.args
+      for arg in [*args.posonlyargs, *args.args, *args.kwonlyargs, args.vararg, args.kwarg]:
+        if arg is not None and arg.arg.endswith("config") and (
+            arg.annotation is None or ast.unparse(arg.annotation) in UNTYPED):
+          yield getattr(node, "name", "<lambda>"), arg.arg, node.lineno
+
+
+def test_no_library_function_takes_an_untyped_config():
+  """A library function takes a typed config (`ExperimentConfig`, `DataConfig`, `MeshConfig`, `ModelConfig`),
+  never an untyped one (an `ml_collections.ConfigDict` or `Any`): the programs convert at their boundary
+  (`ExperimentConfig.from_config_dict`)."""
+  offenders = [f"{path.relative_to(PACKAGE.parent)}:{line} {function}({name})" for path in sorted(PACKAGE.rglob("*.py"))
+               for function, name, line in _untyped_config_parameters(path)]
+  assert not offenders, offenders
+
+
+def test_the_untyped_config_check_finds_what_it_names(tmp_path):
+  source = tmp_path / "m.py"
+  source.write_text("def a(config): ...\ndef b(data_config: Any): ...\ndef c(config: DataConfig, x: Any): ...\n"
+                    "f = lambda mesh_config: 0\n")
+  assert [(f, p) for f, p, _ in _untyped_config_parameters(source)] == [
+      ("a", "config"), ("b", "data_config"), ("<lambda>", "mesh_config")]
 
 
 def _trainer_uses(tree: ast.Module):
@@ -128,3 +178,25 @@ def test_programs_use_the_trainer_only_to_run_training():
                for name, line in _trainer_uses(ast.parse(path.read_text()))
                if name not in ("train_and_evaluate", "TrainResult")]
   assert not offenders, offenders
+
+
+def _function_lengths(root: pathlib.Path):
+  """(lines without the docstring, "file:line name") of every function under `root`."""
+  for path in sorted(root.rglob("*.py")):
+    for node in ast.walk(ast.parse(path.read_text())):
+      if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+        first = node.body[0]
+        docstring = (isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant)
+                     and isinstance(first.value.value, str))
+        length = node.end_lineno - node.lineno + 1 - ((first.end_lineno - first.lineno + 1) if docstring else 0)
+        yield length, f"{path.relative_to(root.parent)}:{node.lineno} {node.name}"
+
+
+MAX_FUNCTION_LINES = 60  # a function reads on one screen (issue 52); the docstring does not count
+
+
+def test_no_function_is_longer_than_a_screen():
+  """The library, the programs and the benchmarks: every function under `MAX_FUNCTION_LINES` lines of code."""
+  roots = [PACKAGE, PACKAGE.parent / "experiments", PACKAGE.parent / "benchmarks"]
+  offenders = [(n, where) for root in roots for n, where in _function_lengths(root) if n > MAX_FUNCTION_LINES]
+  assert not offenders, sorted(offenders, reverse=True)

@@ -5,6 +5,7 @@ The vocabulary is trained on lowercased text and stamped so; every `encode` lowe
 disagree are refused in one line, as is resuming a workdir with the other setting.
 """
 
+import dataclasses
 import json
 
 import pytest
@@ -13,6 +14,7 @@ from experiments.configs import default
 from transformer_jax import evaluators, metrics, trainer
 from transformer_jax.decoding import inference
 from transformer_jax.data import datasets, normalize, tokenizer as tok_lib
+from transformer_jax.experiment_config import ConfigError, ExperimentConfig
 
 GERMAN = ["Die Straße ist größer", "Fünf Äpfel für Müller", "Ein Café am Fluss", "ZWÖLF Öfen über Nacht"]
 ENGLISH = ["The street is bigger", "Five apples for Miller", "A café by the river", "TWELVE ovens overnight"]
@@ -93,7 +95,7 @@ def _config(tmp_path, lowercase=True):
 
 def test_training_pairs_are_lowercased_and_a_mismatched_vocabulary_is_refused(tmp_path):
   en, de = _corpus(tmp_path / "corpus")
-  cfg, work = _config(tmp_path).data, str(tmp_path / "w")
+  cfg, work = ExperimentConfig.from_config_dict(_config(tmp_path)).data, str(tmp_path / "w")
   data = datasets.build_datasets(cfg, work, seed=0)
   tok = data.tokenizer
   assert tok.lowercase
@@ -102,7 +104,8 @@ def test_training_pairs_are_lowercased_and_a_mismatched_vocabulary_is_refused(tm
   assert targets[3].tolist() == tok.encode(de[3].lower())
   assert data.eval_sets["val"].pairs[0] == (en[0], de[0])  # the texts stay as written; their ids are lowercased
   assert data.train.shards.manifest["normalization"] == normalize.signature(lowercase=True)
-  cfg.lowercase = False  # the same vocabulary (data.vocab_path of another run, or a changed flag) for a cased run
+  # the same vocabulary (data.vocab_path of another run, or a changed flag) for a cased run
+  cfg = dataclasses.replace(cfg, lowercase=False)
   with pytest.raises(tok_lib.VocabularyError, match=r"is a lowercased vocabulary but "
                                                     r"--config.data.lowercase=False") as error:
     datasets.open_tokenizer(cfg, work)
@@ -111,7 +114,7 @@ def test_training_pairs_are_lowercased_and_a_mismatched_vocabulary_is_refused(tm
 
 def test_validation_bleu_compares_lowercased_and_a_resume_cannot_change_the_case(tmp_path, monkeypatch):
   _corpus(tmp_path / "corpus")
-  config, work = _config(tmp_path), tmp_path / "run"
+  config, work = ExperimentConfig.from_config_dict(_config(tmp_path)), tmp_path / "run"
   trainer.train_and_evaluate(config, str(work))
   run = trainer.prepare(config, str(work))
   pairs = run.data.eval_sets["val"].pairs
@@ -130,7 +133,7 @@ def test_validation_bleu_compares_lowercased_and_a_resume_cannot_change_the_case
   run.writer.close()
 
   saved = (work / "config.json").read_bytes()
-  cased = _config(tmp_path, lowercase=False)
+  cased = ExperimentConfig.from_config_dict(_config(tmp_path, lowercase=False))
   with pytest.raises(ValueError, match="data.lowercase: saved True, requested False"):
     trainer.train_and_evaluate(cased, str(work))
   assert (work / "config.json").read_bytes() == saved
@@ -139,5 +142,5 @@ def test_validation_bleu_compares_lowercased_and_a_resume_cannot_change_the_case
 def test_config_refuses_lowercasing_a_marian_vocabulary():
   config = default.get_config()
   config.data.update(dict(lowercase=True, tokenizer="marian"))
-  with pytest.raises(default.ConfigError, match="data.lowercase=True: needs data.tokenizer='sentencepiece'"):
-    default.validate(config)
+  with pytest.raises(ConfigError, match="data.lowercase=True: needs data.tokenizer='sentencepiece'"):
+    ExperimentConfig.from_config_dict(config)

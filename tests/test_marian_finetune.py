@@ -27,6 +27,7 @@ from transformer_jax import factories, imported_workdir, trainer  # noqa: E402
 from transformer_jax.decoding import inference
 from transformer_jax.data import datasets as datasets_lib  # noqa: E402
 from transformer_jax.data.marian_vocab import MarianVocabulary  # noqa: E402
+from transformer_jax.experiment_config import ExperimentConfig, validate  # noqa: E402
 from transformer_jax.interop import marian  # noqa: E402
 from transformer_jax.model import Transformer  # noqa: E402
 from transformer_jax.training import eval_step, token_weights  # noqa: E402
@@ -207,17 +208,18 @@ def test_config_for_workdir_takes_the_imported_architecture(marian_dir, tmp_path
   write_json_atomically(Workdir(workdir).config_json, marian.workdir_config(imported_config, marian_dir))
   config = number_words.get_config()  # a recipe whose model (relu, d_model 128, ...) is not the import's
   config.model.dropout_rate = 0.3
+  config = ExperimentConfig.from_config_dict(config)
   adopted = imported_workdir.config_for_workdir(config, workdir, explicit={"model.dropout_rate", "data.dir"})
   assert factories.model_config_from(adopted, imported_config.vocab_size) == imported_config.replace(dropout_rate=0.3)
   assert adopted.data.tokenizer == "marian" and adopted.data.vocab_size == imported_config.vocab_size
   assert config.model.d_model == 128 and config.data.tokenizer == "sentencepiece"  # the caller's is untouched
-  default.validate(adopted)
+  validate(adopted)
   # An explicit key that agrees is accepted; one that does not names itself.
-  config.model.d_model = imported_config.d_model
-  imported_workdir.config_for_workdir(config, workdir, explicit={"model.d_model"})
-  config.model.d_model = 64
+  agreeing = config.replace(model=config.model.replace(d_model=imported_config.d_model))
+  assert imported_workdir.config_for_workdir(agreeing, workdir, explicit={"model.d_model"}).model.d_model == 32
   with pytest.raises(ValueError, match=r"--config.model.d_model=64 \(the model has 32\)") as error:
-    imported_workdir.config_for_workdir(config, workdir, explicit={"model.d_model"})
+    imported_workdir.config_for_workdir(config.replace(model=config.model.replace(d_model=64)), workdir,
+                                        explicit={"model.d_model"})
   assert "\n" not in str(error.value)
   # Not an imported model's workdir: the config as it is.
   assert imported_workdir.config_for_workdir(config, str(tmp_path / "other"), explicit={"model.d_model"}) is config
@@ -232,6 +234,7 @@ def test_a_moving_average_of_an_imported_model_starts_at_its_weights(marian_dir,
   config.data.update(dataset="parallel_text", dir=str(_corpus(tmp_path / "corpus")), eval_splits=("val",),
                      max_len=32, tokens_per_batch=256)
   config.ema_decay = 0.99
+  config = ExperimentConfig.from_config_dict(config)
   run = trainer.prepare(imported_workdir.config_for_workdir(config, workdir, explicit={"data.dir"}), workdir)
   checkpointer = factories.checkpointer(run.config, run.workdir.checkpoints)
   try:

@@ -13,10 +13,10 @@ import regex
 import sacrebleu
 import sentencepiece as spm
 
-from experiments.configs import default
 from transformer_jax import config as C
 from transformer_jax import metrics
 from transformer_jax.data import datasets, normalize, parallel_text, pipeline, token_cache, tokenizer as tok_lib
+from transformer_jax.experiment_config import DataConfig
 
 GERMAN = ["fünf Äpfel für Müller", "die Straße ist größer", "ein Café am Fluss", "zwölf Öfen über Nacht",
           "déjà vu im Büro", "naïve Ideen, schöne Grüße"]
@@ -228,10 +228,9 @@ def _write_corpus(directory, en, de):
 
 
 def _data_config(directory, tmp_path):
-  cfg = default.get_config().data
-  cfg.update(dict(dataset="parallel_text", builder_config="", dir=str(directory), tfds_data_dir=str(tmp_path / "tfds"),
-                  vocab_size=64, eval_splits=(), max_len=32, tokens_per_batch=256, vocab_max_sentences=1000))
-  return cfg
+  return DataConfig(dataset="parallel_text", builder_config="", dir=str(directory),
+                    tfds_data_dir=str(tmp_path / "tfds"), vocab_size=64, eval_splits=(), max_len=32,
+                    tokens_per_batch=256, vocab_max_sentences=1000)
 
 
 def test_invisible_only_training_lines_are_blank_and_variants_encode_alike(tmp_path):

@@ -21,6 +21,7 @@ import tensorflow_datasets as tfds
 from transformer_jax import checkpoint as checkpoint_lib
 from transformer_jax.decoding import inference
 from transformer_jax import factories, trainer
+from transformer_jax.experiment_config import ExperimentConfig
 from transformer_jax.workdir import Workdir
 from transformer_jax.training import schedule as schedule_lib
 
@@ -113,7 +114,7 @@ def test_recipe_matches_the_paper(name):
   assert (config.mesh.data, config.mesh.fsdp, config.mesh.tensor) == (-1, 1, 1)
   assert config.distributed is False
   # The model config is accepted by the library.
-  assert factories.model_config_from(config, paper["vocab"]).head_dim == paper["d_k"]
+  assert factories.model_config_from(ExperimentConfig.from_config_dict(config), paper["vocab"]).head_dim == paper["d_k"]
 
 
 @pytest.mark.parametrize("name", RECIPES + ("number_words", "multi30k"))
@@ -145,7 +146,7 @@ def test_recipe_file_loads_like_the_trainer_with_the_one_accelerator_overrides(n
 def test_parameter_count_and_peak_learning_rate(name):
   from transformer_jax.training.steps import init_params
   import flax.linen as nn
-  config = _recipe(name)
+  config = ExperimentConfig.from_config_dict(_recipe(name))
   model_config = factories.model_config_from(config, config.data.vocab_size)
   shapes = jax.eval_shape(lambda: nn.unbox(init_params(model_config, jax.random.key(0))))
   count = sum(math.prod(x.shape) for x in jax.tree_util.tree_leaves(shapes))
@@ -160,8 +161,9 @@ def test_parameter_count_and_peak_learning_rate(name):
 
 # -- a dry run of each recipe on mocked WMT data ----------------------------------------------------------------
 
-def _reduced(name: str, tmp_path, num_train_steps: int, evaluate: bool) -> ml_collections.ConfigDict:
-  """The recipe with only sizes, budgets and cadences overridden, as one would from the command line."""
+def _reduced(name: str, tmp_path, num_train_steps: int, evaluate: bool) -> ExperimentConfig:
+  """The recipe with only sizes, budgets and cadences overridden, as one would from the command line (typed, as
+  `experiments.train` hands it to the trainer)."""
   config = _recipe(name)
   config.model.update(num_encoder_layers=1, num_decoder_layers=1, d_model=32, d_ff=64, num_heads=2, max_len=64)
   config.data.update(download=True, tfds_data_dir=str(tmp_path / "tfds"), vocab_size=64,
@@ -177,7 +179,7 @@ def _reduced(name: str, tmp_path, num_train_steps: int, evaluate: bool) -> ml_co
   config.checkpoint_every_steps = 2      # instead of every 10 minutes
   config.async_checkpointing = False
   config.decode.average_last = 3
-  return config
+  return ExperimentConfig.from_config_dict(config)
 
 
 @pytest.fixture

@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 import tensorflow_datasets as tfds
 
-from experiments.configs import default
 from transformer_jax import config as C
 from transformer_jax.data import datasets, parallel_text, records, sources, tokenizer as tok_lib
+from transformer_jax.experiment_config import DataConfig
 
 
 def _write(path, lines, raw=None):
@@ -21,11 +21,8 @@ def _write(path, lines, raw=None):
 
 def _data_config(**kw):
   """`config.data` of experiments/configs/default.py (every key), for a small local corpus."""
-  cfg = default.get_config().data
-  cfg.update(dict(dataset="parallel_text", builder_config="", vocab_size=64, eval_splits=("val",), max_len=32,
-                  tokens_per_batch=256, vocab_max_sentences=1000))
-  cfg.update(kw)
-  return cfg
+  return DataConfig(**{**dict(dataset="parallel_text", builder_config="", vocab_size=64, eval_splits=("val",),
+                              max_len=32, tokens_per_batch=256, vocab_max_sentences=1000), **kw})
 
 
 @pytest.fixture

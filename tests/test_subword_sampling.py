@@ -8,6 +8,7 @@ import pytest
 from experiments.configs import default
 from transformer_jax.data import datasets, pipeline, subword_sampling
 from transformer_jax.data import tokenizer as tok_lib
+from transformer_jax.experiment_config import ConfigError, DataConfig, ExperimentConfig
 
 EN = [f"the {a} {b} walks past {c} houses near the river" for a in ("young", "old", "tall", "small")
       for b in ("man", "woman", "dog", "child") for c in ("three", "seven", "many")]
@@ -89,10 +90,8 @@ def _corpus_config(tmp_path, alpha):
   corpus.mkdir(exist_ok=True)
   for lang, lines in (("en", EN), ("de", DE)):
     (corpus / f"train.{lang}").write_text("\n".join(lines) + "\n", encoding="utf-8")
-  cfg = default.get_config().data
-  cfg.update(dict(dataset="parallel_text", builder_config="", dir=str(corpus), tfds_data_dir=str(tmp_path / "tfds"),
-                  vocab_size=120, eval_splits=(), max_len=64, tokens_per_batch=512, subword_alpha=alpha))
-  return cfg
+  return DataConfig(dataset="parallel_text", builder_config="", dir=str(corpus), tfds_data_dir=str(tmp_path / "tfds"),
+                    vocab_size=120, eval_splits=(), max_len=64, tokens_per_batch=512, subword_alpha=alpha)
 
 
 def read_pairs(batches):
@@ -140,5 +139,5 @@ def test_training_batches_sample_and_resume_exactly_and_evaluation_does_not(tmp_
 def test_config_refuses_unusable_sampling(overrides, message):
   config = default.get_config()
   config.data.update(overrides)
-  with pytest.raises(default.ConfigError, match=message):
-    default.validate(config)
+  with pytest.raises(ConfigError, match=message):
+    ExperimentConfig.from_config_dict(config)

@@ -19,9 +19,9 @@ from tensorboard.util import tensor_util
 
 import helpers
 from benchmarks import profile as profile_bench
-from experiments.configs import default
 from transformer_jax import evaluators, trackers, trainer
 from transformer_jax.data import sources
+from transformer_jax.experiment_config import ConfigError, ExperimentConfig
 from transformer_jax.workdir import Workdir
 
 wandb_pb2 = pytest.importorskip("wandb.proto.wandb_internal_pb2", reason="the wandb extra: pip install -e '.[wandb]'")
@@ -45,8 +45,7 @@ def _config(tmp_path):
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
   tmp_path = tmp_path_factory.mktemp("tracked")
-  config = _config(tmp_path)
-  default.validate(config)
+  config = ExperimentConfig.from_config_dict(_config(tmp_path))
   os.environ["WANDB_MODE"] = "offline"  # nothing reaches a network
   try:
     result = trainer.train_and_evaluate(config, str(tmp_path / "run"))
@@ -155,17 +154,17 @@ def test_profile_traces_exactly_the_chosen_steps_of_the_train_step(run):
 def test_a_tracker_that_cannot_start_is_one_line_and_nothing_is_written(tmp_path, monkeypatch):
   config = _config(tmp_path)
   config.trackers = ("tensorboard", "mlflow")
-  with pytest.raises(default.ConfigError, match=r"^--config.trackers=\('tensorboard', 'mlflow'\): must be a tuple "
+  with pytest.raises(ConfigError, match=r"^--config.trackers=\('tensorboard', 'mlflow'\): must be a tuple "
                      r"of distinct tracker names from \('tensorboard', 'wandb'\)"):
-    default.validate(config)
+    ExperimentConfig.from_config_dict(config)
   with pytest.raises(trackers.TrackerError, match=r"unknown tracker 'mlflow'; one of 'tensorboard', 'wandb'"):
     trackers.check_trackers(config.trackers)  # the library's own check (a config that skipped validation)
   config.trackers = ("wandb",)
   real_find_spec = trackers.importlib.util.find_spec
   monkeypatch.setattr(trackers.importlib.util, "find_spec",
                       lambda name, *a: None if name == "wandb" else real_find_spec(name, *a))
-  with pytest.raises(default.ConfigError, match=r"the wandb package is not installed: pip install -e '.\[wandb\]'"):
-    default.validate(config)
+  with pytest.raises(ConfigError, match=r"the wandb package is not installed: pip install -e '.\[wandb\]'"):
+    ExperimentConfig.from_config_dict(config)
   monkeypatch.undo()
   # A bad API key: wandb refuses it (locally, before any request); the trainer says so before writing.
   monkeypatch.setenv("WANDB_MODE", "online")
@@ -173,7 +172,7 @@ def test_a_tracker_that_cannot_start_is_one_line_and_nothing_is_written(tmp_path
   pytest.importorskip("wandb").teardown()  # wandb keeps the settings of an earlier run of this process
   with pytest.raises(trackers.TrackerError, match=r"^--config.trackers includes 'wandb' but wandb.init failed: "
                      r"AuthenticationError: .*API key") as error:
-    trainer.train_and_evaluate(config, str(tmp_path / "run"))
+    trainer.train_and_evaluate(ExperimentConfig.from_config_dict(config), str(tmp_path / "run"))
   assert "\n" not in str(error.value)
   assert not (tmp_path / "run").exists()
 

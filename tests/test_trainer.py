@@ -16,6 +16,7 @@ from experiments import common
 from experiments.configs import number_words
 from transformer_jax import checkpoint as checkpoint_lib
 from transformer_jax import evaluators, factories, sharding, trainer
+from transformer_jax.experiment_config import ExperimentConfig
 from transformer_jax.workdir import Workdir
 
 
@@ -29,6 +30,7 @@ def test_itstime_every_n_steps_and_the_last():
 def test_evaluators_are_listed_by_the_config():
   config = number_words.get_config()
   config.evals.bleu.every_steps = 7
+  config = ExperimentConfig.from_config_dict(config)
   loss, attention, bleu = evaluators.make_evaluators(config, model_config=None, tokenizer=None, eval_sets={},
                                                     eval_step=None, mesh=None)
   assert (loss.name, loss.every_steps, loss.tokens_per_batch) == ("loss", 500, 8192)
@@ -37,11 +39,9 @@ def test_evaluators_are_listed_by_the_config():
 
 
 def test_optimizer_cools_down_over_the_last_steps_when_asked():
-  config = number_words.get_config()
-  config.num_train_steps, config.warmup_steps = 100, 10
+  config = ExperimentConfig.from_config_dict(number_words.get_config()).replace(num_train_steps=100, warmup_steps=10)
   _, paper = factories.optimizer(config, 64)
-  config.cooldown_steps = 30
-  _, cooled = factories.optimizer(config, 64)
+  _, cooled = factories.optimizer(config.replace(cooldown_steps=30), 64)
   assert float(cooled(70)) == pytest.approx(float(paper(70)))
   assert float(cooled(85)) == pytest.approx(float(paper(85)) * (1 - 15 / 31))
   assert 0 < float(cooled(100)) < float(paper(100)) / 30
@@ -57,18 +57,18 @@ def _tiny_config(tmp_path):
 
 
 def _training_only_config(tmp_path, **overrides):
-  """`_tiny_config` without periodic evaluations, with `overrides` of its top-level keys."""
+  """`_tiny_config` without periodic evaluations, with `overrides` of its top-level keys (typed)."""
   config = _tiny_config(tmp_path)
   config.evals.loss.every_steps = config.evals.bleu.every_steps = config.evals.attention.every_steps = 0
   config.update(overrides)
-  return config
+  return ExperimentConfig.from_config_dict(config)
 
 
 def test_train_and_evaluate_returns_a_typed_result_and_leaves_the_config_alone(tmp_path):
-  config = _tiny_config(tmp_path)
-  before = copy.deepcopy(config.to_dict())
+  config = ExperimentConfig.from_config_dict(_tiny_config(tmp_path))
+  before = copy.deepcopy(config)
   result = trainer.train_and_evaluate(config, str(tmp_path / "run"))
-  assert config.to_dict() == before  # never mutated (vocab_size lives in result.model_config)
+  assert config == before == result.config  # frozen, and no time budget (vocab_size lives in result.model_config)
 
   assert isinstance(result, trainer.TrainResult)
   assert result.final_step == 6 and not result.stopped_early and int(result.state.step) == 6
@@ -120,8 +120,7 @@ def test_a_dropout_stage_recompiles_the_step_at_its_update_and_on_resume(tmp_pat
   from the start ends, and elsewhere than one without it."""
   def config_with(**overrides):
     config = _training_only_config(tmp_path, **overrides)
-    config.model.dropout_rate = 0.1
-    return config
+    return config.replace(model=config.model.replace(dropout_rate=0.1))
 
   staged_config = config_with(dropout_schedule=((4, 0.3),))
   with caplog.at_level(logging.INFO):
@@ -208,13 +207,12 @@ def test_moving_average_resumes_exactly_and_is_what_the_finished_run_translates_
 
 def test_make_train_step_is_the_step_the_trainer_runs(tmp_path):
   """`factories.make_train_step` (what the benchmarks time) compiles the same program as the trainer's own step."""
-  config = _tiny_config(tmp_path)
-  config.num_train_steps = 0
+  config = ExperimentConfig.from_config_dict(_tiny_config(tmp_path)).replace(num_train_steps=0)
   run, start, program = _started(config, str(tmp_path / "run"))
   batch = sharding.shard_batch(next(run.data.train), run.mesh, run.rules)
   mine = factories.make_train_step(config, run.model_config, run.mesh, start.state, run.rules)
   text = program.train_step.lower(start.state, batch, start.rng).as_text()
   assert mine.lower(start.state, batch, start.rng).as_text() == text
-  config.label_smoothing = 0.2
-  other = factories.make_train_step(config, run.model_config, run.mesh, start.state, run.rules)
+  other = factories.make_train_step(config.replace(label_smoothing=0.2), run.model_config, run.mesh, start.state,
+                                    run.rules)
   assert other.lower(start.state, batch, start.rng).as_text() != text

@@ -1,8 +1,9 @@
 """Model hyperparameters and the paper's presets (Vaswani et al., 2017, Table 3).
 
 `ModelConfig` is a frozen dataclass so it can be a static argument of `jax.jit` and a field of a
-`flax.linen.Module`. Training hyperparameters (schedule, batch size, steps) live in the experiment configs
-under `experiments/configs/`, not here.
+`flax.linen.Module`. Training hyperparameters (schedule, batch size, steps) live in the experiment schema
+(`experiment_config.py`, which nests `ModelConfig` as its `model` section), the recipes under
+`experiments/configs/`, not here.
 """
 
 from __future__ import annotations

@@ -27,6 +27,7 @@ from transformer_jax import diagnostics, metrics as metrics_lib, sharding
 from transformer_jax.config import ModelConfig
 from transformer_jax.data import batching, datasets as datasets_lib
 from transformer_jax.decoding import inference
+from transformer_jax.experiment_config import ExperimentConfig
 from transformer_jax.training import steps
 
 # The evaluator (a `config.evals` section) that computes each metric of `metrics_lib.METRIC_DIRECTIONS`.
@@ -187,7 +188,7 @@ class AttentionEvaluator:
 _attention_statistics = jax.jit(diagnostics.attention_statistics, static_argnums=1)
 
 
-def make_evaluators(config: Any, *, model_config: ModelConfig, tokenizer: Any,
+def make_evaluators(config: ExperimentConfig, *, model_config: ModelConfig, tokenizer: Any,
                     eval_sets: Mapping[str, datasets_lib.EvalSet], eval_step: Callable[[Any, dict], dict],
                     mesh: jax.sharding.Mesh, rules: tuple = sharding.LOGICAL_AXIS_RULES) -> list[Evaluator]:
   """The evaluators `config.evals` lists (each runs every `every_steps` steps and at the end; 0 = off), over
@@ -200,14 +201,14 @@ def make_evaluators(config: Any, *, model_config: ModelConfig, tokenizer: Any,
                         model_config, tokenizer, eval_sets, evals.bleu.samples, config.data.target_lang)]
 
 
-def logged_eval_metrics(config: Any) -> list[str]:
+def logged_eval_metrics(config: ExperimentConfig) -> list[str]:
   """The `<split>/<metric>` tags the evaluators of `config` log (the HParams tab's metrics)."""
   names = (["loss", "nll", "perplexity", "accuracy"] if config.evals.loss.every_steps else []) + (
       ["bleu", "chrf"] if config.evals.bleu.every_steps else [])
   return [f"{split}/{name}" for split in config.data.eval_splits for name in names]
 
 
-def check_best_metric(config: Any) -> None:
+def check_best_metric(config: ExperimentConfig) -> None:
   """Raises ValueError (one line) unless `checkpoint_best_metric` ('' or '<split>/<metric>') is computed by
   this run: the split is one of `data.eval_splits`, the metric has a known direction (`metrics.METRIC_DIRECTIONS`)
   and its evaluator is on (`evals.<evaluator>.every_steps > 0`)."""
@@ -222,6 +223,6 @@ def check_best_metric(config: Any) -> None:
     raise ValueError(f"{flag}: no evaluator computes {metric!r} with a known direction; one of "
                      f"{', '.join(sorted(METRIC_EVALUATORS))}")
   evaluator = METRIC_EVALUATORS[metric]
-  if not config.evals[evaluator].every_steps:
+  if not getattr(config.evals, evaluator).every_steps:
     raise ValueError(f"{flag}: computed by the {evaluator} evaluator, which is off "
                      f"(evals.{evaluator}.every_steps=0); set evals.{evaluator}.every_steps > 0")

@@ -9,10 +9,10 @@ steps, checkpoint manager.
 
 What the trainer (`transformer_jax.trainer`) and the benchmarks (`benchmarks/common.py`) both build,
 so the benchmarks time the program `python -m experiments.train` runs (`tests/test_benchmarks.py` compares the
-two lowered programs). `config` is an `ml_collections.ConfigDict` built on `experiments/configs/default.py`
-(every key present); nothing here modifies it. The pieces are t5x's `utils.create_train_state` / MaxText's
-`train_utils.create_training_tools` in this library's terms: the compiled steps go through the one partitioned
-jit road (`training.partitioned.jit_train_step`, `jit_eval_step`).
+two lowered programs). `config` is the run's typed `experiment_config.ExperimentConfig` (frozen: nothing here
+changes it; a program converts its `ConfigDict` once, `ExperimentConfig.from_config_dict`). The pieces are t5x's
+`utils.create_train_state` / MaxText's `train_utils.create_training_tools` in this library's terms: the compiled
+steps go through the one partitioned jit road (`training.partitioned.jit_train_step`, `jit_eval_step`).
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from transformer_jax import checkpoint as checkpoint_lib
 from transformer_jax import metrics as metrics_lib
 from transformer_jax import sharding
 from transformer_jax.config import ModelConfig
+from transformer_jax.experiment_config import ExperimentConfig
 from transformer_jax.training import optimizer as optimizer_lib
 from transformer_jax.training import partitioned
 from transformer_jax.training import schedule as schedule_lib
@@ -34,15 +35,12 @@ from transformer_jax.training import state as state_lib
 from transformer_jax.training import steps
 
 
-def model_config_from(config: Any, vocab_size: int) -> ModelConfig:
-  """`ModelConfig` from `config.model` with the vocabulary size of the run's tokenizer.
-
-  Raises ValueError naming unknown `config.model` fields (and ModelConfig's own range errors).
-  """
-  return ModelConfig.from_mapping(config.model, vocab_size=vocab_size)
+def model_config_from(config: ExperimentConfig, vocab_size: int) -> ModelConfig:
+  """`config.model` with the vocabulary size of the run's tokenizer (ValueError: ModelConfig's range errors)."""
+  return config.model.replace(vocab_size=vocab_size)
 
 
-def optimizer(config: Any, d_model: int) -> tuple[optax.GradientTransformation, Any]:
+def optimizer(config: ExperimentConfig, d_model: int) -> tuple[optax.GradientTransformation, Any]:
   """Adam with the paper's schedule (section 5.3), cooled down over the last `config.cooldown_steps` (0 = the
   paper's schedule as is), decoupled weight decay `config.weight_decay` (0 = the paper's Adam), a moving
   average of the parameters when `config.ema_decay` > 0 (`optimizer.param_ema`), and the schedule itself
@@ -57,7 +55,7 @@ def optimizer(config: Any, d_model: int) -> tuple[optax.GradientTransformation, 
   return tx, learning_rate_fn
 
 
-def create_state(config: Any, model_config: ModelConfig, mesh: jax.sharding.Mesh, rng: jax.Array,
+def create_state(config: ExperimentConfig, model_config: ModelConfig, mesh: jax.sharding.Mesh, rng: jax.Array,
                  rules=sharding.LOGICAL_AXIS_RULES) -> steps.TrainState:
   """A fresh train state of the run, born sharded on `mesh` with the config's optimizer (`rng`: a typed key,
   `jax.random.key`, for the parameters' initialisation)."""
@@ -65,15 +63,15 @@ def create_state(config: Any, model_config: ModelConfig, mesh: jax.sharding.Mesh
   return state_lib.create_train_state(model_config, tx, rng, mesh, rules)
 
 
-def train_model_config(config: Any, model_config: ModelConfig, step: int) -> ModelConfig:
+def train_model_config(config: ExperimentConfig, model_config: ModelConfig, step: int) -> ModelConfig:
   """The model config update `step` (counted from 1) trains with: `model_config` with the residual dropout rate
   `config.dropout_schedule` sets for that step (`schedule.dropout_rate`)."""
   rate = schedule_lib.dropout_rate(config.dropout_schedule, model_config.dropout_rate, step)
   return model_config if rate == model_config.dropout_rate else model_config.replace(dropout_rate=rate)
 
 
-def make_train_step(config: Any, model_config: ModelConfig, mesh: jax.sharding.Mesh, state: steps.TrainState,
-                    rules=sharding.LOGICAL_AXIS_RULES) -> sharding.PartitionedFunction:
+def make_train_step(config: ExperimentConfig, model_config: ModelConfig, mesh: jax.sharding.Mesh,
+                    state: steps.TrainState, rules=sharding.LOGICAL_AXIS_RULES) -> sharding.PartitionedFunction:
   """The compiled train step of a run: `(state, batch, rng) -> (state, metrics)`, the state donated.
 
   The trainer runs exactly this (with `train_model_config`'s dropout rate); `benchmarks` time it.
@@ -84,7 +82,7 @@ def make_train_step(config: Any, model_config: ModelConfig, mesh: jax.sharding.M
                                  grad_accum_steps=config.grad_accum_steps, learning_rate_fn=learning_rate_fn)
 
 
-def make_eval_step(config: Any, model_config: ModelConfig, mesh: jax.sharding.Mesh, params: Any,
+def make_eval_step(config: ExperimentConfig, model_config: ModelConfig, mesh: jax.sharding.Mesh, params: Any,
                    rules=sharding.LOGICAL_AXIS_RULES) -> sharding.PartitionedFunction:
   """The compiled eval step of a run: `(params, batch) -> sums`, replicated float32 scalars `loss_sum`,
   `nll_sum`, `correct_sum`, `token_count` (`steps.metrics_from_sums` turns them into per-token means); `params`
@@ -93,7 +91,7 @@ def make_eval_step(config: Any, model_config: ModelConfig, mesh: jax.sharding.Me
                                 label_smoothing=config.label_smoothing)
 
 
-def inference_params(config: Any, state: steps.TrainState) -> Any:
+def inference_params(config: ExperimentConfig, state: steps.TrainState) -> Any:
   """The parameters a finished run is evaluated and translated with: the moving average when
   `config.ema_decay` > 0 (`optimizer.ema_params`), else `state.params`. Periodic validation during training
   evaluates `state.params`, the iterate being trained, so learning curves compare across runs with and
@@ -101,7 +99,7 @@ def inference_params(config: Any, state: steps.TrainState) -> Any:
   return optimizer_lib.ema_params(state.opt_state) if config.ema_decay else state.params
 
 
-def checkpointer(config: Any, directory: str | os.PathLike) -> checkpoint_lib.Checkpointer:
+def checkpointer(config: ExperimentConfig, directory: str | os.PathLike) -> checkpoint_lib.Checkpointer:
   """The run's checkpoint manager over `directory` (a workdir's `checkpoints/`): the `checkpoint_keep` newest
   steps and the best by `checkpoint_best_metric` in the metric's own direction (`metrics.METRIC_DIRECTIONS`),
   asynchronous writes with `async_checkpointing`. Close it (or use `with`) when done."""

@@ -17,7 +17,6 @@ A workdir holding no import: every function here leaves the run as it is.
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 from typing import Any, Iterable, Mapping
 
@@ -28,6 +27,7 @@ from transformer_jax import checkpoint as checkpoint_lib
 from transformer_jax import sharding
 from transformer_jax.config import RUNTIME_FIELDS, ModelConfig
 from transformer_jax.data.marian_vocab import TOKENIZER_NAME as MARIAN_TOKENIZER
+from transformer_jax.experiment_config import ExperimentConfig
 from transformer_jax.training import steps
 from transformer_jax.workdir import IMPORTED_DATASET, Workdir, config_diff, to_jsonable
 
@@ -49,7 +49,7 @@ def is_untrained_import(saved: Mapping | None) -> bool:
   return bool(saved) and (saved.get("data") or {}).get("dataset") == IMPORTED_DATASET
 
 
-def config_for_workdir(config: Any, workdir: str, explicit: Iterable[str] = ()) -> Any:
+def config_for_workdir(config: ExperimentConfig, workdir: str, explicit: Iterable[str] = ()) -> ExperimentConfig:
   """`config` as a run in `workdir` must use it: for an imported model, its architecture and tokenizer.
 
   A workdir holding an imported model (`holds_imported_model`: written by `experiments.import_marian`, or a
@@ -59,7 +59,7 @@ def config_for_workdir(config: Any, workdir: str, explicit: Iterable[str] = ()) 
   `--config.*` flags, e.g. `{"model.d_model", "data.dir"}`): one of those fixed keys with another value than
   the workdir's is refused, except the model's run-time fields (`config.RUNTIME_FIELDS`: dropout rates,
   dtype, remat, attention kernel, query chunks), which keep the requested value. Any other workdir (ours, or
-  none yet): `config` itself. `config` is never modified; a changed config is a copy.
+  none yet): `config` itself; otherwise a new config (`config` is frozen).
 
   Raises:
     ValueError: one line naming each explicit key that contradicts the imported model (nothing is written).
@@ -70,10 +70,10 @@ def config_for_workdir(config: Any, workdir: str, explicit: Iterable[str] = ()) 
   fixed = {"model": {**to_jsonable(ModelConfig()), **saved["model"]},
            "data": {"tokenizer": saved["data"]["tokenizer"], "vocab_size": saved["data"]["vocab_size"]}}
   explicit = set(explicit)
-  adopted, conflicts = copy.deepcopy(config), []
+  adopted, conflicts = {"model": {}, "data": {}}, []
   for section, values in fixed.items():
     for name, value in values.items():
-      key, requested = f"{section}.{name}", config[section][name]
+      key, requested = f"{section}.{name}", getattr(getattr(config, section), name)
       if key in explicit and section == "model" and name in RUNTIME_FIELDS:
         continue
       if key in explicit and config_diff({key: value}, {key: requested}, keys=None):
@@ -82,10 +82,11 @@ def config_for_workdir(config: Any, workdir: str, explicit: Iterable[str] = ()) 
   if conflicts:
     raise ValueError(f"{'; '.join(conflicts)}: contradicts the imported model in {workdir}, whose architecture "
                      f"and tokenizer are fixed; drop the flag")
-  return adopted
+  return dataclasses.replace(config, model=config.model.replace(**adopted["model"]),
+                             data=dataclasses.replace(config.data, **adopted["data"]))
 
 
-def check_adopted(config: Any, saved: Mapping | None, root: Any) -> None:
+def check_adopted(config: ExperimentConfig, saved: Mapping | None, root: Any) -> None:
   """Raises ValueError (one line) when the workdir at `root`, whose saved config is `saved`, holds an imported
   model and `config` was not built by `config_for_workdir` (its `data.tokenizer` is not the import's)."""
   if holds_imported_model(saved) and config.data.tokenizer != saved["data"]["tokenizer"]:

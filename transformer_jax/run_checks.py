@@ -8,16 +8,17 @@ table would otherwise train on NaN without an error.
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from typing import Mapping
 
 import jax
 import numpy as np
 
 from transformer_jax import sharding
 from transformer_jax.config import ModelConfig
+from transformer_jax.experiment_config import DataConfig, ExperimentConfig
 
 
-def check_position_table(config: Any) -> None:
+def check_position_table(config: ExperimentConfig) -> None:
   """Raises ValueError (one line, naming both keys) unless every position training indexes is in the model's
   position table: a packed row holds examples of up to `data.max_len` tokens (positions 0 .. data.max_len - 1),
   the sinusoid or learned table has `model.max_len` rows, and a position past it would gather NaN (JAX fills
@@ -30,7 +31,7 @@ def check_position_table(config: Any) -> None:
                      f"read positions past it); lower data.max_len or raise model.max_len")
 
 
-def check_batch_rows(data_config: Any, mesh: jax.sharding.Mesh) -> None:
+def check_batch_rows(data_config: DataConfig, mesh: jax.sharding.Mesh) -> None:
   """Raises ValueError (one line, naming `data.tokens_per_batch`) unless a packed batch's rows,
   `tokens_per_batch // max_len`, split evenly over the devices of the mesh's batch axes (data x fsdp)."""
   rows, ways = data_config.tokens_per_batch // data_config.max_len, sharding.batch_ways(mesh)

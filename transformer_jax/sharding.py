@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import dataclasses
 import logging
 import math
 from typing import Any, Callable, Iterator, Mapping, Optional, Sequence
@@ -50,6 +51,15 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 from transformer_jax.config import ModelConfig
 
 MESH_AXES = ("data", "fsdp", "tensor")
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshConfig:
+  """The device mesh of a run (`config.mesh`): the size of each of `MESH_AXES`, -1 = the remaining devices."""
+
+  data: int = -1                       # batch rows split this many ways, parameters replicated
+  fsdp: int = 1                        # batch rows and every parameter's `embed` dimension split this many ways
+  tensor: int = 1                      # heads, the FFN's inner dimension and the vocabulary split this many ways
 
 LogicalRules = Sequence[tuple[str, Any]]
 
@@ -117,19 +127,9 @@ def make_mesh(data: int = -1, fsdp: int = 1, tensor: int = 1,
   return jax.make_mesh(shape, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES), devices=devices)
 
 
-def mesh_from_config(mesh_config: Any = None, devices: Optional[Sequence[jax.Device]] = None) -> Mesh:
-  """`make_mesh` from a `config.mesh` ConfigDict / dict with `data`, `fsdp`, `tensor` (missing = -1, 1, 1)."""
-  if mesh_config is None:
-    values = {}
-  elif isinstance(mesh_config, Mapping):
-    values = dict(mesh_config)
-  else:  # ml_collections.ConfigDict
-    values = mesh_config.to_dict()
-  unknown = set(values) - set(MESH_AXES)
-  if unknown:
-    raise ValueError(f"config.mesh has unknown axes {sorted(unknown)}; expected {list(MESH_AXES)}")
-  return make_mesh(int(values.get("data", -1)), int(values.get("fsdp", 1)), int(values.get("tensor", 1)),
-                   devices=devices)
+def mesh_from_config(mesh_config: MeshConfig = MeshConfig(), devices: Optional[Sequence[jax.Device]] = None) -> Mesh:
+  """`make_mesh` of a run's `config.mesh` (`MeshConfig`: data, fsdp, tensor)."""
+  return make_mesh(mesh_config.data, mesh_config.fsdp, mesh_config.tensor, devices=devices)
 
 
 @contextlib.contextmanager

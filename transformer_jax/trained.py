@@ -1,25 +1,25 @@
 """A trained run directory, loaded for inference: its model config, parameters and tokenizer.
 
-    model_config, params, tokenizer = trained.load(workdir, defaults=default_config)
+    model_config, params, tokenizer = trained.load(workdir)
 
 What the translation programs (`experiments.translate`, `evaluate`, `score`, `attention_map`, `tune_decoding`,
-`export`, `compare_ctranslate2`) decode with. `defaults` is the experiment schema's config at its defaults
-(`experiments/configs/default.py`): a saved `config.json` that predates a key runs with that key's default.
+`export`, `compare_ctranslate2`) decode with. The saved `config.json` is read through the experiment schema
+(`ExperimentConfig.from_saved`): a key it predates runs with that key's default.
 """
 
 from __future__ import annotations
 
 import os
-from typing import Any, Mapping, NamedTuple
+from typing import Any, NamedTuple
 
-import ml_collections
 from etils import epath
 
 from transformer_jax import checkpoint as checkpoint_lib
 from transformer_jax.config import ModelConfig
 from transformer_jax.data import datasets
 from transformer_jax.data.tokenizer import check_model_ids
-from transformer_jax.workdir import DATA_KEYS, Workdir, config_diff
+from transformer_jax.experiment_config import ExperimentConfig
+from transformer_jax.workdir import DATA_KEYS, Workdir, config_diff, to_jsonable
 
 
 class TrainedModel(NamedTuple):
@@ -29,22 +29,11 @@ class TrainedModel(NamedTuple):
   tokenizer: Any  # `data.tokenizer.Tokenizer` of the run, or an imported model's Marian vocabulary
 
 
-def _merged(defaults: Mapping, saved: Mapping) -> dict:
-  merged = dict(defaults)
-  for key, value in saved.items():
-    merged[key] = _merged(defaults[key], value) if isinstance(value, dict) and isinstance(
-        defaults.get(key), dict) else value
-  return merged
-
-
-def workdir_config(workdir: str, defaults: Mapping) -> ml_collections.ConfigDict:
-  """The config a training run saved in `workdir`, the keys it predates at their `defaults`.
-
-  `defaults`: every key at its default (a ConfigDict or nested dict). FileNotFoundError when the workdir holds
-  no run; ValueError for a `config.json` that is not a run's.
-  """
-  defaults = defaults.to_dict() if hasattr(defaults, "to_dict") else dict(defaults)
-  return ml_collections.ConfigDict(_merged(defaults, Workdir(workdir).require_config()))
+def workdir_config(workdir: str) -> ExperimentConfig:
+  """The config a training run saved in `workdir`, the keys it predates at their defaults
+  (`ExperimentConfig.from_saved`). FileNotFoundError when the workdir holds no run; ValueError for a
+  `config.json` that is not a run's."""
+  return ExperimentConfig.from_saved(Workdir(workdir).require_config())
 
 
 def _checkpoint_directory(workdir: str, checkpoint: str | None) -> tuple[str, int | None]:
@@ -66,21 +55,20 @@ def _checkpoint_directory(workdir: str, checkpoint: str | None) -> tuple[str, in
   return directory, step
 
 
-def load(workdir: str, checkpoint: str | None = None, ema: bool | None = None, *,
-         defaults: Mapping) -> TrainedModel:
+def load(workdir: str, checkpoint: str | None = None, ema: bool | None = None) -> TrainedModel:
   """`(model_config, params, tokenizer)` of a trained workdir; `checkpoint` = a step or a checkpoint dir.
 
   `ema`: translate with the moving average of the parameters the run kept (`ema_decay` > 0) rather than the
   parameters; None = the run's own choice (`factories.inference_params`): the average for a run that kept
   one, read from its own checkpoints (another directory, e.g. averaged checkpoints, holds parameters only).
-  `defaults`: as `workdir_config`. Raises FileNotFoundError (no run, no such checkpoint),
+  Raises FileNotFoundError (no run, no such checkpoint),
   `checkpoint.CheckpointMismatchError` (the checkpoint's parameter tree is not the workdir's model),
   ValueError when `ema` asks for an average the checkpoint does not hold or a checkpoint directory outside
   the workdir was trained with another vocabulary (`check_checkpoint_vocabulary`).
   """
-  config = workdir_config(workdir, defaults)
+  config = workdir_config(workdir)
   tokenizer = datasets.open_tokenizer(config.data, workdir)  # ours, or an imported model's Marian files
-  model_config = ModelConfig.from_mapping(config.model)
+  model_config = config.model
   tokenizer.check_model_vocab(model_config.vocab_size)
   check_model_ids(tokenizer, model_config)
   directory, step = _checkpoint_directory(workdir, checkpoint)
@@ -88,12 +76,12 @@ def load(workdir: str, checkpoint: str | None = None, ema: bool | None = None, *
   if ema is None:  # a step of the run's own checkpoints holds the average; another directory holds parameters
     ema = bool(config.ema_decay) and not other_directory
   if other_directory:
-    check_checkpoint_vocabulary(config, workdir, tokenizer, directory, defaults)
+    check_checkpoint_vocabulary(config, workdir, tokenizer, directory)
   params = checkpoint_lib.restore_params(directory, model_config, step=step, ema=ema)
   return TrainedModel(model_config, params, tokenizer)
 
 
-def check_checkpoint_vocabulary(config, workdir: str, tokenizer, directory: str, defaults: Mapping) -> None:
+def check_checkpoint_vocabulary(config: ExperimentConfig, workdir: str, tokenizer: Any, directory: str) -> None:
   """A `--checkpoint` directory outside the workdir must have been trained with the workdir's vocabulary.
 
   Of another workdir (`<run>/checkpoints`, `<run>/averaged`): its tokenizer must give every id the same piece
@@ -106,7 +94,7 @@ def check_checkpoint_vocabulary(config, workdir: str, tokenizer, directory: str,
   if other.resolve() == epath.Path(workdir).resolve():
     return
   if (other / "config.json").exists():
-    theirs = datasets.open_tokenizer(workdir_config(os.fspath(other), defaults).data, os.fspath(other))
+    theirs = datasets.open_tokenizer(workdir_config(os.fspath(other)).data, os.fspath(other))
     ids = list(range(min(tokenizer.vocab_size, theirs.vocab_size)))
     ours_pieces, their_pieces = tokenizer.pieces(ids), theirs.pieces(ids)
     differing = next((i for i in ids if ours_pieces[i] != their_pieces[i]), None)
@@ -121,7 +109,7 @@ def check_checkpoint_vocabulary(config, workdir: str, tokenizer, directory: str,
                        f"translate it with --workdir={other}")
     return
   saved = checkpoint_lib.read_config(directory) or {}
-  differences = config_diff(saved, config.to_dict(), DATA_KEYS) if saved.get("data") else []
+  differences = config_diff(saved, to_jsonable(config), DATA_KEYS) if saved.get("data") else []
   if differences:
     raise ValueError(f"--checkpoint={directory} was trained on other data or vocabulary settings than "
                      f"{workdir} ({'; '.join(differences)})")

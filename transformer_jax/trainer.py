@@ -6,8 +6,9 @@ writers (`trackers.py`), the time budget (`training/budget.py`), early stopping,
 
     result = trainer.train_and_evaluate(config, workdir)    # what `python -m experiments.train` runs
 
-`config` is an `ml_collections.ConfigDict` built on `experiments/configs/default.py` (every key present; never
-modified here) and `workdir` a run directory (`transformer_jax.workdir`). The run, in named steps:
+`config` is the run's typed `experiment_config.ExperimentConfig` (a program converts its `ConfigDict` once,
+`ExperimentConfig.from_config_dict`; frozen) and `workdir` a run directory (`transformer_jax.workdir`). The run,
+in named steps:
 
 1. `prepare`: refuse an incompatible workdir before touching it, build the datasets and the model config (a
    frozen `Run`). `config.json` is written once the checkpoint restored (`write_run_config`).
@@ -36,6 +37,7 @@ from transformer_jax import evaluators as evaluators_lib
 from transformer_jax import factories, imported_workdir, multihost, profiling, sharding
 from transformer_jax.config import ModelConfig
 from transformer_jax.data import datasets as datasets_lib, pipeline, tokenizer as tokenizer_lib
+from transformer_jax.experiment_config import ExperimentConfig
 from transformer_jax.owner_lock import OwnerLock
 from transformer_jax.run_checks import check_batch_in_tables, check_batch_rows, check_position_table
 from transformer_jax.stop_signal import StopSignal
@@ -76,7 +78,7 @@ def next_batch(batches: Iterator[dict], accum: int) -> dict:
 class Run:
   """What `prepare` builds and the whole run keeps: never replaced (the loop's changing parts are `Program`)."""
 
-  config: Any                    # as given (with the length a saved time-budget decision set, if any)
+  config: ExperimentConfig       # as given (with the length a saved time-budget decision set, if any)
   workdir: Workdir
   resolved_config: dict          # `config` as a dict, `model.vocab_size` set; what config.json holds
   model_config: ModelConfig
@@ -105,7 +107,7 @@ class Program:
   """The config the loop trains with and the step compiled for it; the loop replaces it at a dropout stage and
   where a time-budget decision changes the run's length (`apply_budget`)."""
 
-  config: Any                    # the run's config with the length the time budget last decided
+  config: ExperimentConfig       # the run's config with the length the time budget last decided
   resolved_config: dict          # its config.json
   train_step: sharding.PartitionedFunction
   dropout_rate: float            # the residual dropout rate `train_step` was compiled with
@@ -118,7 +120,7 @@ class TrainResult:
   state: steps.TrainState
   model_config: ModelConfig
   datasets: datasets_lib.Datasets
-  config: Any                      # the config trained with: `num_train_steps` as a time budget set it, if any
+  config: ExperimentConfig         # the config trained with: `num_train_steps` as a time budget set it, if any
   final_step: int
   train_minutes: float
   stopped_early: bool              # a signal stopped the run before `num_train_steps`
@@ -129,7 +131,7 @@ class TrainResult:
 
 # The run's lifecycle: prepare, init-or-restore --------------------------------------------------------------
 
-def prepare(config: Any, workdir: str) -> Run:
+def prepare(config: ExperimentConfig, workdir: str) -> Run:
   """Checks the workdir and the config, builds the datasets and the model config. `config.json` is written by
   `write_run_config` once the checkpoint restored (`init_or_restore`): a refused resume rewrites nothing.
 
@@ -140,18 +142,20 @@ def prepare(config: Any, workdir: str) -> Run:
   multihost.maybe_initialize_distributed(config.distributed)
   run_dir = Workdir(workdir)
   saved = run_dir.read_config()
-  config = budget_lib.with_decision(config, budget_lib.from_json(run_dir.read_train_budget()) if config.train_budget_minutes > 0 else None)
+  saved_decision = run_dir.read_train_budget() if config.train_budget_minutes > 0 else None
+  config = budget_lib.with_decision(config, budget_lib.from_json(saved_decision))
   imported_workdir.check_adopted(config, saved, run_dir.root)
   untrained_import = imported_workdir.is_untrained_import(saved)
   # Before anything in the workdir is touched:
-  run_dir.check_compatible(config.to_dict(), keys=imported_workdir.IMPORT_DATA_KEYS if untrained_import
+  run_dir.check_compatible(to_jsonable(config), keys=imported_workdir.IMPORT_DATA_KEYS if untrained_import
                            else DATA_KEYS, defaults=DATA_DEFAULTS)
   check_position_table(config)
   evaluators_lib.check_best_metric(config)
   mesh = sharding.mesh_from_config(config.mesh)
   check_batch_rows(config.data, mesh)
   # A tracker that cannot start is refused (trackers.TrackerError) before we write anything.
-  writer = MetricWriter.open(config.trackers, run_dir, config.wandb, enabled=jax.process_index() == 0)
+  writer = MetricWriter.open(config.trackers, run_dir, dataclasses.asdict(config.wandb),
+                            enabled=jax.process_index() == 0)
   try:
     return _prepare_run(config, run_dir, saved, untrained_import, mesh, writer)
   except BaseException:
@@ -159,7 +163,7 @@ def prepare(config: Any, workdir: str) -> Run:
     raise
 
 
-def _prepare_run(config: Any, run_dir: Workdir, saved: dict | None, untrained_import: bool,
+def _prepare_run(config: ExperimentConfig, run_dir: Workdir, saved: dict | None, untrained_import: bool,
                  mesh: jax.sharding.Mesh, writer: MetricWriter) -> Run:
   """`prepare` once the workdir is accepted and the trackers run: datasets, model config, resolved config."""
   run_dir.create()
@@ -222,7 +226,8 @@ def log_packing(train: pipeline.TrainStream, batches: int = 20) -> None:
 
 # What the loop replaces: its program (dropout stages, time-budget decisions) --------------------------------
 
-def compile_program(run: Run, config: Any, resolved_config: dict, state: steps.TrainState, step: int) -> Program:
+def compile_program(run: Run, config: ExperimentConfig, resolved_config: dict, state: steps.TrainState,
+                    step: int) -> Program:
   """The `Program` for update `step` onwards: `config`'s schedule and the dropout rate it sets there
   (`factories.train_model_config`), compiled for `state`'s shardings."""
   model_config = factories.train_model_config(config, run.model_config, step)
@@ -272,7 +277,7 @@ def write_evaluation(run: Run, step: int, evaluation: evaluators_lib.Evaluation)
     run.writer.write_samples(step, split, rows)
 
 
-def _checkpoint_due(config: Any, step: int, last_save_time: float) -> bool:
+def _checkpoint_due(config: ExperimentConfig, step: int, last_save_time: float) -> bool:
   if itstime(step, config.checkpoint_every_steps, config.num_train_steps):
     return True
   # Wall-clock saves are checked at logging steps (already a host sync point) and decided by process 0:
@@ -377,7 +382,7 @@ def train(run: Run, start: Start, checkpointer: checkpoint_lib.Checkpointer, sto
                      early_stopping=early.summary(step if early_stop else None) if early else {})
 
 
-def train_and_evaluate(config: Any, workdir: str) -> TrainResult:
+def train_and_evaluate(config: ExperimentConfig, workdir: str) -> TrainResult:
   """Trains `config` in `workdir` (resuming from its latest complete checkpoint) and returns the result.
 
   For a workdir holding an imported model, pass `imported_workdir.config_for_workdir(config, workdir)`: the run

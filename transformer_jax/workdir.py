@@ -72,8 +72,8 @@ class Workdir:
   def config_json(self) -> epath.Path:
     return self.root / "config.json"
 
-  def write_config(self, config: Any) -> None:
-    """Writes `config.json` (a ConfigDict, dataclass or mapping, through `to_jsonable`), atomically."""
+  def write_config(self, config: Mapping[str, Any]) -> None:
+    """Writes `config.json` (a mapping of sections, its values through `to_jsonable`), atomically."""
     write_json_atomically(self.config_json, config)
 
   @property

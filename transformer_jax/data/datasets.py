@@ -27,6 +27,7 @@ from transformer_jax.data import batching, normalize, pipeline, records, sources
 from transformer_jax.data import tokenizer as tokenizer_lib
 from transformer_jax.data.marian_vocab import TOKENIZER_NAME as MARIAN_TOKENIZER
 from transformer_jax.data.marian_vocab import MarianVocabulary
+from transformer_jax.experiment_config import DataConfig
 from transformer_jax.workdir import Workdir, is_local
 
 
@@ -47,7 +48,7 @@ class Datasets:
   stats: dict[str, Any]
 
 
-def vocab_path(data_config: Any, workdir: str) -> str:
+def vocab_path(data_config: DataConfig, workdir: str) -> str:
   """The vocabulary this run uses: `data.vocab_path` if given, else `<workdir>/vocab/spm.model`, or for
   `data.tokenizer="marian"` the directory `<workdir>/vocab` (source.spm, target.spm, vocab.json)."""
   if data_config.vocab_path:
@@ -56,12 +57,7 @@ def vocab_path(data_config: Any, workdir: str) -> str:
   return os.fspath(run_dir.vocab_dir if data_config.tokenizer == MARIAN_TOKENIZER else run_dir.vocab)
 
 
-def lowercase(data_config: Any) -> bool:
-  """`data.lowercase`: the run's vocabulary is case-folded (False for configs written before the key existed)."""
-  return bool(getattr(data_config, "lowercase", False))
-
-
-def open_tokenizer(data_config: Any, workdir: str) -> tokenizer_lib.TextTokenizer:
+def open_tokenizer(data_config: DataConfig, workdir: str) -> tokenizer_lib.TextTokenizer:
   """The run's existing vocabulary (`vocab_path`): a `Tokenizer`, or a `MarianVocabulary` for
   `data.tokenizer="marian"`. Raises `VocabularyError` (one line) when it is missing or unreadable, or when it
   is case-folded and `data.lowercase` is not set, or the other way round."""
@@ -69,15 +65,15 @@ def open_tokenizer(data_config: Any, workdir: str) -> tokenizer_lib.TextTokenize
   if data_config.tokenizer == MARIAN_TOKENIZER:
     return MarianVocabulary(path)
   tokenizer = tokenizer_lib.Tokenizer(path)
-  if tokenizer.lowercase != lowercase(data_config):
+  if tokenizer.lowercase != data_config.lowercase:
     kind = "a lowercased" if tokenizer.lowercase else "a cased"
     raise tokenizer_lib.VocabularyError(
-        f"{path} is {kind} vocabulary but --config.data.lowercase={lowercase(data_config)}; set "
+        f"{path} is {kind} vocabulary but --config.data.lowercase={data_config.lowercase}; set "
         f"data.lowercase={tokenizer.lowercase} or use another vocabulary")
   return tokenizer
 
 
-def load_tokenizer(data_config: Any, workdir: str, train_pairs=None) -> tokenizer_lib.TextTokenizer:
+def load_tokenizer(data_config: DataConfig, workdir: str, train_pairs=None) -> tokenizer_lib.TextTokenizer:
   """Loads the run's vocabulary, training a SentencePiece one on both sides of the training split the first
   time; a Marian tokenizer is only ever loaded (`open_tokenizer`)."""
   path = vocab_path(data_config, workdir)
@@ -92,7 +88,7 @@ def load_tokenizer(data_config: Any, workdir: str, train_pairs=None) -> tokenize
   return tokenizer_lib.load_or_train_tokenizer(
       path, texts, data_config.vocab_size, model_type=data_config.vocab_model_type,
       max_sentences=data_config.vocab_max_sentences, character_coverage=data_config.vocab_character_coverage,
-      lowercase=lowercase(data_config))
+      lowercase=data_config.lowercase)
 
 
 def build_eval_set(tokenizer: tokenizer_lib.TextTokenizer, pairs) -> EvalSet:
@@ -111,7 +107,7 @@ def ids_root(workdir: str, split: str) -> epath.Path:
   return epath.Path(os.path.expanduser("~/.cache/transformer_jax/ids")) / path.name
 
 
-def prepare_ids(data_config: Any, workdir: str, builder, source_key: str, target_key: str, *,
+def prepare_ids(data_config: DataConfig, workdir: str, builder, source_key: str, target_key: str, *,
                 process_index: int = 0, process_count: int = 1,
                 barrier: Callable[[str], None] | None = None) -> tuple[tokenizer_lib.TextTokenizer,
                                                                       pipeline.IdShards]:
@@ -161,8 +157,8 @@ def prepare_ids(data_config: Any, workdir: str, builder, source_key: str, target
   return tok, shards
 
 
-def build_datasets(data_config: Any, workdir: str, *, seed: int, process_index: int = 0, process_count: int = 1,
-                   barrier: Callable[[str], None] | None = None) -> Datasets:
+def build_datasets(data_config: DataConfig, workdir: str, *, seed: int, process_index: int = 0,
+                   process_count: int = 1, barrier: Callable[[str], None] | None = None) -> Datasets:
   """Vocabulary + this process's packed training stream + evaluation sets for `data_config`.
 
   `barrier(name)`: on several processes, waits until every process got there (the trainer passes

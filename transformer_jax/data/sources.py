@@ -16,25 +16,24 @@ Built datasets live in `data.tfds_data_dir` (default `<workdir>/tfds`); how they
 from __future__ import annotations
 
 import os
-from typing import Any
-
 import tensorflow_datasets as tfds
 
 from transformer_jax.data import records
 from transformer_jax.data.number_words import NumberWords
 from transformer_jax.data.parallel_text import parallel_text_builder
+from transformer_jax.experiment_config import DataConfig
 from transformer_jax.workdir import Workdir
 
 Pairs = records.Pairs
 
 
-def tfds_data_dir(data_config: Any, workdir: str | None) -> str:
+def tfds_data_dir(data_config: DataConfig, workdir: str | None) -> str:
   if data_config.tfds_data_dir:
     return data_config.tfds_data_dir
   return os.fspath(Workdir(workdir).tfds) if workdir else os.path.expanduser("~/tensorflow_datasets")
 
 
-def _tfds_translation_builder(data_config: Any, data_dir: str) -> tuple[tfds.core.DatasetBuilder, str, str]:
+def _tfds_translation_builder(data_config: DataConfig, data_dir: str) -> tuple[tfds.core.DatasetBuilder, str, str]:
   name = data_config.dataset
   source, target = data_config.source_lang, data_config.target_lang
   try:
@@ -53,7 +52,7 @@ def _tfds_translation_builder(data_config: Any, data_dir: str) -> tuple[tfds.cor
   return builder, source, target
 
 
-def get_builder(data_config: Any, workdir: str | None = None) -> tuple[tfds.core.DatasetBuilder, str, str]:
+def get_builder(data_config: DataConfig, workdir: str | None = None) -> tuple[tfds.core.DatasetBuilder, str, str]:
   """The prepared tfds builder for `data_config.dataset`, plus its source and target feature keys."""
   data_dir = tfds_data_dir(data_config, workdir)
   name = data_config.dataset
@@ -71,7 +70,7 @@ def get_builder(data_config: Any, workdir: str | None = None) -> tuple[tfds.core
   return _tfds_translation_builder(data_config, data_dir)
 
 
-def open_splits(data_config: Any, splits: list[str],
+def open_splits(data_config: DataConfig, splits: list[str],
                 workdir: str | None = None) -> tuple[tfds.core.DatasetBuilder, str, str]:
   """The prepared builder (prepared and validated once) after checking that it has every split named."""
   builder, source_key, target_key = get_builder(data_config, workdir)
@@ -83,7 +82,7 @@ def open_splits(data_config: Any, splits: list[str],
   return builder, source_key, target_key
 
 
-def load_splits(data_config: Any, splits: list[str], workdir: str | None = None) -> dict[str, Pairs]:
+def load_splits(data_config: DataConfig, splits: list[str], workdir: str | None = None) -> dict[str, Pairs]:
   """(source, target) text pairs of several splits, preparing (and validating) the dataset once.
 
   Split names follow tfds (slicing allowed: 'train[:1000]').
@@ -92,6 +91,6 @@ def load_splits(data_config: Any, splits: list[str], workdir: str | None = None)
   return {split: records.read_pairs(builder, split, source_key, target_key) for split in splits}
 
 
-def load_pairs(data_config: Any, split: str, workdir: str | None = None) -> Pairs:
+def load_pairs(data_config: DataConfig, split: str, workdir: str | None = None) -> Pairs:
   """(source, target) text pairs of one split (see `load_splits`)."""
   return load_splits(data_config, [split], workdir)[split]

@@ -45,8 +45,9 @@ import sentencepiece as spm
 import torch
 import transformers
 from ctranslate2.converters import transformers as ct2_transformers
-from ctranslate2.specs import attention_spec
+from ctranslate2.specs import attention_spec, transformer_spec
 
+from transformer_jax.config import ModelConfig
 from transformer_jax.data import normalize
 from transformer_jax.data.tokenizer import Tokenizer
 from transformer_jax.interop import marian as marian_lib
@@ -80,7 +81,7 @@ class ExactMarianLoader(ct2_transformers.MarianMTLoader):
     spec.decoder.projection.bias = bias
     return spec
 
-  def set_config(self, config, model, tokenizer):
+  def set_config(self, config: transformer_spec.TransformerConfig, model, tokenizer):
     ct2_transformers.BartLoader.set_config(self, config, model, tokenizer)
     if config.bos_token is None:  # MarianTokenizer has no BOS token; decoding starts from decoder_start_token
       config.bos_token = config.decoder_start_token
@@ -105,7 +106,7 @@ class ExactMarianLoader(ct2_transformers.MarianMTLoader):
     return ct2_transformers.BartLoader.get_vocabulary(self, model, tokenizer)
 
 
-def check_relative_positions(config) -> None:
+def check_relative_positions(config: ModelConfig) -> None:
   """Raises `UnsupportedModelError` for relative positions with absolute ones: CTranslate2 builds no position
   encoder for a stack whose first self-attention has `relative_position_keys` (`has_positional_embeddings`), so
   only `position_embedding='none'` computes ours (measured: docs/interop.md)."""
@@ -116,7 +117,7 @@ def check_relative_positions(config) -> None:
         "model.position_embedding='none' (or max_relative_position=0)")
 
 
-def relative_tables(params, config) -> dict:
+def relative_tables(params, config: ModelConfig) -> dict:
   """`{("encoder"|"decoder", layer): (key, value)}` of a model with relative positions: our self-attention
   tables `relative_key` / `relative_value` `[2k+1, head_dim]` float32 (row `r` embeds the clipped distance
   key - query = r - k, CTranslate2's convention too); `value` is zeros `[2k+1, head_dim]` for
@@ -133,7 +134,7 @@ def relative_tables(params, config) -> dict:
   return out
 
 
-def without_relative(params, config):
+def without_relative(params, config: ModelConfig) -> tuple[dict, ModelConfig]:
   """(params, config) with the relative tables removed: what `save_marian` holds (the rest of the network)."""
   def strip(tree):
     if not isinstance(tree, collections.abc.Mapping):
@@ -197,7 +198,7 @@ def convert_marian_directory(model_dir: str, output_dir: str, *, quantization: s
   return converter.convert(output_dir, quantization=quantization, force=True)
 
 
-def export_ctranslate2(params, config, output_dir: str, *, tokenizer_path: str,
+def export_ctranslate2(params, config: ModelConfig, output_dir: str, *, tokenizer_path: str,
                        quantization: str | None = None) -> str:
   """Our model -> a CTranslate2 model directory (with source.spm, target.spm, vocab.json); nothing is left
   behind on failure. `tokenizer_path`: our `spm.model`, or a Marian tokenizer directory."""
@@ -221,7 +222,7 @@ def export_ctranslate2(params, config, output_dir: str, *, tokenizer_path: str,
   return output_dir
 
 
-def export_info(config, tokenizer_path: str) -> dict:
+def export_info(config: ModelConfig, tokenizer_path: str) -> dict:
   """What `transformer_jax_export.json` records of the export's contract (docs/interop.md)."""
   if os.path.isdir(tokenizer_path):  # an imported Marian model's own tokenizer files, copied as they are
     normalization = "the imported model's own source.spm rules"

@@ -27,10 +27,10 @@ The idea of a schedule set by a time budget: Geiping & Goldstein, "Cramming" (20
 
 from __future__ import annotations
 
-import copy
 import dataclasses
-from typing import Any, Callable, Mapping
+from typing import Callable, Mapping
 
+from transformer_jax.experiment_config import ExperimentConfig
 from transformer_jax.training import schedule as schedule_lib
 
 MIN_MEASURED_STEPS = 20  # steps of this process the rate is measured over, at least
@@ -73,7 +73,7 @@ def from_json(saved: Mapping | None) -> BudgetDecision | None:
   return BudgetDecision(**{**saved, "cooldown_knots": tuple(tuple(k) for k in saved.get("cooldown_knots", ()))})
 
 
-def decision_step(config: Any, start_step: int) -> int | None:
+def decision_step(config: ExperimentConfig, start_step: int) -> int | None:
   """The step after which the length is first planned: the end of the warm-up, at least `MIN_MEASURED_STEPS`
   steps after this process's first, before the configured cool-down would begin (None when it already has)."""
   step = max(config.warmup_steps, start_step + MIN_MEASURED_STEPS)
@@ -93,7 +93,7 @@ def revision_step(decision: BudgetDecision, start_step: int) -> int | None:
   return step if step - anchor >= MIN_MEASURED_STEPS else None
 
 
-def plan(config: Any) -> dict:
+def plan(config: ExperimentConfig) -> dict:
   """What a first decision needs of `config`: the budget, the cap and the cool-down's share."""
   return dict(budget_minutes=float(config.train_budget_minutes), cap=int(config.num_train_steps),
               cooldown_share=config.cooldown_steps / config.num_train_steps)
@@ -133,7 +133,7 @@ def revise_in_cooldown(previous: BudgetDecision, *, step: int, start_step: int, 
                              cooldown_knots=knots)
 
 
-def next_decision_step(config: Any, decision: BudgetDecision | None, start_step: int) -> int | None:
+def next_decision_step(config: ExperimentConfig, decision: BudgetDecision | None, start_step: int) -> int | None:
   """The step after which a run starting at `start_step` next decides its length: with a budget
   (`config.train_budget_minutes > 0`), the revision of its saved `decision` (`revision_step`), or without one its
   first plan (`decision_step`); None without a budget or when no decision is left to take."""
@@ -142,8 +142,8 @@ def next_decision_step(config: Any, decision: BudgetDecision | None, start_step:
   return revision_step(decision, start_step) if decision else decision_step(config, start_step)
 
 
-def next_decision(config: Any, previous: BudgetDecision | None, *, step: int, start_step: int, seconds: float,
-                  first_step_seconds: float,
+def next_decision(config: ExperimentConfig, previous: BudgetDecision | None, *, step: int, start_step: int,
+                  seconds: float, first_step_seconds: float,
                   agree: Callable[[int, int], tuple[int, ...]] = lambda *values: values) -> BudgetDecision:
   """The run's length decided after `step`: planned from `config` (no `previous` decision: `plan`, `decide`), or
   `previous` revised (`decide` with its budget; inside its cool-down, `revise_in_cooldown`).
@@ -168,12 +168,10 @@ def next_decision(config: Any, previous: BudgetDecision | None, *, step: int, st
   return dataclasses.replace(decision, num_train_steps=total, cooldown_steps=cooldown, cooldown_knots=knots)
 
 
-def with_decision(config: Any, decision: BudgetDecision | None) -> Any:
-  """`config` with the run length `decision` sets (`num_train_steps`, `cooldown_steps`, `cooldown_knots`; a
-  copy), or `config` itself when there is none."""
+def with_decision(config: ExperimentConfig, decision: BudgetDecision | None) -> ExperimentConfig:
+  """`config` with the run length `decision` sets (`num_train_steps`, `cooldown_steps`, `cooldown_knots`), or
+  `config` itself when there is none."""
   if decision is None:
     return config
-  config = copy.deepcopy(config)
-  config.num_train_steps, config.cooldown_steps = decision.num_train_steps, decision.cooldown_steps
-  config.cooldown_knots = decision.cooldown_knots
-  return config
+  return dataclasses.replace(config, num_train_steps=decision.num_train_steps,
+                             cooldown_steps=decision.cooldown_steps, cooldown_knots=decision.cooldown_knots)
