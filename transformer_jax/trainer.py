@@ -36,7 +36,7 @@ from transformer_jax import early_stopping as early_stopping_lib
 from transformer_jax import evaluators as evaluators_lib
 from transformer_jax import factories, imported_workdir, multihost, profiling, sharding
 from transformer_jax.config import ModelConfig
-from transformer_jax.data import datasets as datasets_lib, pipeline, tokenizer as tokenizer_lib
+from transformer_jax.data import datasets as datasets_lib, tokenizer as tokenizer_lib
 from transformer_jax.experiment_config import ExperimentConfig
 from transformer_jax.owner_lock import OwnerLock
 from transformer_jax.run_checks import check_batch_in_tables, check_batch_rows, check_position_table
@@ -211,17 +211,8 @@ def init_or_restore(run: Run, checkpointer: checkpoint_lib.Checkpointer) -> Star
     run.data.train.set_state(restored.data_state)
     logging.info("Resumed from the checkpoint at step %d in %s (data position %s)", start.step,
                  checkpointer.directory, restored.data_state)
-  log_packing(run.data.train)
+  run.data.train.log_packing()  # from where training continues
   return start
-
-
-def log_packing(train: pipeline.TrainStream, batches: int = 20) -> None:
-  """Logs the packing of the next `batches` batches of this process from where training continues (read from a
-  copy of the stream: the position does not move)."""
-  src_eff, tgt_eff = train.padding_efficiency(batches)
-  logging.info("Packed batches: %d rows x %d slots (%d on this process); padding efficiency of the next %d "
-               "batches (epoch %d): source %.1f%%, target %.1f%%", train.rows_per_batch, train.row_length,
-               train.rows_per_batch // train.process_count, batches, train.epoch, 100 * src_eff, 100 * tgt_eff)
 
 
 # What the loop replaces: its program (dropout stages, time-budget decisions) --------------------------------

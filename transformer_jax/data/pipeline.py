@@ -508,6 +508,13 @@ class TrainStream:
     slots = batches * (self.rows_per_batch // self.process_count) * self.row_length
     return real[0] / slots, real[1] / slots
 
+  def log_packing(self, batches: int = 20) -> None:
+    """Logs the rows and the padding efficiency of the next `batches` batches (`padding_efficiency`)."""
+    src_eff, tgt_eff = self.padding_efficiency(batches)
+    logging.info("Packed batches: %d rows x %d slots (%d on this process); padding efficiency of the next %d "
+                 "batches (epoch %d): source %.1f%%, target %.1f%%", self.rows_per_batch, self.row_length,
+                 self.rows_per_batch // self.process_count, batches, self.epoch, 100 * src_eff, 100 * tgt_eff)
+
 
 def evenly_spaced_splits(split: str, pairs: int, sample: int, pieces: int = 64) -> list[str]:
   """tfds split strings covering about `sample` pairs of `split` (`pairs` long) in `pieces` evenly spaced runs:
