@@ -10,12 +10,8 @@ runs. Everything else here is host-side and cheap; the sections in `sections.py`
 from __future__ import annotations
 
 import dataclasses
-import datetime
 import json
 import os
-import platform
-import re
-import subprocess
 import time
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
@@ -257,36 +253,6 @@ def reset_peak_rss() -> bool:
 # ----------------------------------------------------------------------------------------------------------
 # Machine facts
 # ----------------------------------------------------------------------------------------------------------
-
-def machine_info() -> dict:
-  info = {"date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
-          "platform": platform.platform(), "python": platform.python_version(),
-          "logical_cpus": os.cpu_count()}
-  try:
-    lscpu = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10).stdout
-    for key, name in (("Model name", "cpu_model"), ("Core(s) per socket", "cores_per_socket"),
-                      ("Socket(s)", "sockets"), ("Thread(s) per core", "threads_per_core"),
-                      ("Flags", "flags")):
-      m = re.search(rf"^{re.escape(key)}:\s*(.+)$", lscpu, re.M)
-      if m:
-        info[name] = m.group(1).strip()
-    flags = info.pop("flags", "")
-    info["simd"] = " ".join(f for f in ("avx2", "fma", "avx512f", "avx512_bf16", "amx_tile")
-                            if f in flags.split())
-  except (OSError, subprocess.SubprocessError):
-    pass
-  try:
-    info["load_average_at_start"] = [round(x, 2) for x in os.getloadavg()]
-  except OSError:
-    pass
-  try:
-    import jax
-    import flax
-    info["jax"], info["flax"] = jax.__version__, flax.__version__
-  except ImportError:
-    pass
-  return info
-
 
 def fixed_length_search(cfg: ModelConfig, beam: int, length: int):
   """The library's greedy (`beam` 1) or beam search with every output exactly `length` tokens (EOS barred until

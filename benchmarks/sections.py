@@ -54,7 +54,7 @@ def _timed(fn):
 # ----------------------------------------------------------------------------------------------------------
 
 def machine(args) -> dict:
-  out = {"machine": common.machine_info(), "matmul": {}}
+  out = {"machine": program_common.machine_info(), "matmul": {}}
   for n in (1024, 2048, 4096):
     if n == 4096 and args.quick:
       continue

@@ -1,10 +1,14 @@
-"""Shared glue for the absl programs: user-facing errors, loading a trained workdir, the final evaluation."""
+"""Shared glue for the absl programs: user-facing errors, a trained workdir, the final evaluation, the host."""
 
 from __future__ import annotations
 
+import datetime
 import functools
 import logging
+import os
+import platform
 import re
+import subprocess
 import sys
 import time
 from typing import Any, Callable
@@ -164,3 +168,34 @@ def report_final_eval(config: ExperimentConfig, workdir: str, result: trainer.Tr
           f"{result.early_stopping['best']:.4g} at step {result.early_stopping['best_step']}")
   write_json_atomically(Workdir(workdir).final_eval_json, report)
   return report
+
+
+def machine_info() -> dict:
+  """The host a result was measured on: date, platform, CPU model, cores, SIMD flags, load average, jax/flax."""
+  info = {"date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+          "platform": platform.platform(), "python": platform.python_version(),
+          "logical_cpus": os.cpu_count()}
+  try:
+    lscpu = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10).stdout
+    for key, name in (("Model name", "cpu_model"), ("Core(s) per socket", "cores_per_socket"),
+                      ("Socket(s)", "sockets"), ("Thread(s) per core", "threads_per_core"),
+                      ("Flags", "flags")):
+      m = re.search(rf"^{re.escape(key)}:\s*(.+)$", lscpu, re.M)
+      if m:
+        info[name] = m.group(1).strip()
+    flags = info.pop("flags", "")
+    info["simd"] = " ".join(f for f in ("avx2", "fma", "avx512f", "avx512_bf16", "amx_tile")
+                            if f in flags.split())
+  except (OSError, subprocess.SubprocessError):
+    pass
+  try:
+    info["load_average_at_start"] = [round(x, 2) for x in os.getloadavg()]
+  except OSError:
+    pass
+  try:
+    import jax
+    import flax
+    info["jax"], info["flax"] = jax.__version__, flax.__version__
+  except ImportError:
+    pass
+  return info

@@ -25,7 +25,6 @@ from absl import flags
 from etils import epath
 
 from experiments import common, docblock, launch
-from benchmarks import common as bench_common
 from transformer_jax import checkpoint as checkpoint_lib
 from transformer_jax import factories, metrics, trainer, visualize
 from transformer_jax.decoding import inference
@@ -136,7 +135,7 @@ def main():
              "steps_per_s": _mean_steps_per_s(logged), "train_budget": run_dir.read_train_budget(),
              "load_average_1_5_15min": os.getloadavg(), "cpu_count": os.cpu_count(),
              "devices": jax.device_count(),
-             "machine": bench_common.machine_info(),
+             "machine": common.machine_info(),
              "test_sentences": len(test_src), "model": model_config.__dict__,
              "lowercase": tokenizer.lowercase}  # a case-folded vocabulary: sacreBLEU and chrF lowercased
   run_dir.results_json.write_text(json.dumps(summary, indent=2, default=str), encoding="utf-8")

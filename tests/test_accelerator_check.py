@@ -1,4 +1,4 @@
-"""`python -m experiments.accelerator_check` in its CPU tiny mode: every section a row, refusals as rows."""
+"""`python -m benchmarks.accelerator_check` in its CPU tiny mode: every section a row, refusals as rows."""
 
 import json
 import os
@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from experiments import accelerator_check as check
+from benchmarks import accelerator_check as check
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -43,7 +43,7 @@ def test_an_error_is_a_row_not_a_crash():
 
 def test_tiny_mode_runs_every_section_and_writes_its_json(tmp_path):
   output = tmp_path / "check.json"
-  result = subprocess.run([sys.executable, "-m", "experiments.accelerator_check", "--tiny", f"--output={output}"],
+  result = subprocess.run([sys.executable, "-m", "benchmarks.accelerator_check", "--tiny", f"--output={output}"],
                           cwd=REPO, env={**os.environ, "PYTHONPATH": REPO}, capture_output=True, text=True,
                           timeout=600)
   assert result.returncode == 0, result.stderr[-3000:]
@@ -78,7 +78,7 @@ def test_tiny_mode_runs_every_section_and_writes_its_json(tmp_path):
 
 
 def test_an_unknown_section_to_skip_is_one_line(tmp_path):
-  result = subprocess.run([sys.executable, "-m", "experiments.accelerator_check", "--skip=train,gpu"],
+  result = subprocess.run([sys.executable, "-m", "benchmarks.accelerator_check", "--skip=train,gpu"],
                           cwd=REPO, env={**os.environ, "PYTHONPATH": REPO, "TRANSFORMER_JAX_HUGE_PAGES": "0"},
                           capture_output=True, text=True, timeout=300)
   assert result.returncode == 1 and result.stderr.startswith("error: flag --skip=")  # absl flags, one line

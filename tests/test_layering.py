@@ -19,6 +19,7 @@ PACKAGE = pathlib.Path(__file__).resolve().parents[1] / "transformer_jax"
 RANKS = {
     "transformer_jax.config": 0, "transformer_jax.workdir": 0, "transformer_jax.metrics": 1,
     "transformer_jax.dropout": 0, "transformer_jax.data.normalize": 0,  # text normalisation: a leaf
+    "transformer_jax.data.config": 0,  # DataConfig, the schema's data section: a leaf the data package reads
     # attention: the math, below the decoding caches (typed entries + the decoder's accessors), below the layer
     "transformer_jax.attention.core": 1, "transformer_jax.attention.kvcache": 1.2,
     "transformer_jax.attention.layer": 1.4, "transformer_jax.attention": 1.5,
@@ -36,6 +37,7 @@ RANKS = {
     # the experiment schema: every key, its default, meaning and rule (ModelConfig, MeshConfig, the schedule's,
     # trackers' and MBR's names nested); below everything that reads a typed config
     "transformer_jax.experiment_config": 2.5,
+    "transformer_jax.budget": 2.7,  # the time budget: pure decisions over the typed config and the schedule
     "transformer_jax.training": 3, "transformer_jax.visualize": 3, "transformer_jax.diagnostics": 3,
     # decoding, above the model: the model-agnostic searches, the Transformer's step, the toolkit's wrappers
     # over the step seam, the one compiled decoding that combines them, host-side inference on top
@@ -200,3 +202,15 @@ def test_no_function_is_longer_than_a_screen():
   roots = [PACKAGE, PACKAGE.parent / "experiments", PACKAGE.parent / "benchmarks"]
   offenders = [(n, where) for root in roots for n, where in _function_lengths(root) if n > MAX_FUNCTION_LINES]
   assert not offenders, sorted(offenders, reverse=True)
+
+
+def test_programs_never_import_the_benchmarks():
+  """Folders stack as the library, then experiments/ (its programs and their glue), then benchmarks/ (which
+  measure both and use the programs' glue): no module of experiments/ imports benchmarks/."""
+  offenders = []
+  for path in sorted((PACKAGE.parent / "experiments").rglob("*.py")):
+    for node in ast.walk(ast.parse(path.read_text())):
+      names = ([node.module or ""] if isinstance(node, ast.ImportFrom)
+               else [alias.name for alias in node.names] if isinstance(node, ast.Import) else [])
+      offenders += [f"{path.name}:{node.lineno} {name}" for name in names if name.split(".")[0] == "benchmarks"]
+  assert not offenders, offenders

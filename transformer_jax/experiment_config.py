@@ -25,39 +25,10 @@ import ml_collections
 from transformer_jax import metrics as metrics_lib
 from transformer_jax import trackers
 from transformer_jax.config import ModelConfig
+from transformer_jax.data.config import DataConfig
 from transformer_jax.decoding import mbr
 from transformer_jax.sharding import MeshConfig
 from transformer_jax.training.schedule import COOLDOWN_SHAPES, check_cooldown, check_dropout_schedule
-
-
-@dataclasses.dataclass(frozen=True)
-class DataConfig:
-  """Where the training pairs come from, the vocabulary, and the packed batches (`transformer_jax.data`)."""
-
-  dataset: str = "number_words"        # number_words | parallel_text | a tfds WMT name, e.g. wmt14_translate/de-en
-  builder_config: str = "default"      # tfds builder config (number_words only)
-  dir: str = ""                        # parallel_text: the directory of {split}.{lang} files
-  source_lang: str = "en"              # source language code (file suffix / tfds feature)
-  target_lang: str = "de"              # target language code
-  download: bool = False               # let tfds download and prepare a WMT dataset (network, hours)
-  tfds_data_dir: str = ""              # prepared tfds data; "" = <workdir>/tfds
-  tokenizer: str = "sentencepiece"     # sentencepiece (ours, one shared model) | marian (an imported model)
-  vocab_path: str = ""                 # SentencePiece model; "" = <workdir>/vocab/spm.model, trained on first run
-  vocab_size: int = 37000              # one shared BPE vocabulary for both languages (section 5.1)
-  vocab_model_type: str = "bpe"        # SentencePiece model type: bpe | unigram
-  vocab_max_sentences: int = 2_000_000  # uniform sample of training lines (both sides) the vocabulary sees
-  vocab_character_coverage: float = 1.0  # SentencePiece character_coverage
-  train_split: str = "train"           # split trained on
-  eval_splits: tuple[str, ...] = ("validation",)  # splits the evaluators score during training
-  lowercase: bool = False              # a case-folded vocabulary: text lowercased before SentencePiece, in
-                                       # training and at every encode; outputs are lowercase and scored
-                                       # against lowercased references (the Multi30k *.lc.norm.tok protocol)
-  subword_alpha: float = 0.0           # > 0: a sampled segmentation of the training pairs every epoch; for
-                                       # bpe the probability of skipping a merge (BPE-dropout, Provilkov et
-                                       # al., 2020: 0.1), for unigram the smoothing (Kudo, 2018); 0 = off
-  subword_from_epoch: int = 0          # the first epoch that samples (earlier ones: deterministic ids)
-  max_len: int = 256                   # longest training pair kept (tokens per side), and the packed row length
-  tokens_per_batch: int = 26_624       # packed slots per side per micro-batch, all devices (~25k tokens, sec. 5.1)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -138,7 +109,7 @@ class ExperimentConfig:
   dropout_schedule: tuple = ()         # ((step, rate), ...): model.dropout_rate from that update on, in
                                        # absolute steps (schedule.dropout_rate; () = model.dropout_rate)
   train_budget_minutes: float = 0.0    # > 0: fit num_train_steps (then a cap) to this much training time,
-                                       # at the measured rate (training/budget.py; 0 = off)
+                                       # at the measured rate (budget.py; 0 = off)
   adam_b1: float = 0.9                 # Adam beta1
   adam_b2: float = 0.98                # Adam beta2
   adam_eps: float = 1e-9               # Adam epsilon

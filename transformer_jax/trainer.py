@@ -2,7 +2,7 @@
 run's lifecycle only (t5x's `train.py`); what they use lives in rooms of its own: the factories
 (`factories.py`), the imported-workdir policy (`imported_workdir.py`), the evaluators (`evaluators.py`), the
 refusals (`run_checks.py`), the training scalars (`train_log.py`), stop signals (`stop_signal.py`), metric
-writers (`trackers.py`), the time budget (`training/budget.py`), early stopping, a profile.
+writers (`trackers.py`), the time budget (`budget.py`), early stopping, a profile.
 
     result = trainer.train_and_evaluate(config, workdir)    # what `python -m experiments.train` runs
 
@@ -43,7 +43,7 @@ from transformer_jax.run_checks import check_batch_in_tables, check_batch_rows, 
 from transformer_jax.stop_signal import StopSignal
 from transformer_jax.trackers import MetricWriter
 from transformer_jax.train_log import TrainLog
-from transformer_jax.training import budget as budget_lib
+from transformer_jax import budget as budget_lib
 from transformer_jax.training import steps
 from transformer_jax.workdir import DATA_KEYS, Workdir, to_jsonable, write_json_atomically
 

@@ -2,7 +2,7 @@
 
     <workdir>/
       config.json             the resolved experiment config (written by process 0 before training starts)
-      train_budget.json       the run length a time budget set (`training/budget.py`), when one was given
+      train_budget.json       the run length a time budget set (`budget.py`), when one was given
       checkpoints/<step>/     orbax checkpoints (`transformer_jax.checkpoint`)
       vocab/spm.model         the SentencePiece vocabulary (unless `data.vocab_path` names another), and
       vocab/spm.normalization.json  the text normalisation it was trained with (`data.tokenizer.stamp_path`);
@@ -81,7 +81,7 @@ class Workdir:
     return self.root / "train_budget.json"
 
   def read_train_budget(self) -> dict | None:
-    """The saved time-budget decision (`train_budget.json`: the fields of `training.budget.BudgetDecision`, tuples
+    """The saved time-budget decision (`train_budget.json`: the fields of `budget.BudgetDecision`, tuples
     as lists), or None when there is none."""
     return read_json(self.train_budget_json)
 

@@ -44,7 +44,7 @@ def get_config() -> ml_collections.ConfigDict:
   config.warmup_steps = 800                       # the paper's schedule; a warm-up of 400 was behind
   config.cooldown_steps = 2500                    # cooled to 0 over the last quarter; 40% was level
   config.cooldown_shape = "1-sqrt"                # Hägele et al., 2024: ahead of a linear fall on val
-  config.train_budget_minutes = 55.0              # the length is fitted to 55 minutes on the host (training/budget.py)
+  config.train_budget_minutes = 55.0              # the length is fitted to 55 minutes on the host (budget.py)
   config.num_train_steps = 10_000                 # a cap above the fastest host's ~8,900 steps in the budget
 
   config.evals.loss.every_steps = 400

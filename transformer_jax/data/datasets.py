@@ -25,9 +25,9 @@ from etils import epath
 
 from transformer_jax.data import batching, normalize, pipeline, records, sources, token_cache
 from transformer_jax.data import tokenizer as tokenizer_lib
+from transformer_jax.data.config import DataConfig
 from transformer_jax.data.marian_vocab import TOKENIZER_NAME as MARIAN_TOKENIZER
 from transformer_jax.data.marian_vocab import MarianVocabulary
-from transformer_jax.experiment_config import DataConfig
 from transformer_jax.workdir import Workdir, is_local
 
 

@@ -19,9 +19,9 @@ import os
 import tensorflow_datasets as tfds
 
 from transformer_jax.data import records
+from transformer_jax.data.config import DataConfig
 from transformer_jax.data.number_words import NumberWords
 from transformer_jax.data.parallel_text import parallel_text_builder
-from transformer_jax.experiment_config import DataConfig
 from transformer_jax.workdir import Workdir
 
 Pairs = records.Pairs

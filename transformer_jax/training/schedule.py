@@ -84,7 +84,7 @@ def cooldown(schedule: optax.Schedule, total_steps: int, cooldown_steps: int, sh
   so the last update still moves and nothing after `T` matters.
 
   `knots`: `(step, progress)` pairs that bend the progress piecewise-linearly through them, from 0 at the start to
-  1 at `T + 1`. A time budget that moves the end of a cool-down already under way (`training/budget.py`) pins the
+  1 at `T + 1`. A time budget that moves the end of a cool-down already under way (`budget.py`) pins the
   progress reached so far as a knot, so the rate stays continuous and the steps taken follow the new schedule.
   `cooldown_steps = 0` returns `schedule` itself. Raises ValueError for what `check_cooldown` refuses.
   """

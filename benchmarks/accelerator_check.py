@@ -1,8 +1,8 @@
 r"""One command that says whether this code works on an accelerator, and how fast: a table and a JSON file.
 
-    python -m experiments.accelerator_check                       # on a GPU/TPU host: <= 8 min on one chip
-    python -m experiments.accelerator_check --tiny                # CPU-sized (automatic on CPU): < 1 min
-    python -m experiments.accelerator_check --output=check.json --skip=number_words
+    python -m benchmarks.accelerator_check                       # on a GPU/TPU host: <= 8 min on one chip
+    python -m benchmarks.accelerator_check --tiny                # CPU-sized (automatic on CPU): < 1 min
+    python -m benchmarks.accelerator_check --output=check.json --skip=number_words
 
 Sections, each a row (or rows) of the table, in this order:
   devices       what JAX sees: platform, device count, device kind, memory per device
@@ -368,7 +368,7 @@ def main() -> int:
   print(f"{'section':13s} {'item':50s} {'status':8s} value", flush=True)
   rows = run_check(plan, skip)
   seconds = time.perf_counter() - start
-  common.dump_json({"machine": common.machine_info(), "tiny": plan.tiny, "plan": dataclasses.asdict(plan),
+  common.dump_json({"machine": program_common.machine_info(), "tiny": plan.tiny, "plan": dataclasses.asdict(plan),
                     "seconds": seconds, "rows": [dataclasses.asdict(r) for r in rows]}, output)
   failed = [r for r in rows if r.status == "failed"]
   print(f"{len(rows)} rows: {sum(r.status == 'ok' for r in rows)} ok, "
