@@ -27,12 +27,9 @@ from transformer_jax import diagnostics, metrics as metrics_lib, sharding
 from transformer_jax.config import ModelConfig
 from transformer_jax.data import batching, datasets as datasets_lib
 from transformer_jax.decoding import inference
-from transformer_jax.experiment_config import ExperimentConfig
+from transformer_jax.experiment_config import METRIC_EVALUATORS, ExperimentConfig
 from transformer_jax.training import steps
 
-# The evaluator (a `config.evals` section) that computes each metric of `metrics_lib.METRIC_DIRECTIONS`.
-METRIC_EVALUATORS = {"loss": "loss", "nll": "loss", "perplexity": "loss", "accuracy": "loss", "bleu": "bleu",
-                     "chrf": "bleu"}
 
 
 Sample = tuple[str, str, str]  # (source, reference, hypothesis) text

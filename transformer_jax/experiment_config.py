@@ -422,8 +422,9 @@ def _check_schedule(config: ExperimentConfig) -> None:
 
 
 # The evaluator (its `every_steps` key) that logs each metric the early-stopping rule may watch.
-_EVALUATOR_OF = {"loss": "loss", "nll": "loss", "perplexity": "loss", "accuracy": "loss", "bleu": "bleu",
-                 "chrf": "bleu"}
+# The evaluator (a `config.evals` section) that computes each metric of `metrics.METRIC_DIRECTIONS`.
+METRIC_EVALUATORS = {"loss": "loss", "nll": "loss", "perplexity": "loss", "accuracy": "loss", "bleu": "bleu",
+                     "chrf": "bleu"}
 
 
 def _check_early_stopping(config: ExperimentConfig) -> None:
@@ -432,11 +433,11 @@ def _check_early_stopping(config: ExperimentConfig) -> None:
     return
   metric = config.early_stopping[0]
   split, name = metric.split("/")
-  evaluator = _EVALUATOR_OF.get(name)
+  evaluator = METRIC_EVALUATORS.get(name)
   if split not in config.data.eval_splits:
     raise ConfigError(f"--config.early_stopping={tuple(config.early_stopping)!r}: split {split!r} is not "
                       f"evaluated during training (data.eval_splits={tuple(config.data.eval_splits)!r})")
   if evaluator is None or not getattr(config.evals, evaluator).every_steps:
     raise ConfigError(f"--config.early_stopping={tuple(config.early_stopping)!r}: {name!r} is not logged during "
                       f"training" + (f"; set evals.{evaluator}.every_steps > 0" if evaluator else
-                                     f"; one of {', '.join(sorted(_EVALUATOR_OF))}"))
+                                     f"; one of {', '.join(sorted(METRIC_EVALUATORS))}"))
