@@ -87,9 +87,68 @@ def test_reorder_beams_moves_only_the_ancestry_rows():
   changing = kvcache.to_beams({("a", "kv"): _self_cache(6), ("position",): jnp.array(2)}, batch=2, beams=3)
   entry = changing[("a", "kv")]
   ancestry = np.arange(2 * 3 * 5, dtype=np.int32).reshape(2, 3, 5)
-  changing[("a", "kv")] = entry.replace(ancestry=jnp.asarray(ancestry), key=entry.key + 1.0)
+  moved = tuple(k + 1.0 for k in entry.key)  # [batch, heads, head_dim, block * beams] per block
+  changing[("a", "kv")] = entry.replace(ancestry=jnp.asarray(ancestry), key=moved)
   parent = np.array([[2, 2, 0], [1, 0, 1]], np.int32)
   out = kvcache.reorder_beams(changing, jnp.asarray(parent))
   np.testing.assert_array_equal(out[("a", "kv")].ancestry, ancestry[np.arange(2)[:, None], parent])
-  np.testing.assert_array_equal(out[("a", "kv")].key, entry.key + 1.0)  # the K/V stay where they are
+  for have, want in zip(out[("a", "kv")].key, moved, strict=True):
+    np.testing.assert_array_equal(have, want)  # the K/V stay where they are
   assert out[("position",)] == 2
+
+
+def _dense_attention(query, keys, values, keep):
+  """softmax(q kᵀ / √d) v in NumPy float64: query [h, d], keys/values [n, h, d], keep [n] bool -> [h, d]."""
+  logits = np.einsum("hd,nhd->hn", query, keys) / np.sqrt(query.shape[-1])
+  logits = np.where(keep[None, :], logits, -np.inf)
+  weights = np.exp(logits - logits.max(-1, keepdims=True))
+  return np.einsum("hn,nhd->hd", weights / weights.sum(-1, keepdims=True), values)
+
+
+@pytest.mark.parametrize("length", [5, 19, 70])  # one block; a partial last block; 8 blocks of 9
+def test_beam_self_attention_cache_attends_over_each_beams_history(length):
+  """Every step of `BeamSelfAttentionCache` (blocks of positions, only those written read) against attention
+  over each beam's own history, rebuilt in NumPy from the random beam reorders applied between the steps."""
+  batch, beams, heads, head_dim = 2, 3, 2, 4
+  rng = np.random.default_rng(length)
+  entry = kvcache.BeamSelfAttentionCache.from_self_attention(
+      kvcache.SelfAttentionCache.create(batch * beams, heads, length, head_dim, jnp.float32, jnp.float32),
+      batch, beams)
+  attend = jax.jit(lambda e, q, k, v: e.attend(q, k, v))
+  history = [[[] for _ in range(beams)] for _ in range(batch)]  # (key, value) of each beam's positions
+  for step in range(length):
+    q, k, v = (rng.normal(size=(batch * beams, 1, heads, head_dim)).astype(np.float32) for _ in range(3))
+    out, entry = attend(entry, q, k, v)
+    for b in range(batch):
+      for j in range(beams):
+        row = b * beams + j
+        history[b][j].append((k[row, 0], v[row, 0]))
+        keys, values = (np.stack(x) for x in zip(*history[b][j]))
+        want = _dense_attention(q[row, 0], keys, values, np.ones(len(keys), bool))
+        np.testing.assert_allclose(np.asarray(out[row, 0]), want, rtol=2e-5, atol=2e-5)
+    parent = rng.integers(0, beams, size=(batch, beams))
+    entry = kvcache.reorder_beams({("a",): entry}, jnp.asarray(parent, jnp.int32))[("a",)]
+    history = [[list(history[b][p]) for p in parent[b]] for b in range(batch)]
+  assert len(entry.key) == -(-length // kvcache.prefix_block(length)) <= 8
+
+
+def test_beam_cross_attention_cache_equals_attention_over_tiled_memory():
+  """`BeamCrossAttentionCache` (one copy of a source's K/V for its beams) against `dot_product_attention`
+  over the memory tiled to every beam row, padding masked; weights as `[rows, heads, 1, src_len]`."""
+  from transformer_jax.attention.core import dot_product_attention
+  batch, beams, heads, head_dim, src_len = 3, 4, 2, 8, 7
+  rng = np.random.default_rng(0)
+  memory_k, memory_v = (rng.normal(size=(batch, src_len, heads, head_dim)).astype(np.float32) for _ in range(2))
+  valid = np.arange(src_len)[None, :] < np.array([[7], [4], [1]])  # [batch, src_len]
+  entry = kvcache.share_across_beams(
+      {("x",): kvcache.CrossAttentionCache.create(lambda: jnp.asarray(memory_k), lambda: jnp.asarray(memory_v))},
+      beams)[("x",)]
+  query = rng.normal(size=(batch * beams, 1, heads, head_dim)).astype(np.float32)
+  mask = jnp.asarray(np.repeat(valid, beams, axis=0)[:, None, None, :])  # [rows, 1, 1, src_len]
+  out, weights = entry.attend(jnp.asarray(query), mask)
+  tiled = lambda x: jnp.asarray(np.repeat(x, beams, axis=0))  # noqa: E731
+  want, want_weights = dot_product_attention(jnp.asarray(query), tiled(memory_k), tiled(memory_v), mask,
+                                             return_weights=True)
+  np.testing.assert_allclose(np.asarray(out), np.asarray(want), rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(np.asarray(weights), np.asarray(want_weights), rtol=1e-5, atol=1e-7)
+  assert not np.asarray(weights)[~np.repeat(valid, beams, axis=0)[:, None, None, :].repeat(heads, 1)].any()

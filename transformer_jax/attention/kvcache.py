@@ -7,17 +7,22 @@ Every `MultiHeadAttention` called with `use_cache=True` keeps one typed entry (a
   * `SelfAttentionCache`: the keys/values of the positions decoded so far, slot = position (or a ring buffer
     of the last `attention_window` positions) and the number of positions written.
   * `BeamSelfAttentionCache`: beam search's never-reordered form of a self-attention cache (the beams of a
-    source side by side and an ancestry table; a beam reorder moves only the table).
+    source interleaved in blocks of positions, and an ancestry table; a beam reorder moves only the table, and
+    a step reads only the blocks written so far).
+  * `BeamCrossAttentionCache`: beam search's form of a cross-attention cache, one copy of each source's
+    memory read by all of its beams.
 The layouts are the ones XLA:CPU's one-query attention dots read without re-laying out the cache at every
 step (each class says which). The decoder (`transformer_jax.decoding.step`) never looks at module or variable
-names: `split` separates the constant entries from the changing ones, `to_beams` puts every self-attention
-entry in the beam form and `reorder_beams` applies a beam reorder, all by the entries' types, so a model whose
-attention submodules are named otherwise decodes the same; a cache whose per-row state is not an entry of
-this module is refused by `to_beams` (the beam form could not reorder it).
+names: `split` separates the constant entries from the changing ones, `to_beams` and `share_across_beams` put
+the self- and cross-attention entries in their beam forms and `reorder_beams` applies a beam reorder, all by
+the entries' types, so a model whose attention submodules are named otherwise decodes the same; a cache
+whose per-row state is not an entry of this module is refused by `to_beams` (the beam form could not reorder
+it).
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import flax.linen as nn
@@ -55,6 +60,48 @@ class CrossAttentionCache:
   def read(self) -> tuple[Array, Array]:
     """(keys, values) `[batch, src_len, heads, head_dim]`."""
     return jnp.transpose(self.key, (0, 3, 1, 2)), jnp.transpose(self.value, (0, 3, 1, 2))
+
+
+@flax.struct.dataclass
+class BeamCrossAttentionCache:
+  """Beam search's cross-attention keys/values: one copy per source, read by all of its beams.
+
+  `key` `[batch, heads, head_dim, src_len]` (Kᵀ, as `CrossAttentionCache`) and `value` `[batch, heads, src_len,
+  head_dim]`, the layouts of the two dots, not tiled to the beam rows: the `beams` queries of a source attend
+  together as one `[beams, head_dim] x [head_dim, src_len]` product per source and head, so a step reads each
+  source's memory once instead of once per beam. `beams`: static.
+  """
+
+  key: Array
+  value: Array
+  beams: int = flax.struct.field(pytree_node=False)
+
+  @classmethod
+  def from_cross_attention(cls, entry: CrossAttentionCache, beams: int) -> "BeamCrossAttentionCache":
+    """The per-source `CrossAttentionCache` (rows = sources, before any tiling) shared by `beams` rows each."""
+    return cls(key=entry.key, value=jnp.swapaxes(entry.value, 2, 3), beams=beams)
+
+  def attend(self, query: Array, mask: Optional[Array]) -> tuple[Array, Array]:
+    """softmax(Q Kᵀ / √d_k) V over the source (float32 scores and softmax, as `core.dot_product_attention`).
+
+    query `[batch * beams, 1, heads, head_dim]` (beam j of source i in row `i * beams + j`); mask None or
+    boolean `[batch * beams or 1, 1, 1, src_len]` (the rows of a source share their source, so the first
+    beam's row is read). Returns `(out [batch * beams, 1, heads, head_dim], weights [batch * beams, heads, 1,
+    src_len] float32)`.
+    """
+    batch, heads, head_dim, src_len = self.key.shape
+    rows = query.shape[0]
+    q = jnp.transpose(query.reshape(batch, self.beams, heads, head_dim), (0, 2, 1, 3))  # [b, h, j, d]
+    logits = jnp.einsum("bhjd,bhds->bhjs", q, self.key, preferred_element_type=jnp.float32)
+    logits = logits * jnp.float32(1.0 / np.sqrt(head_dim))  # [b, h, j, s]
+    if mask is not None:
+      if mask.shape[0] == rows:
+        mask = mask.reshape(batch, self.beams, *mask.shape[1:])[:, 0]  # [b, 1, 1, s]
+      logits = jnp.where(mask, logits, -0.7 * jnp.finfo(jnp.float32).max)
+    weights = jax.nn.softmax(logits, axis=-1)
+    out = jnp.einsum("bhjs,bhsd->bhjd", weights.astype(self.value.dtype), self.value)  # [b, h, j, d]
+    out = jnp.transpose(out, (0, 2, 1, 3)).reshape(rows, 1, heads, head_dim)
+    return out, jnp.transpose(weights, (0, 2, 1, 3)).reshape(rows, heads, 1, src_len)
 
 
 @flax.struct.dataclass
@@ -109,25 +156,27 @@ class SelfAttentionCache:
 
 @flax.struct.dataclass
 class BeamSelfAttentionCache:
-  """Beam search's self-attention cache, never reordered: per source the K/V of its `beams` rows side by side.
+  """Beam search's self-attention cache, never reordered: per source the K/V of its `beams` rows interleaved.
 
   `ancestry` `[batch, beams, max_decode_len]` int32: which beam row holds position s of beam j's hypothesis.
   Each row writes only its own current position, so what it wrote earlier never changes, and a beam reorder
   moves only the ancestry table (`reorder`) instead of gathering every layer's K/V cache at every step (the
   largest cost of a CPU beam step besides the decoder itself).
-  The K/V are stored in the layouts the two dots read and written in place (`_write_beam_positions`):
-  `key` `[batch, heads, head_dim, beams * max_decode_len]` (Kᵀ: the score dot is a plain
-  `[beams, head_dim] x [head_dim, beams * L]` product per source and head) and `value`
-  `[batch, heads, beams * max_decode_len, head_dim]`. Keys stored `[..., beams * L, head_dim]` made XLA:CPU
-  transpose every layer's key cache inside the score dot at every step, and a write through a
-  `[..., beams, L, ...]` reshape of the carried cache copied the cache whole (twice with the reshape's two
-  readers): together about as long as the rest of a beam-4 step (base model). `index`: positions written.
-  (Fields in this order keep the leaf order of the decoding loop's state.)
+  The positions are cut into blocks of `prefix_block(max_decode_len)`, each block its own array, and a step
+  reads only the blocks written so far (a `lax.switch` on the current block): on average about half the K/V
+  bytes of reading every position, with no copy (a slice of one array would be copied before its dot), and
+  writes only the current block, in place (a `lax.cond` per block). In block i, position `i * block + s` of
+  beam row m is column `s * beams + m`.
+  The K/V are stored in the layouts the two dots read: `key` a tuple of `[batch, heads, head_dim, block *
+  beams]` (Kᵀ: the score dot is a plain `[beams, head_dim] x [head_dim, columns]` product per source and head)
+  and `value` a tuple of `[batch, heads, block * beams, head_dim]`. Keys stored `[..., columns,
+  head_dim]` made XLA:CPU transpose every layer's key cache inside the score dot at every step. `index`:
+  positions written. (Fields in this order keep the leaf order of the decoding loop's state.)
   """
 
   ancestry: Array
-  key: Array
-  value: Array
+  key: tuple
+  value: tuple
   index: Array
 
   @classmethod
@@ -137,8 +186,11 @@ class BeamSelfAttentionCache:
     rows, heads, length, head_dim = entry.key.shape
     if rows != batch * beams:
       raise ValueError(f"cache has {rows} rows, expected batch * beams = {batch} * {beams}")
-    return cls(key=jnp.zeros((batch, heads, head_dim, beams * length), entry.key.dtype),
-               value=jnp.zeros((batch, heads, beams * length, head_dim), entry.value.dtype),
+    block = prefix_block(length)
+    columns = block * beams
+    blocks = range(-(-length // block))
+    return cls(key=tuple(jnp.zeros((batch, heads, head_dim, columns), entry.key.dtype) for _ in blocks),
+               value=tuple(jnp.zeros((batch, heads, columns, head_dim), entry.value.dtype) for _ in blocks),
                ancestry=jnp.zeros((batch, beams, length), jnp.int32), index=entry.index)
 
   def reorder(self, parent: Array) -> "BeamSelfAttentionCache":
@@ -149,46 +201,65 @@ class BeamSelfAttentionCache:
   def attend(self, query: Array, key: Array, value: Array):
     """One decoding step of self-attention: writes each row's key/value, then attends.
 
-    The beams of a source attend as `beams` queries over the `beams * max_decode_len` cached positions, each
-    masked to its own history: the same softmax(Q Kᵀ / √d_k) V as `core.dot_product_attention` (float32 scores
-    and softmax). query, key, value `[batch * beams, 1, heads, head_dim]` -> `(out [batch * beams, 1, heads,
-    head_dim], the updated cache)`.
+    The beams of a source attend as `beams` queries over the blocks written so far, each masked to its own
+    history: the same softmax(Q Kᵀ / √d_k) V as `core.dot_product_attention` (float32 scores and softmax).
+    query, key, value `[batch * beams, 1, heads, head_dim]` -> `(out [batch * beams, 1, heads, head_dim], the
+    updated cache)`.
     """
     batch, beams, length = self.ancestry.shape
     rows, _, heads, head_dim = query.shape
     index = self.index
+    block = prefix_block(length)
 
     per_source = lambda x: x.reshape(batch, beams, heads, head_dim)  # noqa: E731  [rows, 1, h, d] -> [b, j, h, d]
-    cached_key = _write_beam_positions(  # keys [b, h, d, j]
-        self.key, jnp.transpose(per_source(key), (0, 2, 3, 1)), index, length, axis=3)
-    cached_value = _write_beam_positions(  # values [b, h, j, d]
-        self.value, jnp.transpose(per_source(value), (0, 2, 1, 3)), index, length, axis=2)
+    new_key = jnp.transpose(per_source(key), (0, 2, 3, 1)).astype(self.key[0].dtype)  # [b, h, d, j]
+    new_value = jnp.transpose(per_source(value), (0, 2, 1, 3)).astype(self.value[0].dtype)  # [b, h, j, d]
+    current, column = index // block, (index % block) * beams
+    keys = tuple(_write_block(k, new_key, i == current, (0, 0, 0, column)) for i, k in enumerate(self.key))
+    values = tuple(_write_block(v, new_value, i == current, (0, 0, column, 0)) for i, v in enumerate(self.value))
     ancestry = self.ancestry.at[:, :, index].set(jnp.arange(beams, dtype=jnp.int32)[None, :])
-    updated = BeamSelfAttentionCache(ancestry=ancestry, key=cached_key, value=cached_value, index=index + 1)
+    updated = BeamSelfAttentionCache(ancestry=ancestry, key=keys, value=values, index=index + 1)
 
     q = jnp.transpose(per_source(query), (0, 2, 1, 3))  # [b, h, j, d]
-    logits = jnp.einsum("bhjd,bhdk->bhjk", q, cached_key, preferred_element_type=jnp.float32)
-    logits = logits * jnp.float32(1.0 / np.sqrt(head_dim))  # [b, h, j, beams * L]
-    # keep[b, j, m, l]: row m holds position l of beam j's history, and l has been written.
-    keep = ancestry[:, :, None, :] == jnp.arange(beams)[None, None, :, None]
-    keep = jnp.logical_and(keep, (jnp.arange(length) <= index)[None, None, None, :])
-    logits = jnp.where(keep.reshape(batch, 1, beams, beams * length), logits,
-                       -0.7 * jnp.finfo(jnp.float32).max)
-    probs = jax.nn.softmax(logits, axis=-1).astype(cached_value.dtype)
-    out = jnp.einsum("bhjk,bhkd->bhjd", probs, cached_value)  # [b, h, j, d]
+    branches = [functools.partial(_attend_blocks, n, block) for n in range(1, len(keys) + 1)]
+    out = jax.lax.switch(current, branches, q, keys, values, ancestry, index)  # [b, h, j, d]
     return jnp.transpose(out, (0, 2, 1, 3)).reshape(rows, 1, heads, head_dim), updated
 
 
-def _write_beam_positions(cache: Array, x: Array, index: Array, length: int, axis: int) -> Array:
-  """Writes slice m of `x` (`beams` along `axis`) at position `m * length + index` of `cache` (`beams * length`
-  along `axis`), for every beam m: `beams` one-position in-place updates of the loop-carried buffer (no
-  reshape of it, which XLA:CPU turns into whole-cache copies)."""
-  for m in range(x.shape[axis]):
-    start = [0] * cache.ndim
-    start[axis] = m * length + index
-    update = jax.lax.slice_in_dim(x, m, m + 1, axis=axis).astype(cache.dtype)
-    cache = jax.lax.dynamic_update_slice(cache, update, start)
-  return cache
+def prefix_block(max_decode_len: int) -> int:
+  """Positions per block of `BeamSelfAttentionCache`: 8, or more so that a cache has at most 8 blocks (a
+  search compiles one attention per block count and layer)."""
+  return max(8, -(-max_decode_len // 8))
+
+
+def _write_block(cache: Array, update: Array, is_current: Array, start: tuple) -> Array:
+  """`update` written at `start` of one block of a `BeamSelfAttentionCache` when it is the current block: a
+  `lax.cond`, which XLA:CPU runs in place (writing every block, the others at a spare slot, cost a
+  transpose-and-write per block, ~9% of a beam step)."""
+  return jax.lax.cond(is_current, lambda c: jax.lax.dynamic_update_slice(c, update, start), lambda c: c, cache)
+
+
+def _attend_blocks(n: int, block: int, q: Array, keys: tuple, values: tuple, ancestry: Array,
+                   index: Array) -> Array:
+  """Attention of the beam queries `q` `[b, h, j, d]` over the first `n` (static) blocks of a
+  `BeamSelfAttentionCache` (`keys`, `values`, `ancestry` `[b, j, L]`), each query masked to the positions <=
+  `index` its beam's ancestry points at; the softmax's max and sum are taken across the blocks; `[b, h, j, d]`."""
+  batch, heads, beams, head_dim = q.shape
+  length = ancestry.shape[-1]
+  scale = jnp.float32(1.0 / np.sqrt(head_dim))
+  logits = []
+  for i in range(n):
+    positions = jnp.arange(i * block, (i + 1) * block)  # [block]; past L: never written, masked
+    owner = jnp.take(ancestry, jnp.minimum(positions, length - 1), axis=2)  # [b, j, block]
+    # keep[b, j, s, m]: row m holds position i * block + s of beam j's history, and it has been written.
+    keep = jnp.logical_and(owner[..., None] == jnp.arange(beams), (positions <= index)[None, None, :, None])
+    x = jnp.einsum("bhjd,bhdk->bhjk", q, keys[i], preferred_element_type=jnp.float32) * scale
+    logits.append(jnp.where(keep.reshape(batch, 1, beams, -1), x, -0.7 * jnp.finfo(jnp.float32).max))
+  top = functools.reduce(jnp.maximum, [jnp.max(x, axis=-1, keepdims=True) for x in logits])  # [b, h, j, 1]
+  weights = [jnp.exp(x - top) for x in logits]
+  total = sum(jnp.sum(w, axis=-1, keepdims=True) for w in weights)
+  out = sum(jnp.einsum("bhjk,bhkd->bhjd", (w / total).astype(v.dtype), v) for w, v in zip(weights, values))
+  return out.astype(q.dtype)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -202,7 +273,7 @@ def split(cache) -> tuple[dict, dict]:
   `changing`: everything else (self-attention entries, position counters), the state a search carries.
   """
   flat = traverse_util.flatten_dict(nn.unbox(cache))
-  constant = {path: x for path, x in flat.items() if isinstance(x, CrossAttentionCache)}
+  constant = {path: x for path, x in flat.items() if isinstance(x, (CrossAttentionCache, BeamCrossAttentionCache))}
   return constant, {path: x for path, x in flat.items() if path not in constant}
 
 
@@ -231,6 +302,13 @@ def to_beams(changing: dict, batch: int, beams: int) -> dict:
                        "entry: beam search's never-reordered cache could not reorder it")
   return {path: BeamSelfAttentionCache.from_self_attention(x, batch, beams) if isinstance(x, SelfAttentionCache)
           else x for path, x in changing.items()}
+
+
+def share_across_beams(constant: dict, beams: int) -> dict:
+  """Every `CrossAttentionCache` of `constant` (from `split`, rows = sources, not tiled) as a
+  `BeamCrossAttentionCache` read by `beams` decoder rows each; other entries are left as they are."""
+  return {path: BeamCrossAttentionCache.from_cross_attention(x, beams) if isinstance(x, CrossAttentionCache)
+          else x for path, x in constant.items()}
 
 
 def reorder_beams(changing: dict, parent: Array) -> dict:

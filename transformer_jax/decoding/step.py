@@ -47,11 +47,15 @@ def _check_lengths(config: ModelConfig, inputs: Array, max_decode_len: int):
 def _cached_step_fn(model: Transformer, params, config: ModelConfig, encoded: Array, inputs: Array,
                     max_decode_len: int, copies: int) -> "TransformerStep":
   """The KV-cached decoder over `batch * copies` rows; with copies > 1 the K/V cache is never reordered."""
-  # Create the cache on the un-tiled batch (cross-attention K/V projected once per source), then tile it.
+  # Create the cache on the un-tiled batch (cross-attention K/V projected once per source), then tile the
+  # self-attention state to the decoder rows.
   bos = jnp.full((inputs.shape[0], 1), config.bos_id, jnp.int32)
   _, variables = model.apply({"params": params}, encoded, inputs, bos, use_cache=True,
                              max_decode_len=max_decode_len, method=Transformer.decode, mutable=["cache"])
-  constant, changing = kvcache.split(repeat_rows(variables["cache"], copies))
+  constant, changing = kvcache.split(variables["cache"])
+  changing = repeat_rows(changing, copies)
+  # The beams of a source read one copy of its cross-attention K/V (tiled, a step would read `copies` copies).
+  constant = kvcache.share_across_beams(constant, copies) if copies > 1 else constant
   # Materialise the cross-attention K/V in their stored layout before the loop: otherwise XLA folds the
   # store/read transposes away and re-lays out the projections inside the loop, at every step.
   constant = lax.optimization_barrier(constant)
@@ -104,7 +108,8 @@ def transformer_step_fn(params, config: ModelConfig, inputs: Array, max_decode_l
   decoder rows (row `i * copies + j` decodes source i; `copies` = the beam size for beam search).
   `cached=True`: the KV-cached one-token step (`Transformer.decode(..., use_cache=True)`); the cross-attention
   K/V are projected once and closed over, the cache carried between steps holds the self-attention K/V
-  `[rows, heads, cache_len, head_dim]` and the position counters. With `copies > 1` (and neither an
+  `[rows, heads, cache_len, head_dim]` and the position counters. With `copies > 1` the cross-attention K/V stay
+  one copy per source, read by all its rows (`kvcache.BeamCrossAttentionCache`), and (with neither an
   attention window nor relative positions) the self-attention caches take the never-reordered beam form
   (`kvcache.BeamSelfAttentionCache`: K/V side by side per source plus an ancestry table) and
   `gather_cache` moves only the ancestry tables. `cached=False`: the teacher-forced decoder over the prefix
