@@ -15,6 +15,9 @@ hypothesis exactly `--fixed_len` tokens long (EOS barred until then: CTranslate2
 
 from __future__ import annotations
 
+import concurrent.futures
+import functools
+import multiprocessing
 import os
 import sys
 import tempfile
@@ -93,9 +96,43 @@ def _timed(fn):
   return value, time.perf_counter() - start
 
 
+def _ours_fixed(fn, params, inputs, cfg):
+  out, seconds = _timed(lambda: np.asarray(fn(params, inputs)))
+  return sorted({int(np.sum((o != cfg.pad_id) & (o != cfg.eos_id))) for o in out}), seconds
+
+
+def _ct2_fixed_shared(translator, pieces: list, beam: int, length: int):
+  out, seconds = _timed(lambda: translator.translate_batch(
+      pieces, beam_size=beam, length_penalty=0.6 if beam > 1 else 0.0, max_decoding_length=length,
+      min_decoding_length=length, max_batch_size=len(pieces)))
+  return sorted({len(r.hypotheses[0]) for r in out}), seconds
+
+
+def _in_own_process(fn, *args):
+  """`fn(*args)` in a fresh (spawned) process that exits afterwards."""
+  with concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+    return pool.submit(fn, *args).result()
+
+
+def _ct2_fixed_alone(model_dir: str, pieces: list, beam: int, length: int, threads: int):
+  """CTranslate2 fp32 in a process of its own (`run_fixed`): one untimed call, then one timed; returns (the
+  set of hypothesis lengths, seconds)."""
+  translator = ct2.translator(model_dir, compute_type="float32", threads=threads)
+  options = dict(beam_size=beam, length_penalty=0.6 if beam > 1 else 0.0, max_decoding_length=length,
+                 min_decoding_length=length, max_batch_size=len(pieces))
+  translator.translate_batch(pieces, **options)
+  out, seconds = _timed(lambda: translator.translate_batch(pieces, **options))
+  return sorted({len(r.hypotheses[0]) for r in out}), seconds
+
+
 def run_fixed(args, corpus, cfg, params) -> dict:
   """Greedy and beam 4, ours vs CTranslate2 fp32: `args.fixed_sources` test sources in one batch, every output
-  exactly `args.fixed_len` tokens; target tokens/s (sources x fixed_len / median time over `args.rounds`)."""
+  exactly `args.fixed_len` tokens; target tokens/s (sources x fixed_len / median time over `args.rounds`).
+
+  `args.ct2_process`: 'own' times each CTranslate2 call in a fresh process of its own (after one untimed call
+  there), so neither runtime shares a process with the other's idle workers: CTranslate2's OpenMP workers
+  keep spinning after a call and took a core from our next search in the same process (ours 3.27-4.21 s
+  instead of 3.10-3.40 s per beam-4 batch, 2026-12-06); 'shared': both in this process, as before."""
   rng = np.random.default_rng(0)
   pick = rng.choice(len(corpus.test_sources), size=args.fixed_sources, replace=False)
   sources = [[int(x) for x in corpus.test_sources[i]] for i in pick]
@@ -108,27 +145,24 @@ def run_fixed(args, corpus, cfg, params) -> dict:
   n, length = len(sources), args.fixed_len
   with tempfile.TemporaryDirectory() as tmp:
     model_dir = ct2.export_ctranslate2(params, cfg, os.path.join(tmp, "ct2"), tokenizer_path=corpus.tokenizer_path)
-    translator = ct2.translator(model_dir, compute_type="float32", threads=args.threads)
-    runners = {}
+    shared = None if args.ct2_process == "own" else ct2.translator(model_dir, compute_type="float32",
+                                                                   threads=args.threads)
+    runners = {}  # name -> () -> (the set of output lengths, seconds)
     for beam, name in ((1, "greedy"), (4, "beam4")):
       fn = common.fixed_length_search(cfg, beam, length)
-      runners[f"ours_{name}"] = lambda fn=fn: np.asarray(fn(params, inputs))
-      runners[f"ct2_float32_{name}"] = lambda beam=beam: translator.translate_batch(
-          pieces, beam_size=beam, length_penalty=0.6 if beam > 1 else 0.0, max_decoding_length=length,
-          min_decoding_length=length, max_batch_size=n)
-    lengths = {}
-    for name, fn in runners.items():  # warm-up (compiles ours); every output must have exactly `length` tokens
-      out = fn()
-      lengths[name] = sorted({int(np.sum((o != cfg.pad_id) & (o != cfg.eos_id))) for o in out}
-                             if name.startswith("ours") else {len(r.hypotheses[0]) for r in out})
+      runners[f"ours_{name}"] = functools.partial(_ours_fixed, fn, params, inputs, cfg)
+      runners[f"ct2_float32_{name}"] = (
+          functools.partial(_in_own_process, _ct2_fixed_alone, model_dir, pieces, beam, length, args.threads)
+          if shared is None else functools.partial(_ct2_fixed_shared, shared, pieces, beam, length))
+    lengths = {name: fn()[0] for name, fn in runners.items()}  # warm-up (compiles ours); every output `length`
     times = {name: [] for name in runners}
     for r in range(args.rounds):
       for name, fn in runners.items():
-        times[name].append(_timed(fn)[1])
+        times[name].append(fn()[1])
       _log(f"[ctranslate2 fixed] round {r + 1}/{args.rounds}: "
            + ", ".join(f"{k} {t[-1]:.2f}s" for k, t in times.items()))
   out = {"sources": n, "source_bucket": bucket, "output_len": length, "ct2_threads": args.threads,
-         "output_lengths_seen": lengths}
+         "ct2_process": args.ct2_process, "output_lengths_seen": lengths}
   for name, t in times.items():
     out[name] = {"file_s": float(np.median(t)), "tokens_per_s": n * length / float(np.median(t)), "times": t}
   for search in ("greedy", "beam4"):

@@ -641,6 +641,9 @@ def define_flags() -> None:
   flags.DEFINE_integer("fixed_sources", 0,
                        "ctranslate2: also this many sources in one batch with fixed-length outputs (0: no)")
   flags.DEFINE_integer("fixed_len", 50, "ctranslate2: the fixed output length")
+  flags.DEFINE_enum("ct2_process", "own", ["own", "shared"],
+                    "ctranslate2 fixed shapes: time each CTranslate2 call in a fresh process of its own (its "
+                    "OpenMP workers keep spinning after a call) or in this process beside ours")
   common.define_int_list("lengths", [64, 128, 256, 512], "scaling, long_inputs: row lengths")
   common.define_int_list("batch_tokens", [1024, 2048, 4096, 8192], "scaling: tokens per batch")
   flags.DEFINE_list("modes", ["full", "windowed", "chunked"], "long_inputs: attention modes")

@@ -388,10 +388,14 @@ def test_ctranslate2_bench_section_runs_on_a_tiny_model(our_spm):
   assert out["ours_greedy"]["target_tokens"] == out["ct2_float32_greedy"]["target_tokens"]
   assert out["ours_vs_ct2_float32_beam4"] == pytest.approx(
       out["ours_beam4"]["tokens_per_s"] / out["ct2_float32_beam4"]["tokens_per_s"])
-  # Fixed shapes: every output of every runner has exactly fixed_len tokens (EOS barred until then on both sides).
+  # Fixed shapes: every output of every runner has exactly fixed_len tokens (EOS barred until then on both sides),
+  # CTranslate2 timed in a fresh process of its own (the default) or in this one.
   args.fixed_sources, args.fixed_len = len(SOURCES), 5
-  fixed = ctranslate2_bench.run_fixed(args, corpus, config, params)
-  assert fixed["output_lengths_seen"] == {name: [5] for name in ("ours_greedy", "ct2_float32_greedy", "ours_beam4",
-                                                                 "ct2_float32_beam4")}
-  assert fixed["ours_vs_ct2_float32_beam4"] == pytest.approx(
-      fixed["ours_beam4"]["tokens_per_s"] / fixed["ct2_float32_beam4"]["tokens_per_s"])
+  for ct2_process in ("own", "shared"):
+    args.ct2_process = ct2_process
+    fixed = ctranslate2_bench.run_fixed(args, corpus, config, params)
+    assert fixed["ct2_process"] == ct2_process
+    assert fixed["output_lengths_seen"] == {name: [5] for name in ("ours_greedy", "ct2_float32_greedy",
+                                                                   "ours_beam4", "ct2_float32_beam4")}
+    assert fixed["ours_vs_ct2_float32_beam4"] == pytest.approx(
+        fixed["ours_beam4"]["tokens_per_s"] / fixed["ct2_float32_beam4"]["tokens_per_s"])
