@@ -105,27 +105,31 @@ def _dense_attention(query, keys, values, keep):
   return np.einsum("hn,nhd->hd", weights / weights.sum(-1, keepdims=True), values)
 
 
-@pytest.mark.parametrize("length", [5, 19, 70])  # one block; a partial last block; 8 blocks of 9
-def test_beam_self_attention_cache_attends_over_each_beams_history(length):
+@pytest.mark.parametrize("length, dtype", [(5, jnp.float32), (19, jnp.float32), (70, jnp.float32),
+                                           (19, jnp.bfloat16)])  # one block; a partial last one; 8 blocks of 9
+def test_beam_self_attention_cache_attends_over_each_beams_history(length, dtype):
   """Every step of `BeamSelfAttentionCache` (blocks of positions, only those written read) against attention
-  over each beam's own history, rebuilt in NumPy from the random beam reorders applied between the steps."""
+  over each beam's own history, rebuilt in NumPy from the random beam reorders applied between the steps
+  (bfloat16: the cache and the inputs rounded, the reference in float64 on the rounded values)."""
   batch, beams, heads, head_dim = 2, 3, 2, 4
   rng = np.random.default_rng(length)
+  tolerance = 2e-5 if dtype == jnp.float32 else 3e-2
   entry = kvcache.BeamSelfAttentionCache.from_self_attention(
-      kvcache.SelfAttentionCache.create(batch * beams, heads, length, head_dim, jnp.float32, jnp.float32),
-      batch, beams)
+      kvcache.SelfAttentionCache.create(batch * beams, heads, length, head_dim, dtype, dtype), batch, beams)
   attend = jax.jit(lambda e, q, k, v: e.attend(q, k, v))
   history = [[[] for _ in range(beams)] for _ in range(batch)]  # (key, value) of each beam's positions
   for step in range(length):
-    q, k, v = (rng.normal(size=(batch * beams, 1, heads, head_dim)).astype(np.float32) for _ in range(3))
-    out, entry = attend(entry, q, k, v)
+    q, k, v = (np.asarray(jnp.asarray(rng.normal(size=(batch * beams, 1, heads, head_dim)), dtype), np.float32)
+               for _ in range(3))
+    out, entry = attend(entry, *(jnp.asarray(x, dtype) for x in (q, k, v)))
+    assert out.dtype == dtype
     for b in range(batch):
       for j in range(beams):
         row = b * beams + j
         history[b][j].append((k[row, 0], v[row, 0]))
         keys, values = (np.stack(x) for x in zip(*history[b][j]))
         want = _dense_attention(q[row, 0], keys, values, np.ones(len(keys), bool))
-        np.testing.assert_allclose(np.asarray(out[row, 0]), want, rtol=2e-5, atol=2e-5)
+        np.testing.assert_allclose(np.asarray(out[row, 0], np.float32), want, rtol=tolerance, atol=tolerance)
     parent = rng.integers(0, beams, size=(batch, beams))
     entry = kvcache.reorder_beams({("a",): entry}, jnp.asarray(parent, jnp.int32))[("a",)]
     history = [[list(history[b][p]) for p in parent[b]] for b in range(batch)]

@@ -258,7 +258,8 @@ def _attend_blocks(n: int, block: int, q: Array, keys: tuple, values: tuple, anc
   top = functools.reduce(jnp.maximum, [jnp.max(x, axis=-1, keepdims=True) for x in logits])  # [b, h, j, 1]
   weights = [jnp.exp(x - top) for x in logits]
   total = sum(jnp.sum(w, axis=-1, keepdims=True) for w in weights)
-  out = sum(jnp.einsum("bhjk,bhkd->bhjd", (w / total).astype(v.dtype), v) for w, v in zip(weights, values))
+  out = sum(jnp.einsum("bhjk,bhkd->bhjd", (w / total).astype(v.dtype), v, preferred_element_type=jnp.float32)
+            for w, v in zip(weights, values))  # the blocks' partial sums added in float32, whatever the dtype
   return out.astype(q.dtype)
 
 
