@@ -101,7 +101,8 @@ def _ours_fixed(fn, params, inputs, cfg):
   return sorted({int(np.sum((o != cfg.pad_id) & (o != cfg.eos_id))) for o in out}), seconds
 
 
-def _ct2_fixed_shared(translator, pieces: list, beam: int, length: int):
+def _ct2_fixed(translator, pieces: list, beam: int, length: int):
+  """One timed CTranslate2 call with every hypothesis exactly `length` pieces: (the set of lengths, seconds)."""
   out, seconds = _timed(lambda: translator.translate_batch(
       pieces, beam_size=beam, length_penalty=0.6 if beam > 1 else 0.0, max_decoding_length=length,
       min_decoding_length=length, max_batch_size=len(pieces)))
@@ -115,14 +116,10 @@ def _in_own_process(fn, *args):
 
 
 def _ct2_fixed_alone(model_dir: str, pieces: list, beam: int, length: int, threads: int):
-  """CTranslate2 fp32 in a process of its own (`run_fixed`): one untimed call, then one timed; returns (the
-  set of hypothesis lengths, seconds)."""
+  """`_ct2_fixed` in a process of its own (`run_fixed`): one untimed call, then the timed one."""
   translator = ct2.translator(model_dir, compute_type="float32", threads=threads)
-  options = dict(beam_size=beam, length_penalty=0.6 if beam > 1 else 0.0, max_decoding_length=length,
-                 min_decoding_length=length, max_batch_size=len(pieces))
-  translator.translate_batch(pieces, **options)
-  out, seconds = _timed(lambda: translator.translate_batch(pieces, **options))
-  return sorted({len(r.hypotheses[0]) for r in out}), seconds
+  _ct2_fixed(translator, pieces, beam, length)
+  return _ct2_fixed(translator, pieces, beam, length)
 
 
 def run_fixed(args, corpus, cfg, params) -> dict:
@@ -153,7 +150,7 @@ def run_fixed(args, corpus, cfg, params) -> dict:
       runners[f"ours_{name}"] = functools.partial(_ours_fixed, fn, params, inputs, cfg)
       runners[f"ct2_float32_{name}"] = (
           functools.partial(_in_own_process, _ct2_fixed_alone, model_dir, pieces, beam, length, args.threads)
-          if shared is None else functools.partial(_ct2_fixed_shared, shared, pieces, beam, length))
+          if shared is None else functools.partial(_ct2_fixed, shared, pieces, beam, length))
     lengths = {name: fn()[0] for name, fn in runners.items()}  # warm-up (compiles ours); every output `length`
     times = {name: [] for name in runners}
     for r in range(args.rounds):

@@ -50,8 +50,12 @@ class HeadProjection(nn.Module):
                         (x.shape[-1], self.num_heads, self.head_dim), jnp.float32)
     bias = self.param("bias", nn.with_logical_partitioning(nn.initializers.zeros, ("heads", "kv")),
                       (self.num_heads, self.head_dim), jnp.float32)
-    y = jnp.einsum("bld,dhk->blhk", x.astype(self.dtype), kernel.astype(self.dtype))
-    return y + bias.astype(self.dtype)
+    return project_heads(x, kernel, bias, self.dtype)
+
+
+def project_heads(x: Array, kernel: Array, bias: Array, dtype) -> Array:
+  """x `[batch, length, d_model]` · kernel `[d_model, heads, head_dim]` + bias `[heads, head_dim]`, in `dtype`."""
+  return jnp.einsum("bld,dhk->blhk", x.astype(dtype), kernel.astype(dtype)) + bias.astype(dtype)
 
 
 class OutputProjection(nn.Module):
@@ -156,9 +160,7 @@ class MultiHeadAttention(nn.Module):
     names = ("query", "key", "value")
     kernel = jnp.concatenate([params[n]["kernel"] for n in names], axis=1)  # [d_model, 3 heads, head_dim]
     bias = jnp.concatenate([params[n]["bias"] for n in names], axis=0)  # [3 heads, head_dim]
-    dtype = self.config.compute_dtype
-    y = jnp.einsum("bld,dhk->blhk", x.astype(dtype), kernel.astype(dtype)) + bias.astype(dtype)
-    return tuple(jnp.split(y, 3, axis=2))
+    return tuple(jnp.split(project_heads(x, kernel, bias, self.config.compute_dtype), 3, axis=2))
 
   def _attend(self, query: Array, key: Array, value: Array, mask, relative, *, deterministic: bool,
               use_cache: bool, sow_attention_weights: bool) -> Array:
