@@ -5,6 +5,7 @@ examples it holds and compared with a first-fit reference written here in NumPy.
 """
 
 import json
+import threading
 
 import flax.linen as nn
 import jax
@@ -88,6 +89,30 @@ def test_shards_round_trip_ids_lengths_and_counts(tmp_path):
   assert pipeline.IdShards.open(shards.directory, {"test": 2}) is None  # another key: not these ids
   (shards.directory / pipeline.shard_name("done", 2, 4, "json")).unlink()  # an interrupted preparation
   assert pipeline.IdShards.open(shards.directory, {"test": 1}) is None
+
+
+def test_a_reader_never_sees_a_half_written_file_while_another_process_rewrites_them(tmp_path):
+  """Every process of a multi-host run rewrites the manifest (and may write a shard) while the others open the
+  directory (`datasets.prepare_ids`): each file appears whole or not at all (the CI failure of 2026-12-06: a
+  process read a manifest another one was writing and found no shards)."""
+  sources, targets = _corpus(200)
+  shards = _shards(tmp_path, sources, targets, shard_pairs=100)
+  dtype, stop = shards.dtype, threading.Event()
+
+  def rewrite():
+    while not stop.is_set():
+      pipeline.write_manifest(shards.directory, {"test": 1}, 2, vocab_size=40)
+      pipeline.write_shard(shards.directory, 1, 2, [("", "")] * 100, sources[100:], targets[100:], dtype)
+
+  writer = threading.Thread(target=rewrite)
+  writer.start()
+  try:
+    opened = [pipeline.IdShards.open(shards.directory, {"test": 1}) for _ in range(300)]
+  finally:
+    stop.set()
+    writer.join()
+  assert all(o is not None and len(o.lengths) == 200 for o in opened)
+  assert not list(shards.directory.glob("*.tmp*"))  # no writer's temporary file is left behind
 
 
 def test_record_keeps_texts_and_large_vocabulary_ids():

@@ -152,7 +152,10 @@ def prepare_ids(data_config: DataConfig, workdir: str, builder, source_key: str,
     shards = pipeline.IdShards.open(directory, key)
     logging.info("Tokenised %d of the %d shards of %s into %s in %.1fs", wrote, len(shard_splits), split,
                  directory, time.perf_counter() - start)
-  if shards is None or not len(shards.lengths):
+  if shards is None:  # every shard was written: only another writer of other ids in this directory gets here
+    raise ValueError(f"id shards at {directory} are incomplete or were written for other data after this process "
+                     f"wrote them; remove that directory and rerun")
+  if not len(shards.lengths):
     raise ValueError(f"training split {split!r} of {data_config.dataset} has no non-blank pairs")
   return tok, shards
 

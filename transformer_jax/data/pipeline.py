@@ -27,12 +27,14 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import io
 import json
 import logging
 import os
 import struct
 import threading
 import time
+import uuid
 import weakref
 from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
 
@@ -41,6 +43,7 @@ import numpy as np
 from etils import epath
 
 from transformer_jax.data import subword_sampling
+from transformer_jax.workdir import write_bytes_atomically
 
 BATCH_KEYS = ("inputs", "targets", "inputs_position", "targets_position", "inputs_segmentation",
               "targets_segmentation")
@@ -84,23 +87,25 @@ def key_directory(root: str | os.PathLike, key: Mapping) -> epath.Path:
 def write_shard(directory: epath.Path, index: int, count: int, texts: Sequence[tuple[str, str]],
                 sources: Sequence[Sequence[int]], targets: Sequence[Sequence[int]], dtype: Any,
                 skipped_blank: int = 0) -> dict:
-  """Writes shard `index` of `count` (the pairs' texts and ids, aligned) as its three files, `done-*` last."""
+  """Writes shard `index` of `count` (the pairs' texts and ids, aligned) as its three files, `done-*` last.
+
+  Every file appears whole or not at all (a temporary file of this writer's own, then a rename): the processes
+  of a multi-host run write and read one directory at the same time."""
   from array_record.python.array_record_module import ArrayRecordWriter  # pylint: disable=g-import-not-at-top
   ids_path = directory / shard_name("ids", index, count, "array_record")
-  tmp = directory / f".{ids_path.name}.tmp"
+  tmp = directory / f".{ids_path.name}.{uuid.uuid4().hex}.tmp"
   writer = ArrayRecordWriter(os.fspath(tmp), "group_size:1,uncompressed")  # random access: one record a group
   for (s_text, t_text), s, t in zip(texts, sources, targets):
     writer.write(encode_record(s, t, s_text, t_text, dtype))
   writer.close()
   tmp.replace(ids_path)
   lengths = np.asarray([[len(s), len(t)] for s, t in zip(sources, targets)], np.uint32).reshape(-1, 2)
-  tmp = directory / f".lengths-{index}.tmp.npy"
-  with tmp.open("wb") as f:
-    np.save(f, lengths)
-  tmp.replace(directory / shard_name("lengths", index, count, "npy"))
+  buffer = io.BytesIO()
+  np.save(buffer, lengths)
+  write_bytes_atomically(directory / shard_name("lengths", index, count, "npy"), buffer.getvalue())
   done = {"pairs": len(lengths), "skipped_blank": int(skipped_blank),
           "tokens": [int(lengths[:, 0].sum()), int(lengths[:, 1].sum())]}
-  (directory / shard_name("done", index, count, "json")).write_text(json.dumps(done))
+  write_bytes_atomically(directory / shard_name("done", index, count, "json"), json.dumps(done).encode())
   return done
 
 
@@ -109,7 +114,8 @@ def write_manifest(directory: epath.Path, key: Mapping, shards: int, vocab_size:
   directory.mkdir(parents=True, exist_ok=True)
   dtype = np.dtype(np.uint16 if vocab_size <= 2**16 else np.int32)
   manifest = dict(key, shards_format=FORMAT, shards=shards, dtype=dtype.name)
-  (directory / "manifest.json").write_text(json.dumps(manifest, sort_keys=True))
+  # Atomic: every process rewrites it while the others may be reading it (`IdShards.open`).
+  write_bytes_atomically(directory / "manifest.json", json.dumps(manifest, sort_keys=True).encode())
   return dtype
 
 
