@@ -109,6 +109,12 @@ def _ct2_fixed(translator, pieces: list, beam: int, length: int):
   return sorted({len(r.hypotheses[0]) for r in out}), seconds
 
 
+def _warm_then_timed(fn):
+  """`fn()` once untimed, then again: the result of the second call (`run_fixed`)."""
+  fn()
+  return fn()
+
+
 def _in_own_process(fn, *args):
   """`fn(*args)` in a fresh (spawned) process that exits afterwards."""
   with concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
@@ -129,7 +135,10 @@ def run_fixed(args, corpus, cfg, params) -> dict:
   `args.ct2_process`: 'own' times each CTranslate2 call in a fresh process of its own (after one untimed call
   there), so neither runtime shares a process with the other's idle workers: CTranslate2's OpenMP workers
   keep spinning after a call and took a core from our next search in the same process (ours 3.27-4.21 s
-  instead of 3.10-3.40 s per beam-4 batch, 2026-12-06); 'shared': both in this process, as before."""
+  instead of 3.10-3.40 s per beam-4 batch, 2026-12-06); 'shared': both in this process, as before.
+  In both modes every timed call follows an untimed call of the same runner, as the fresh process gives
+  CTranslate2: the other runtime's call just before slowed our next one (beam 4: median 3.14 s, rounds up to
+  3.74 s, against 3.02 s with no CTranslate2 call between ours, 2026-12-07; docs/performance.md)."""
   rng = np.random.default_rng(0)
   pick = rng.choice(len(corpus.test_sources), size=args.fixed_sources, replace=False)
   sources = [[int(x) for x in corpus.test_sources[i]] for i in pick]
@@ -147,10 +156,12 @@ def run_fixed(args, corpus, cfg, params) -> dict:
     runners = {}  # name -> () -> (the set of output lengths, seconds)
     for beam, name in ((1, "greedy"), (4, "beam4")):
       fn = common.fixed_length_search(cfg, beam, length)
-      runners[f"ours_{name}"] = functools.partial(_ours_fixed, fn, params, inputs, cfg)
+      runners[f"ours_{name}"] = functools.partial(
+          _warm_then_timed, functools.partial(_ours_fixed, fn, params, inputs, cfg))
       runners[f"ct2_float32_{name}"] = (
           functools.partial(_in_own_process, _ct2_fixed_alone, model_dir, pieces, beam, length, args.threads)
-          if shared is None else functools.partial(_ct2_fixed, shared, pieces, beam, length))
+          if shared is None else functools.partial(
+              _warm_then_timed, functools.partial(_ct2_fixed, shared, pieces, beam, length)))
     lengths = {name: fn()[0] for name, fn in runners.items()}  # warm-up (compiles ours); every output `length`
     times = {name: [] for name in runners}
     for r in range(args.rounds):
