@@ -124,8 +124,7 @@ def _in_own_process(fn, *args):
 def _ct2_fixed_alone(model_dir: str, pieces: list, beam: int, length: int, threads: int):
   """`_ct2_fixed` in a process of its own (`run_fixed`): one untimed call, then the timed one."""
   translator = ct2.translator(model_dir, compute_type="float32", threads=threads)
-  _ct2_fixed(translator, pieces, beam, length)
-  return _ct2_fixed(translator, pieces, beam, length)
+  return _warm_then_timed(functools.partial(_ct2_fixed, translator, pieces, beam, length))
 
 
 def run_fixed(args, corpus, cfg, params) -> dict:
