@@ -186,3 +186,26 @@ def test_the_train_program_refuses_an_unknown_tracker_in_one_line(tmp_path):
       "error: --config.trackers=('tensorboard', 'neptune'): must be a tuple of distinct tracker names from "
       "('tensorboard', 'wandb'), e.g. \"('tensorboard', 'wandb')\"")
   assert not (tmp_path / "run").exists()
+
+
+def test_tensorboard_events_are_written_without_importing_tensorflow(tmp_path):
+  """The event file of a local workdir is written with TensorBoard's record writer and local file I/O: opening
+  it once imported TensorFlow (`tf.io.gfile`), 5 s of every training run's start; TensorBoard reads it back."""
+  code = ("import sys; from transformer_jax import trackers; from transformer_jax.workdir import Workdir\n"
+          f"writer = trackers.MetricWriter.open(('tensorboard',), Workdir({str(tmp_path / 'run')!r}), {{}})\n"
+          "writer.start({'model': {'d_model': 32}}, ['validation/loss'])\n"
+          "writer.write(3, {'train/loss': 2.5, 'validation/loss': 2.75})\n"
+          "writer.write_samples(3, 'validation', [('five', 'fünf', 'fünf')])\n"
+          "writer.close()\n"
+          "print('tensorflow imported:', 'tensorflow' in sys.modules)")
+  result = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, PYTHONPATH=REPO), capture_output=True,
+                          text=True, timeout=120)
+  assert result.returncode == 0, result.stderr[-2000:]
+  assert result.stdout.splitlines()[-1] == "tensorflow imported: False"
+  events = event_accumulator.EventAccumulator(str(Workdir(tmp_path / "run").tensorboard),
+                                              size_guidance={"tensors": 0})
+  events.Reload()
+  assert [(e.step, float(tensor_util.make_ndarray(e.tensor_proto))) for e in events.Tensors("train/loss")] == [
+      (3, 2.5)]
+  assert "validation/samples" in events.Tags()["tensors"]
+  assert events.PluginTagToContent(hparams_metadata.PLUGIN_NAME)
