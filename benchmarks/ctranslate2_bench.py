@@ -161,15 +161,18 @@ def run_fixed(args, corpus, cfg, params) -> dict:
           functools.partial(_in_own_process, _ct2_fixed_alone, model_dir, pieces, beam, length, args.threads)
           if shared is None else functools.partial(
               _warm_then_timed, functools.partial(_ct2_fixed, shared, pieces, beam, length)))
-    lengths = {name: fn()[0] for name, fn in runners.items()}  # warm-up (compiles ours); every output `length`
+    # Every call warms itself up (ours compiles in the first untimed call), so no separate warm-up pass.
+    lengths = {name: set() for name in runners}  # the output lengths of every timed call: `length` only
     times = {name: [] for name in runners}
     for r in range(args.rounds):
       for name, fn in runners.items():
-        times[name].append(fn()[1])
+        seen, seconds = fn()
+        lengths[name].update(seen)
+        times[name].append(seconds)
       _log(f"[ctranslate2 fixed] round {r + 1}/{args.rounds}: "
            + ", ".join(f"{k} {t[-1]:.2f}s" for k, t in times.items()))
   out = {"sources": n, "source_bucket": bucket, "output_len": length, "ct2_threads": args.threads,
-         "ct2_process": args.ct2_process, "output_lengths_seen": lengths}
+         "ct2_process": args.ct2_process, "output_lengths_seen": {k: sorted(v) for k, v in lengths.items()}}
   for name, t in times.items():
     out[name] = {"file_s": float(np.median(t)), "tokens_per_s": n * length / float(np.median(t)), "times": t}
   for search in ("greedy", "beam4"):
