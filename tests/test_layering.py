@@ -55,6 +55,8 @@ RANKS = {
     "transformer_jax.factories": 5.2,
     "transformer_jax.imported_workdir": 5.2,  # what a run does in a workdir holding an imported model
     "transformer_jax.trained": 5.5,  # a trained workdir loaded for inference: checkpoint + tokenizer + config
+    "transformer_jax.corpus": 4.6,  # a corpus translated in shards across hosts: decoding, data, multihost
+    "transformer_jax.quantization": 0.5,  # weight-only int8 parameters (qwix): jax only
     "transformer_jax.trainer": 6, "transformer_jax.interop": 6,
     "transformer_jax": 7,  # __init__: the public API, imports anything
 }

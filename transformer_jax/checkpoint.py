@@ -113,10 +113,11 @@ def _first_sharding(tree: PyTree) -> jax.sharding.Sharding | None:
 
 
 def replicated_sharding_like(tree: PyTree) -> jax.sharding.Sharding:
-  """A fully replicated sharding over the devices the leaves of `tree` use (device 0 if none carry one)."""
+  """A fully replicated sharding over the devices the leaves of `tree` use (this process's first device if none
+  carry one: on several hosts, each restores its own copy, e.g. every process of `corpus.translate_corpus`)."""
   sharding = _first_sharding(tree)
   if sharding is None:
-    return jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    return jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
   if isinstance(sharding, jax.sharding.NamedSharding):
     return jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec())
   if isinstance(sharding, jax.sharding.SingleDeviceSharding):

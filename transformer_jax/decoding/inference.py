@@ -71,6 +71,8 @@ def _search_fn(config: ModelConfig, options: generate.DecodeOptions, max_decode_
   `fold_in(PRNGKey(seed), index)` sampling draws from (the same outputs whatever the batching)."""
   def run(params_tuple, inputs, max_lengths, indices, seed, prefix_tokens, prefix_lengths, constraints=None):
     _TRACES[(options, max_decode_len, models, with_prefix, constraint_width) + tuple(inputs.shape)] += 1
+    # int8 weights (`quantization.QuantizedParams`) are dequantized here, inside the compiled search.
+    params_tuple = tuple(p.dequantize() if hasattr(p, "dequantize") else p for p in params_tuple)
     keys = None
     if options.sampling == "sample":
       base = jax.random.PRNGKey(seed)
@@ -156,7 +158,7 @@ def decode_ids(params, config: ModelConfig, sources: Sequence[Sequence[int]],
                constraints: Optional[Sequence[Sequence[Sequence[int]]]] = None,
                seed: int = 0, extra_len: int = 50, max_tokens_per_batch: int = 4096,
                batch_size: Optional[int] = None, append_eos: bool = True,
-               progress: Optional[Callable[[int], None]] = None) -> list[list[Hypothesis]]:
+               progress: Optional[Callable[[int], None]] = None, first_index: int = 0) -> list[list[Hypothesis]]:
   """Decodes token-id sequences with every option of `generate.DecodeOptions`: per source its `Hypothesis` list.
 
   Args:
@@ -168,7 +170,8 @@ def decode_ids(params, config: ModelConfig, sources: Sequence[Sequence[int]],
     constraints: optional phrases (target ids, EOS excluded) per source that each output must contain, by
       lexically constrained beam search (`decoding.constraints`; beam search only); check the outputs
       with `constraints.satisfied` (a phrase that cannot fit the length limit leaves the output unfinished).
-    seed: sampling's seed; source i samples with `fold_in(PRNGKey(seed), i)`, whatever the batching.
+    seed: sampling's seed; source i samples with `fold_in(PRNGKey(seed), first_index + i)`, whatever the
+      batching (`first_index`: the line number of `sources[0]` in a corpus decoded in parts, `transformer_jax.corpus`).
     The rest as `translate_ids`.
 
   Each list is best first, at most `options.nbest` long, and holds the finished hypotheses (or, when none
@@ -184,7 +187,7 @@ def decode_ids(params, config: ModelConfig, sources: Sequence[Sequence[int]],
     raise ValueError("lexical constraints need beam search (sampling='beam', beam_size >= 2)")
   rows = _search_all(tuple(params_list), config, sources, options, prefixes, seed, constraints, extra_len=extra_len,
                      max_tokens_per_batch=max_tokens_per_batch, batch_size=batch_size, append_eos=append_eos,
-                     progress=progress)
+                     progress=progress, first_index=first_index)
   return [[] if row is None else _hypotheses(row, config) for row in rows]
 
 
@@ -204,7 +207,7 @@ def _hypotheses(row, config: ModelConfig) -> list[Hypothesis]:
 
 
 def _search_all(params_tuple, config: ModelConfig, sources, options, prefixes, seed, constraints, *, extra_len,
-                max_tokens_per_batch, batch_size, append_eos, progress) -> list:
+                max_tokens_per_batch, batch_size, append_eos, progress, first_index=0) -> list:
   """Runs the search over every non-empty source in length buckets; each source's row of the search's
   `Hypotheses` (numpy) in input order, None for an empty source."""
   results: list = [None] * len(sources)
@@ -214,7 +217,7 @@ def _search_all(params_tuple, config: ModelConfig, sources, options, prefixes, s
   rows_for = lambda bucket: batch_size or max(1, max_tokens_per_batch // bucket)  # noqa: E731
   run = functools.partial(_run_batch, params_tuple, config, options=options, extra_len=extra_len,
                           prefixes=prefixes, seed=seed, constraints=constraints,
-                          constraint_width=_constraint_width(constraints))
+                          constraint_width=_constraint_width(constraints), first_index=first_index)
   # Dispatch the next batch before reading the previous one back, so host work overlaps the device.
   pending = None
   for batch in _group_by_bucket(prepared, config, rows_for) + [None]:
@@ -284,7 +287,7 @@ def _group_by_bucket(prepared: list[_Prepared], config: ModelConfig, rows_for) -
 
 def _run_batch(params_tuple, config: ModelConfig, batch: list[_Prepared], bucket: int, rows: int, *,
                options: generate.DecodeOptions, extra_len: int, prefixes, seed: int, constraints=None,
-               constraint_width: int = 0):
+               constraint_width: int = 0, first_index: int = 0):
   """Dispatches one padded batch `[rows bucket, bucket]` to the compiled search; returns its output (async)."""
   eos, pad = config.eos_id, config.pad_id
   max_decode_len = max(1, min(bucket + extra_len, config.max_len))
@@ -299,7 +302,7 @@ def _run_batch(params_tuple, config: ModelConfig, batch: list[_Prepared], bucket
     inputs[r, :] = pad
     inputs[r, : len(ids)] = ids
     limits[r] = min(limit, max_decode_len)
-    indices[r] = i
+    indices[r] = first_index + i
     if prefixes is not None and len(prefixes[i]):
       prefix = [int(x) for x in prefixes[i]]
       prefix_tokens[r, : len(prefix)] = prefix
