@@ -1,7 +1,7 @@
 """The decoding flags that `translate`, `evaluate` and `tune_decoding` share, their checks, and ensembles.
 
-`define_flags(...)` adds `--sampling`, `--temperature`, `--top_k`, `--top_p`, `--seed`, `--ensemble` (and, where
-the program prints hypotheses, `--nbest`); `options(beam_size, alpha)` turns them into a checked
+`define_flags(...)` adds `--sampling`, `--temperature`, `--top_k`, `--top_p`, `--seed`, `--ensemble`, `--quantize`
+(and, where the program prints hypotheses, `--nbest`); `options(beam_size, alpha)` turns them into a checked
 `generate.DecodeOptions` (one-line ValueError before any decoding); `load_models(workdir, checkpoint)` loads the
 model, or every model of `--ensemble` (refusing another architecture or vocabulary), as a list of parameters.
 """
@@ -12,6 +12,7 @@ from absl import flags
 from etils import epath
 
 from experiments import common
+from transformer_jax import quantization
 from transformer_jax.decoding import generate
 
 FLAGS = flags.FLAGS
@@ -30,6 +31,8 @@ def define_flags(*, nbest: bool) -> None:
   flags.DEFINE_list("ensemble", [], "More models decoded with --workdir's as one (per-step log-probs averaged): "
                     "steps of --workdir, checkpoint directories, or other workdirs of the same architecture and "
                     "vocabulary. With --ensemble, --checkpoint is the first model.")
+  flags.DEFINE_enum("quantize", "", quantization.MODES, "'' = float weights; int8 = weight-only int8 through qwix "
+                    "(transformer_jax/quantization.py; docs/serving.md has its bytes, quality and speed).")
   if nbest:
     flags.DEFINE_integer("nbest", 1, "Hypotheses per input line (<= --beam_size; beam search only).")
 
@@ -57,7 +60,8 @@ def options(beam_size: int, alpha: float, *, nbest: int = 1, alignment: bool = F
 
 
 def load_models(workdir: str, checkpoint: str | None):
-  """`(model_config, params list, tokenizer)`: `--workdir` at `checkpoint`, then each `--ensemble` entry.
+  """`(model_config, params list, tokenizer)`: `--workdir` at `checkpoint`, then each `--ensemble` entry, each
+  quantized as `--quantize` asks.
 
   An entry is a step of `workdir` (digits), a workdir (a folder with config.json: its latest checkpoint) or a
   checkpoint directory (read with `workdir`'s config). ValueError when an entry's architecture or vocabulary
@@ -76,7 +80,7 @@ def load_models(workdir: str, checkpoint: str | None):
     if _pieces(other_tokenizer) != _pieces(tokenizer):
       raise ValueError(f"--ensemble={entry}: another vocabulary than --workdir's; an ensemble needs one vocabulary")
     params_list.append(other_params)
-  return model_config, params_list, tokenizer
+  return model_config, [quantization.quantize_params(p, FLAGS.quantize) for p in params_list], tokenizer
 
 
 def _pieces(tokenizer) -> list[str]:

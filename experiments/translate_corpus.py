@@ -17,7 +17,7 @@ import jax
 from absl import flags
 
 from experiments import common, decoding, launch
-from transformer_jax import corpus, multihost, quantization
+from transformer_jax import corpus, multihost
 from transformer_jax.data import noise
 
 FLAGS = flags.FLAGS
@@ -39,7 +39,6 @@ flags.DEFINE_string("noise_filler_token", "<BLANK>", "The filler word of --noise
 flags.DEFINE_string("tag", "", "Tagged back-translation (Caswell et al., 2019): this word, then a space, in front "
                     "of every non-empty output, e.g. '<BT>'.")
 flags.DEFINE_string("parallel_corpus", "", "Also write OUT/<this>.<lang> for both languages (a split name).")
-flags.DEFINE_enum("quantize", "", quantization.MODES, "'' = float weights; int8 = weight-only int8 (qwix).")
 flags.DEFINE_bool("distributed", False, "Join the processes of this command with jax.distributed.")
 flags.DEFINE_string("coordinator_address", None, "With --distributed: process 0's HOST:PORT (default: detected).")
 flags.DEFINE_integer("num_processes", None, "With --distributed: how many processes (default: detected).")
@@ -65,7 +64,6 @@ def _translator() -> corpus.Translator:
   noise_options = noise.NoiseOptions(FLAGS.noise_delete, FLAGS.noise_filler, FLAGS.noise_swap,
                                      FLAGS.noise_filler_token).check()
   model_config, params_list, tokenizer = decoding.load_models(FLAGS.workdir, FLAGS.checkpoint)
-  params_list = [quantization.quantize_params(p, FLAGS.quantize) for p in params_list]
   return corpus.Translator(params_list if len(params_list) > 1 else params_list[0], model_config, tokenizer,
                            options, seed=FLAGS.seed, extra_len=FLAGS.extra_len,
                            max_tokens_per_batch=FLAGS.max_tokens_per_batch, noise=noise_options, tag=FLAGS.tag.strip())

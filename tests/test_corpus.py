@@ -58,7 +58,8 @@ def test_shards_manifest_and_parallel_corpus(tmp_path):
   assert (tmp_path / "out" / "train.de").read_text().splitlines() == LINES
   manifest = json.loads((tmp_path / "out" / "manifest.json").read_text())
   assert manifest == result.manifest and manifest["lines"] == 50 and result.lines == 50
-  assert [s["lines"] for s in manifest["shards"]] == [7, 7, 3, 7, 7, 3, 7, 7, 2] and len(os.listdir(tmp_path / "out" / "shards")) == 9
+  assert [s["lines"] for s in manifest["shards"]] == [7, 7, 3, 7, 7, 3, 7, 7, 2]
+  assert len(os.listdir(tmp_path / "out" / "shards")) == 9
 
 
 def test_an_interrupted_run_resumes_to_the_same_bytes_and_never_redoes_a_shard(tmp_path):

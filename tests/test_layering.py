@@ -56,6 +56,9 @@ RANKS = {
     "transformer_jax.imported_workdir": 5.2,  # what a run does in a workdir holding an imported model
     "transformer_jax.trained": 5.5,  # a trained workdir loaded for inference: checkpoint + tokenizer + config
     "transformer_jax.corpus": 4.6,  # a corpus translated in shards across hosts: decoding, data, multihost
+    "transformer_jax.serving.batching": 4.7,  # dynamic batching onto compiled shapes: decoding only
+    "transformer_jax.serving.http": 4.8,  # the Starlette API over the batcher (the serve extra)
+    "transformer_jax.serving": 4.9,
     "transformer_jax.quantization": 0.5,  # weight-only int8 parameters (qwix): jax only
     "transformer_jax.trainer": 6, "transformer_jax.interop": 6,
     "transformer_jax": 7,  # __init__: the public API, imports anything

@@ -2,10 +2,10 @@
 
     params = quantization.quantize_params(params, "int8")   # then decode as with float parameters
 
-Every floating parameter of at least two dimensions (attention projections, feed-forward kernels, embeddings:
-all but a few thousand of a Transformer's weights) becomes a `qwix.QArray`: int8 values and one float32 absmax
-scale per output channel (per row of an embedding table, which is both looked up and the pre-softmax
-projection, section 3.4); biases and LayerNorm scales stay float32. The tree is wrapped in `QuantizedParams`,
+Every kernel and embedding table (attention projections, feed-forward layers, embeddings: all but a few
+thousand of a Transformer's weights) becomes a `qwix.QArray`: int8 values and one float32 absmax scale per
+output channel (per row of an embedding table, which is both looked up and the pre-softmax projection,
+section 3.4; `_channel_axes`); biases and LayerNorm scales stay float32. The tree is wrapped in `QuantizedParams`,
 which the compiled search (`decoding.inference`) dequantizes inside `jit`: a device holds the int8 values, and
 XLA fuses the dequantisation into the matmuls' operands where the backend can. Why weights only and why not
 `qwix.quantize_model`: qwix's linen interception finds the weights of a `dot_general` by the module's param
@@ -37,10 +37,22 @@ class QuantizedParams:
                                   is_leaf=lambda x: isinstance(x, qwix.QArray))
 
 
-def _channel_axes(path: str, array) -> tuple[int, ...]:
-  """Axes with their own scale: every axis but the contracted one (axis 0; an embedding's model axis)."""
-  contracted = array.ndim - 1 if "embedding" in path else 0
-  return tuple(a for a in range(array.ndim) if a != contracted)
+def _channel_axes(path: str, ndim: int) -> tuple[int, ...] | None:
+  """The axes with their own scale (every axis a matmul does not contract), or None to keep the leaf float.
+
+  Kernels: `[d_in, ...out]` (feed-forward, logits, W^Q/K/V `[d_model, heads, head_dim]`) scale per output;
+  W^O `[heads, head_dim, d_model]` (`attention.layer.OutputProjection`, named 'out') per d_model column.
+  Embedding tables `[rows, d_model]` (looked up by row, and the tied pre-softmax projection) per row. Biases,
+  LayerNorm and relative-position tables (small, added rather than multiplied) stay float32.
+  """
+  name = path.rsplit("[", 1)[-1].strip("]'\"")
+  if ndim < 2 or name not in ("kernel", "embedding", "position_embedding"):
+    return None
+  if name != "kernel":
+    return (0,)
+  if "['out']" in path:
+    return (ndim - 1,)
+  return tuple(range(1, ndim))
 
 
 def quantize_params(params: Any, mode: str) -> Any:
@@ -53,10 +65,10 @@ def quantize_params(params: Any, mode: str) -> Any:
 
   def quantize(path, leaf):
     array = jnp.asarray(leaf)
-    if array.ndim < 2 or not jnp.issubdtype(array.dtype, jnp.floating):
+    axes = _channel_axes(jax.tree_util.keystr(path), array.ndim)
+    if axes is None or not jnp.issubdtype(array.dtype, jnp.floating):
       return array
-    return qwix.quantize(array.astype(jnp.float32), jnp.int8,
-                         channelwise_axes=_channel_axes(jax.tree_util.keystr(path), array))
+    return qwix.quantize(array.astype(jnp.float32), jnp.int8, channelwise_axes=axes)
   return QuantizedParams(jax.tree_util.tree_map_with_path(quantize, params))
 
 
