@@ -143,7 +143,8 @@ def server_section(lines: list[str]) -> dict:
       seconds = time.perf_counter() - start
       after = _metrics(port)
       batches = after["batches"] - before["batches"]
-      rows[f"clients_{clients}"] = {"requests_per_s": len(texts) / seconds, "p50_ms": float(np.percentile(latencies, 50)),
+      rows[f"clients_{clients}"] = {"requests_per_s": len(texts) / seconds,
+                                    "p50_ms": float(np.percentile(latencies, 50)),
                                     "p99_ms": float(np.percentile(latencies, 99)),
                                     "mean_batch_size": len(texts) / batches if batches else None}
     rows["compilations_after_warm_up"] = _metrics(port)["compilations_after_warm_up"]

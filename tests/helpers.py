@@ -1,5 +1,10 @@
-"""Helpers several test files share: a tiny number-words config, a poisoned train step, waiting on a process."""
+"""Helpers several test files share: a tiny number-words config, a poisoned train step, waiting on a process,
+a tiny trained workdir made by the program, and a free local port."""
 
+import os
+import socket
+import subprocess
+import sys
 import time
 
 import numpy as np
@@ -50,3 +55,29 @@ def wait_for(predicate, proc, timeout: float, poll: float = 0.1) -> None:
     time.sleep(poll)
   proc.kill()
   raise AssertionError("timed out waiting for training progress")
+
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# `experiments.train` flags of a tiny number-words run (seconds): what the translation tools' tests decode with.
+TINY_TRAIN_FLAGS = ["--config.data.builder_config=tiny", "--config.data.vocab_size=128", "--config.model.d_model=32",
+                    "--config.model.d_ff=64", "--config.model.num_heads=2", "--config.model.num_encoder_layers=1",
+                    "--config.model.num_decoder_layers=1", "--config.num_train_steps=30", "--config.warmup_steps=10",
+                    "--config.evals.loss.every_steps=0", "--config.checkpoint_every_steps=30",
+                    "--config.final_eval.split="]
+
+
+def program_env() -> dict:
+  """The environment of a program a test starts: this checkout first, CPU, no huge-pages restart."""
+  return dict(os.environ, PYTHONPATH=REPO, JAX_PLATFORMS="cpu", TRANSFORMER_JAX_HUGE_PAGES="0")
+
+
+def train_tiny(workdir) -> None:
+  """Trains the tiny run (`TINY_TRAIN_FLAGS`) into `workdir` with `experiments.train`."""
+  subprocess.run([sys.executable, "-m", "experiments.train", f"--workdir={workdir}", *TINY_TRAIN_FLAGS], cwd=REPO,
+                 env=program_env(), check=True, capture_output=True, timeout=300)
+
+
+def free_port() -> int:
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]

@@ -7,17 +7,18 @@ model in 2 processes joined by jax.distributed, kills one with SIGKILL part-way,
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 
 import pytest
 
-from transformer_jax import corpus
-from transformer_jax.data import noise
+import helpers
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from transformer_jax import corpus
+from transformer_jax.data import noise, parallel_text
+
+REPO = helpers.REPO
 
 
 def _fake_translator(lines, first_index):
@@ -111,21 +112,10 @@ def test_noise_is_edunov_style_and_depends_only_on_seed_and_line():
 # ---------------------------------------------------------------------------------------------------------------
 # The program on a trained model: 2 processes, one killed with SIGKILL, restarted: the 1-process bytes.
 
-TINY = ["--config.data.builder_config=tiny", "--config.data.vocab_size=128", "--config.model.d_model=32",
-        "--config.model.d_ff=64", "--config.model.num_heads=2", "--config.model.num_encoder_layers=1",
-        "--config.model.num_decoder_layers=1", "--config.num_train_steps=30", "--config.warmup_steps=10",
-        "--config.evals.loss.every_steps=0", "--config.checkpoint_every_steps=30", "--config.final_eval.split="]
-
-
-def _env():
-  return dict(os.environ, PYTHONPATH=REPO, JAX_PLATFORMS="cpu", TRANSFORMER_JAX_HUGE_PAGES="0")
-
-
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
   workdir = tmp_path_factory.mktemp("run")
-  subprocess.run([sys.executable, "-m", "experiments.train", f"--workdir={workdir}", *TINY], cwd=REPO, env=_env(),
-                 check=True, capture_output=True, timeout=300)
+  helpers.train_tiny(workdir)
   return workdir
 
 
@@ -136,29 +126,25 @@ def _number_lines(count):
 
 def _program(workdir, inputs, out, *extra):
   return [sys.executable, "-m", "experiments.translate_corpus", f"--workdir={workdir}", f"--input={inputs}",
-          f"--output_dir={out}", "--lines_per_shard=25", "--beam_size=2", *extra]
+          f"--output_dir={out}", "--lines_per_shard=25", "--beam_size=2", "--tag=<BT>", "--parallel_corpus=train",
+          *extra]
 
 
 def _distributed(workdir, inputs, out, port, *extra):
   return [subprocess.Popen(_program(workdir, inputs, out, "--distributed", f"--coordinator_address=localhost:{port}",
                                     "--num_processes=2", f"--process_id={i}", *extra),
-                           cwd=REPO, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                           cwd=REPO, env=helpers.program_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                           text=True)
           for i in range(2)]
-
-
-def _free_port():
-  with socket.socket() as s:
-    s.bind(("localhost", 0))
-    return s.getsockname()[1]
 
 
 @pytest.mark.slow
 def test_two_processes_killed_and_restarted_write_the_bytes_of_one_process(trained, tmp_path):
   inputs = _write_inputs(tmp_path / "in", _number_lines(200), 8)
-  subprocess.run(_program(trained, inputs, tmp_path / "one"), cwd=REPO, env=_env(), check=True,
-                 capture_output=True, timeout=300)
+  subprocess.run(_program(trained, inputs, tmp_path / "one"), cwd=REPO, env=helpers.program_env(),
+                 check=True, capture_output=True, timeout=300)
   out = tmp_path / "two"
-  procs = _distributed(trained, inputs, out, _free_port())
+  procs = _distributed(trained, inputs, out, helpers.free_port())
   first_of_process_1 = out / "shards" / "part-00001-of-00008"
   deadline = time.time() + 240
   while not first_of_process_1.exists() and time.time() < deadline:
@@ -172,8 +158,11 @@ def test_two_processes_killed_and_restarted_write_the_bytes_of_one_process(train
   kept = {name: os.stat(out / "shards" / name).st_ino for name in os.listdir(out / "shards")
           if not name.endswith(".tmp")}  # a shard being written when killed left only its temporary file
   assert 1 <= len(kept) < 8
-  procs = _distributed(trained, inputs, out, _free_port())
+  procs = _distributed(trained, inputs, out, helpers.free_port())
   outputs = [proc.communicate(timeout=300)[0] for proc in procs]
   assert all(proc.returncode == 0 for proc in procs), outputs[0][-2000:] + outputs[1][-2000:]
   assert all(os.stat(out / "shards" / name).st_ino == ino for name, ino in kept.items())  # never redone
   assert _tree_bytes(out) == _tree_bytes(tmp_path / "one")  # the killed writes' temporary files removed too
+  pairs = list(parallel_text.iter_split(str(out), "train", "en", "de"))  # what a DataConfig with data_dir reads
+  assert [source for source, _ in pairs] == _number_lines(200)
+  assert all(target.startswith("<BT> ") == bool(source) for source, target in pairs), pairs[:3]

@@ -7,9 +7,7 @@ warm-up, every bad request answered with its status and one line while the serve
 
 import concurrent.futures
 import json
-import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -19,10 +17,12 @@ import urllib.request
 
 import pytest
 
+import helpers
+
 from transformer_jax.config import ModelConfig
 from transformer_jax.serving import batching
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = helpers.REPO
 
 
 class _WordTokenizer:
@@ -98,21 +98,10 @@ def test_stop_runs_what_is_queued_then_refuses():
 # ---------------------------------------------------------------------------------------------------------------
 # The server end to end.
 
-TINY = ["--config.data.builder_config=tiny", "--config.data.vocab_size=128", "--config.model.d_model=32",
-        "--config.model.d_ff=64", "--config.model.num_heads=2", "--config.model.num_encoder_layers=1",
-        "--config.model.num_decoder_layers=1", "--config.num_train_steps=30", "--config.warmup_steps=10",
-        "--config.evals.loss.every_steps=0", "--config.checkpoint_every_steps=30", "--config.final_eval.split="]
-
-
-def _env():
-  return dict(os.environ, PYTHONPATH=REPO, JAX_PLATFORMS="cpu", TRANSFORMER_JAX_HUGE_PAGES="0")
-
-
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
   workdir = tmp_path_factory.mktemp("run")
-  subprocess.run([sys.executable, "-m", "experiments.train", f"--workdir={workdir}", *TINY], cwd=REPO, env=_env(),
-                 check=True, capture_output=True, timeout=300)
+  helpers.train_tiny(workdir)
   return workdir
 
 
@@ -134,8 +123,8 @@ def _get(port, path):
 def _start_server(workdir, port):
   proc = subprocess.Popen([sys.executable, "-m", "experiments.serve", f"--workdir={workdir}", f"--port={port}",
                            "--beam_sizes=2", "--max_batch_size=8", "--max_input_tokens=16", "--max_wait_ms=20",
-                           "--max_texts_per_request=64"], cwd=REPO, env=_env(), stdout=subprocess.PIPE,
-                          stderr=subprocess.STDOUT, text=True)
+                           "--max_texts_per_request=64"], cwd=REPO, env=helpers.program_env(),
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
   deadline = time.time() + 400
   while time.time() < deadline:
     assert proc.poll() is None, proc.communicate()[0][-3000:]
@@ -146,12 +135,6 @@ def _start_server(workdir, port):
       time.sleep(0.5)
   proc.kill()
   raise AssertionError("the server did not become healthy")
-
-
-def _free_port():
-  with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    return s.getsockname()[1]
 
 
 def _texts(count):
@@ -173,10 +156,10 @@ def test_server_batches_concurrent_requests_like_file_mode_and_drains_on_sigterm
   texts = _texts(48)
   (tmp_path / "in.txt").write_text("".join(t + "\n" for t in texts))
   subprocess.run([sys.executable, "-m", "experiments.translate", f"--workdir={trained}", "--beam_size=2",
-                  f"--input={tmp_path / 'in.txt'}", f"--output={tmp_path / 'out.txt'}"], cwd=REPO, env=_env(),
-                 check=True, capture_output=True, timeout=300)
+                  f"--input={tmp_path / 'in.txt'}", f"--output={tmp_path / 'out.txt'}"], cwd=REPO,
+                 env=helpers.program_env(), check=True, capture_output=True, timeout=300)
   expected = (tmp_path / "out.txt").read_text().splitlines()
-  port = _free_port()
+  port = helpers.free_port()
   server = _start_server(trained, port)
   try:
     requests = [texts[i:i + 3] for i in range(0, len(texts), 3)]  # 16 requests, 8 clients at a time
