@@ -4,7 +4,7 @@ r"""After-training tools side by side: int8 vs float32, corpus translation vs `e
         [--sections=int8,corpus,server] [--output=results.json]
 
 int8: parameter bytes, exact match (with --reference) and lines/s of greedy decoding in this process, float32
-then `--quantize=int8` weights (each timed on its second pass, the first compiles). corpus: wall seconds and
+and `--quantize=int8` weights alternating (`--repeats` timed passes each after one that compiles; medians). corpus: wall seconds and
 lines/s of `experiments.translate` on the file, `experiments.translate_corpus` by 1 process, and by 2
 processes joined by jax.distributed (their own start-up included alike), and whether the outputs are equal.
 server: `experiments.serve` on 127.0.0.1, N single-text requests at 1 (sequential), 8 and 32 concurrent
@@ -38,6 +38,8 @@ flags.DEFINE_string("reference", None, "Reference lines (exact match of the int8
 flags.DEFINE_list("sections", ["int8", "corpus", "server"], "Which comparisons to run.")
 flags.DEFINE_integer("beam_size", 1, "Beam size of every section.")
 flags.DEFINE_integer("server_requests", 96, "Requests per concurrency level.")
+flags.DEFINE_integer("repeats", 3, "Timed passes per mode of the int8 section (after one that compiles).")
+flags.DEFINE_integer("lines_per_shard", 0, "Corpus section's --lines_per_shard (0: an eighth of the input).")
 flags.DEFINE_string("output", None, "Also write the figures as JSON here.")
 flags.mark_flags_as_required(["workdir", "input"])
 
@@ -50,21 +52,23 @@ def _env() -> dict:
 
 def int8_section(lines: list[str], references: list[str] | None) -> dict:
   model_config, params, tokenizer = trained.load(FLAGS.workdir)
+  weights = {mode or "float32": quantization.quantize_params(params, mode) for mode in ("", "int8")}
+  seconds, outputs = {name: [] for name in weights}, {}
+  for _ in range(1 + FLAGS.repeats):  # the first pass compiles; then float32 and int8 alternate, median of each
+    for name, tree in weights.items():
+      start = time.perf_counter()
+      outputs[name] = inference.translate_texts(tree, model_config, tokenizer, lines, beam_size=FLAGS.beam_size)
+      seconds[name].append(time.perf_counter() - start)
   rows = {}
-  for mode in ("", "int8"):
-    weights = quantization.quantize_params(params, mode)
-    run = lambda: inference.translate_texts(weights, model_config, tokenizer, lines,  # noqa: E731
-                                            beam_size=FLAGS.beam_size)
-    run()
-    start = time.perf_counter()
-    outputs = run()
-    seconds = time.perf_counter() - start
-    row = {"parameter_bytes": quantization.parameter_bytes(weights), "lines_per_s": len(lines) / seconds}
+  for name, tree in weights.items():
+    row = {"parameter_bytes": quantization.parameter_bytes(tree),
+           "lines_per_s": len(lines) / float(np.median(seconds[name][1:])), "seconds": seconds[name][1:]}
     if references is not None:
-      row["exact_match"] = 100 * metrics.exact_match(outputs, references, lowercase=tokenizer.lowercase)
-    rows[mode or "float32"] = row
+      row["exact_match"] = 100 * metrics.exact_match(outputs[name], references, lowercase=tokenizer.lowercase)
+    rows[name] = row
   rows["bytes_ratio"] = rows["float32"]["parameter_bytes"] / rows["int8"]["parameter_bytes"]
   rows["speed_ratio_int8_over_float32"] = rows["int8"]["lines_per_s"] / rows["float32"]["lines_per_s"]
+  rows["same_outputs"] = outputs["float32"] == outputs["int8"]
   return rows
 
 
@@ -89,7 +93,7 @@ def corpus_section(lines: list[str], tmp: str) -> dict:
   beam = f"--beam_size={FLAGS.beam_size}"
   translate = _timed([[sys.executable, "-m", "experiments.translate", f"--workdir={FLAGS.workdir}", beam,
                        f"--input={FLAGS.input}", f"--output={tmp}/translate.txt"]])
-  shard = max(1, len(lines) // 8)
+  shard = FLAGS.lines_per_shard or max(1, len(lines) // 8)
   corpus = [sys.executable, "-m", "experiments.translate_corpus", f"--workdir={FLAGS.workdir}", beam,
             f"--input={FLAGS.input}", f"--lines_per_shard={shard}"]
   one = _timed([corpus + [f"--output_dir={tmp}/one", "--parallel_corpus=out"]])
@@ -98,7 +102,7 @@ def corpus_section(lines: list[str], tmp: str) -> dict:
                           "--num_processes=2", f"--process_id={i}"] for i in range(2)])
   config = trained.workdir_config(FLAGS.workdir).data
   same = (open(f"{tmp}/translate.txt", "rb").read() == open(f"{tmp}/one/out.{config.target_lang}", "rb").read())
-  rows = {"lines": len(lines), "translate_s": translate, "corpus_1_process_s": one, "corpus_2_processes_s": two,
+  rows = {"lines": len(lines), "lines_per_shard": shard, "translate_s": translate, "corpus_1_process_s": one, "corpus_2_processes_s": two,
           "identical_to_translate": same}
   rows.update({k.replace("_s", "_lines_per_s"): len(lines) / v for k, v in list(rows.items()) if k.endswith("_s")})
   rows["corpus_1_over_translate"] = translate / one
