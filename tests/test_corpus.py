@@ -74,6 +74,8 @@ def test_an_interrupted_run_resumes_to_the_same_bytes_and_never_redoes_a_shard(t
     corpus.translate_corpus(_fake_translator, {}, str(inputs), str(tmp_path / "out"), lines_per_shard=6,
                             on_shard=crash_after_three)
   assert not (tmp_path / "out" / "manifest.json").exists()
+  (tmp_path / "out" / "manifest.json.1.tmp").write_text("{")  # what a kill in the middle of writes leaves
+  (tmp_path / "out" / "shards" / "part-00003-of-00009.2.tmp").write_text("half")
   redone = []
   result = corpus.translate_corpus(_fake_translator, {}, str(inputs), str(tmp_path / "out"), lines_per_shard=6,
                                    on_shard=lambda u: redone.append(u.index))

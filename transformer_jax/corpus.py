@@ -304,10 +304,12 @@ def translate_corpus(translator: Callable[[Sequence[str], int], tuple[list[str],
 
 
 def _remove_partial_writes(layout: Layout) -> None:
-  """Deletes the temporary files of shard writes that a killed process left (none is being written yet)."""
-  if (layout.root / "shards").exists():
-    for path in (layout.root / "shards").glob("*.tmp"):
-      path.unlink()
+  """Deletes the temporary files of writes (shards, manifest, parallel corpus) that a killed process left; none
+  is being written yet."""
+  for directory in (layout.root, layout.root / "shards"):
+    if directory.exists():
+      for path in directory.glob("*.tmp"):
+        path.unlink()
 
 
 def _unit_counts(files: Sequence[epath.Path], units: Sequence[Unit]) -> list[int]:
