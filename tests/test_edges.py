@@ -13,6 +13,7 @@ import subprocess
 import sys
 import time
 
+import jax
 import numpy as np
 import pytest
 import sacrebleu
@@ -305,3 +306,52 @@ def test_a_checkpoint_trained_with_another_vocabulary_is_refused_by_every_reader
     result = _run(["experiments.translate", f"--workdir={run10}", f"--checkpoint={checkpoint}"], stdin="twelve\n")
     # One translation line for the one input (a 10-step model may well decode it to the empty string).
     assert result.returncode == 0 and result.stdout.count("\n") == 1
+
+
+# -- issue 67: line endings and blank lines do not change the model -------------------------------------------
+
+CORPUS_FLAGS = ["--config.data.dataset=parallel_text", "--config.data.eval_splits=()", "--config.data.max_len=32",
+                "--config.data.tokens_per_batch=256", "--config.data.vocab_size=96", "--config.model.d_model=32",
+                "--config.model.d_ff=64", "--config.model.num_heads=2", "--config.model.num_encoder_layers=1",
+                "--config.model.num_decoder_layers=1", "--config.num_train_steps=12", "--config.warmup_steps=4",
+                "--config.evals.loss.every_steps=0", "--config.checkpoint_every_steps=12",
+                "--config.final_eval.split="]
+
+
+def _number_corpus(directory, lines_en, lines_de, newline="\n", bom=""):
+  directory.mkdir()
+  for lang, lines in (("en", lines_en), ("de", lines_de)):
+    (directory / f"train.{lang}").write_bytes((bom + newline.join(lines) + newline).encode("utf-8"))
+  return directory
+
+
+def _pieces_and_scores(workdir):
+  import sentencepiece as spm
+  model = spm.SentencePieceProcessor(model_file=str(workdir / "vocab/spm.model"))
+  return [(model.id_to_piece(i), model.get_score(i)) for i in range(model.get_piece_size())]
+
+
+def test_crlf_bom_and_blank_lines_train_the_same_vocabulary_and_parameters(tmp_path):
+  """400 pairs; the same with CRLF, a BOM, 3 blank pairs and 2 one-side-blank pairs: the 5 are skipped, and the
+  vocabulary (trained on the pairs training keeps) and the parameters after 12 steps are bit-identical."""
+  from transformer_jax import trained
+  from transformer_jax.data import number_words
+  numbers = [n * 7919 % 1_000_000 for n in range(400)]
+  en, de = [number_words.english(n) for n in numbers], [number_words.german(n) for n in numbers]
+  en2, de2 = list(en), list(de)
+  for at, (s, t) in [(0, ("", "")), (50, ("", "")), (120, ("quiet jazz quiz", "")), (200, ("   ", "")),
+                     (300, ("", "nur ziel hier"))]:
+    en2.insert(at, s)
+    de2.insert(at, t)
+  corpora = {"lf": _number_corpus(tmp_path / "lf", en, de),
+             "crlf": _number_corpus(tmp_path / "crlf", en2, de2, newline="\r\n", bom="\ufeff")}
+  loaded = {}
+  for name, corpus in corpora.items():
+    result = _run(["experiments.train", f"--workdir={tmp_path}/{name}-run", *CORPUS_FLAGS,
+                   f"--config.data.dir={corpus}"])
+    assert "400" in result.stderr + result.stdout
+    loaded[name] = trained.load(str(tmp_path / f"{name}-run"), "12")
+  lf, crlf = loaded["lf"], loaded["crlf"]
+  assert _pieces_and_scores(tmp_path / "lf-run") == _pieces_and_scores(tmp_path / "crlf-run")
+  for a, b in zip(jax.tree_util.tree_leaves(lf.params), jax.tree_util.tree_leaves(crlf.params)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

@@ -75,13 +75,19 @@ def open_tokenizer(data_config: DataConfig, workdir: str) -> tokenizer_lib.TextT
 
 def load_tokenizer(data_config: DataConfig, workdir: str, train_pairs=None) -> tokenizer_lib.TextTokenizer:
   """Loads the run's vocabulary, training a SentencePiece one on both sides of the training split the first
-  time; a Marian tokenizer is only ever loaded (`open_tokenizer`)."""
+  time; a Marian tokenizer is only ever loaded (`open_tokenizer`).
+
+  The vocabulary sees the pairs training keeps: a pair with a blank side (`normalize.is_blank`) is skipped
+  whole, as the id shards skip it, so blank lines, CRLF endings and a BOM leave the vocabulary as it is.
+  """
   path = vocab_path(data_config, workdir)
   if data_config.tokenizer == MARIAN_TOKENIZER or epath.Path(path).exists():
     return open_tokenizer(data_config, workdir)
 
   def texts():
     for s, t in train_pairs:
+      if normalize.is_blank(s) or normalize.is_blank(t):
+        continue
       yield s
       yield t
 
