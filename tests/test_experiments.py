@@ -434,3 +434,39 @@ def test_vocabulary_replaced_under_its_stamp_is_refused(workdir, tmp_path):
   last = result.stderr.strip().splitlines()[-1]
   assert last.startswith("error: ") and "spm.normalization.json was written for another model" in last
   assert _tree(copy) == before
+
+
+# -- issue 67: --nbest=N gives N finished hypotheses, or says why not ----------------------------------------
+
+HELD_OUT = [608885, 462353, 911697, 164944, 66047, 556143, 876546, 163315, 386090, 374620, 470307, 991670, 988136,
+            346873, 872217, 515840, 917796, 971801, 680035, 617490, 46055, 859126, 704246, 972127, 361170, 721034,
+            738665, 364382, 413276, 459718]
+
+
+def _nbest_lines(result):
+  return [json.loads(line) for line in result.stdout.splitlines()]
+
+
+def test_nbest_returns_n_finished_hypotheses_best_first(workdir):
+  """Beam search went on only until the best was exact: a line of this list came back with 1 hypothesis of 3."""
+  from transformer_jax.data import number_words
+  numbers = HELD_OUT + [n * 7919 % 1_000_000 for n in range(1, 121)]
+  text = "".join(number_words.english(n) + "\n" for n in numbers)
+  rows = _nbest_lines(_run(["experiments.translate", f"--workdir={workdir}", "--beam_size=4", "--nbest=3",
+                            "--output_format=jsonl"], stdin=text))
+  assert len(rows) == len(numbers)
+  short = [(row["line"], len(row["hypotheses"])) for row in rows if len(row["hypotheses"]) != 3]
+  assert not short, short
+  for row in rows:
+    assert row["finished"] == 3, row
+    scores = [h["score"] for h in row["hypotheses"]]
+    assert scores == sorted(scores, reverse=True)
+    assert all(h["ids"][-1:] != [3] for h in row["hypotheses"])  # EOS is not among the ids
+
+
+def test_nbest_cut_short_by_the_length_limit_says_so(workdir):
+  result = _run(["experiments.translate", f"--workdir={workdir}", "--beam_size=4", "--nbest=4",
+                 "--output_format=jsonl", "--extra_len=0"], stdin="seven hundred seventy-seven thousand\n")
+  row = _nbest_lines(result)[0]
+  assert row["finished"] < 4 and sum(1 for h in row["hypotheses"]) <= 4
+  assert f"line 1: {row['finished']} of the 4 hypotheses of --nbest finished within the length limit" in result.stderr

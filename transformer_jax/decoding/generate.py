@@ -111,7 +111,7 @@ def generate(params_list: Sequence, config: ModelConfig, inputs: Array, max_leng
     selector = None if constraints is None else constraints_lib.DynamicBeamAllocation(constraints, config.eos_id)
     out = search.beam_search_over(step.tokens_to_logits, step.cache, beam_size=options.beam_size,
                                   alpha=options.alpha, gather_cache=step.gather_cache, selector=selector,
-                                  per_token=options.token_log_probs, **common)
+                                  per_token=options.token_log_probs, nbest=options.nbest, **common)
     n = options.nbest
     per_token = None if out.token_log_probs is None else out.token_log_probs[:, :n]
     hyps = Hypotheses(out.tokens[:, :n], out.log_probs[:, :n], out.scores[:, :n], per_token, None)

@@ -88,6 +88,7 @@ class Hypothesis(NamedTuple):
   score: float  # log_prob / ((5 + |Y|) / 6) ** alpha, |Y| counting EOS (`search.length_penalty`)
   token_log_probs: Optional[list]  # one float per token, then EOS's (if finished); None unless asked for
   alignment: Optional[list]  # source position of each token of `ids` (`alignment.pharaoh`), or None
+  finished: bool = True  # False: the length limit cut it before EOS (returned only when nothing finished)
 
 
 def _strip(tokens: np.ndarray, eos_id: int, pad_id: int) -> list[int]:
@@ -171,8 +172,10 @@ def decode_ids(params, config: ModelConfig, sources: Sequence[Sequence[int]],
     seed: sampling's seed; source i samples with `fold_in(PRNGKey(seed), i)`, whatever the batching.
     The rest as `translate_ids`.
 
-  Each list is best first, at most `options.nbest` long, and holds the finished hypotheses (or, when none
-  finished, the best one alone); an empty source gives `[]`. Raises ValueError for bad options or prefixes.
+  Each list is best first and holds the finished hypotheses (or, when none finished, the best one alone,
+  `finished=False`); an empty source gives `[]`. Beam search keeps going until `options.nbest` have finished
+  (`search.beam_search_over`'s `nbest`), so a list is shorter than `options.nbest` only where the length limit
+  left no room for more. Raises ValueError for bad options or prefixes.
   """
   options.check()
   params_list = [jax.device_put(nn.unbox(p)) for p in (params if isinstance(params, (list, tuple)) else [params])]
@@ -199,7 +202,8 @@ def _hypotheses(row, config: ModelConfig) -> list[Hypothesis]:
     aligned = None if row.alignment is None else [int(x) for x in row.alignment[k][: len(ids)]]
     out.append(Hypothesis(ids, float(row.log_probs[k]), float(row.scores[k]),
                           None if row.token_log_probs is None else
-                          [float(x) for x in row.token_log_probs[k][:emitted]], aligned))
+                          [float(x) for x in row.token_log_probs[k][:emitted]], aligned,
+                          finished=emitted > len(ids)))
   return out
 
 

@@ -31,9 +31,10 @@ Beam search: at every step the `beam_size` best one-token extensions of the live
 end in EOS join the finished list (its `beam_size` best are kept) and the others are the new live beams (so an
 EOS pick leaves its slot empty for one step; unlike tensor2tensor's variant, which keeps `beam_size` live beams
 besides, this makes `beam_size=1` exactly greedy search). Early termination: a source stops (its results
-freeze) when no live beam can beat its best finished hypothesis (`early_stop='best'`, the default, as
-tensor2tensor's stop_early), or its worst kept one (`'all'`: the whole n-best list is then exact; `'none'`
-never stops early), using `score(any completion) <= log_probs(live) / max(lp(len + 1), lp(max_len))`
+freeze) when no live beam can beat its `nbest`-th best finished hypothesis (`early_stop='best'`, the default;
+with `nbest=1` tensor2tensor's stop_early: the best is exact; with `nbest=n` the first n are exact and n have
+finished, as fairseq and CTranslate2 return n), or its worst kept one (`'all'`: the whole n-best list is then
+exact; `'none'` never stops early), using `score(any completion) <= log_probs(live) / max(lp(len + 1), lp(max_len))`
 (log-probs only fall as a hypothesis grows). The loop ends when every source has stopped or after
 `max_decode_len` tokens.
 """
@@ -409,7 +410,8 @@ def beam_search_over(tokens_to_logits: TokensToLogits, cache, *, batch_size: int
                      alpha: float, max_decode_len: int, bos_id: int, eos_id: int, pad_id: int,
                      max_lengths: Optional[Array] = None, early_stop: str = "best",
                      gather_cache: Callable = gather_beams, log_probs_fn: Optional[LogProbsFn] = None,
-                     selector: Optional[BeamSelector] = None, per_token: bool = False) -> BeamSearchOutput:
+                     selector: Optional[BeamSelector] = None, per_token: bool = False,
+                     nbest: int = 1) -> BeamSearchOutput:
   """Beam search with the GNMT length penalty over any step function (flax wmt / t5x `beam_search`).
 
   Args:
@@ -426,11 +428,17 @@ def beam_search_over(tokens_to_logits: TokensToLogits, cache, *, batch_size: int
     selector: optional `BeamSelector` that chooses the next beams instead of the plain top-k.
     per_token: also track each token's log-prob (static; `BeamSearchOutput.token_log_probs`, else None):
       two more `[batch, beam_size, max_decode_len]` buffers reordered at every step.
+    nbest: how many hypotheses the caller keeps (static, in [1, beam_size]): `early_stop='best'` stops a source
+      only once its `nbest` best finished hypotheses are exact, so n-best lists are `nbest` long wherever the
+      length limit leaves room.
 
-  Returns a `BeamSearchOutput`. Raises ValueError for `beam_size < 1`, an unknown `early_stop` or equal ids.
+  Returns a `BeamSearchOutput`. Raises ValueError for `beam_size < 1`, `nbest` outside [1, beam_size], an
+  unknown `early_stop` or equal ids.
   """
   _check_ids(bos_id, eos_id, pad_id)
   check_beam_options(beam_size, early_stop)
+  if not 1 <= nbest <= beam_size:
+    raise ValueError(f"nbest={nbest} must be in [1, beam_size={beam_size}]")
   batch, k, length = batch_size, beam_size, max_decode_len
   limits = _row_limits(max_lengths, batch, length)
   # Best possible score of a live beam's completion: log_probs / max over the remaining lengths of lp.
@@ -462,7 +470,7 @@ def beam_search_over(tokens_to_logits: TokensToLogits, cache, *, batch_size: int
     bound = best_alive / jnp.maximum(length_penalty(s.t + 1, alpha), lp_at_limit)
     done = s.done | (s.t >= limits)
     if early_stop != "none":
-      reference = s.fin_scores[:, 0] if early_stop == "best" else s.fin_scores[:, -1]
+      reference = s.fin_scores[:, nbest - 1] if early_stop == "best" else s.fin_scores[:, -1]
       done = done | (reference >= bound)
     return s._replace(done=done)
 
