@@ -355,3 +355,91 @@ def test_crlf_bom_and_blank_lines_train_the_same_vocabulary_and_parameters(tmp_p
   assert _pieces_and_scores(tmp_path / "lf-run") == _pieces_and_scores(tmp_path / "crlf-run")
   for a, b in zip(jax.tree_util.tree_leaves(lf.params), jax.tree_util.tree_leaves(crlf.params)):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+# -- issue 67: sampling's temperature and seed over their whole range ------------------------------------------
+
+def test_a_vanishing_temperature_samples_the_argmax_and_an_infinite_one_is_refused(run10, tmp_path):
+  """--temperature=1e-45 divided log-probs into -inf/NaN rows: every line came back empty, exit 0."""
+  lines = "twenty-one\nfive\nthree hundred twelve\n"
+  greedy = _run(["experiments.translate", f"--workdir={run10}", "--sampling=greedy", "--output_format=jsonl"],
+                stdin=lines)
+  cold = _run(["experiments.translate", f"--workdir={run10}", "--sampling=sample", "--temperature=1e-45",
+               "--output_format=jsonl"], stdin=lines)
+  ids = lambda result: [json.loads(line)["hypotheses"][0]["ids"] for line in result.stdout.splitlines()]  # noqa
+  assert ids(cold) == ids(greedy) and all(ids(greedy))
+  for value in ("inf", "nan", "0", "-1"):
+    _one_line_error(_run(["experiments.translate", f"--workdir={run10}", "--sampling=sample",
+                          f"--temperature={value}"], stdin=lines, check=False), "--temperature=",
+                    "must be a finite number > 0")
+
+
+@pytest.mark.parametrize("seed", [2**31, 2**32 - 1])
+def test_any_seed_a_key_can_hold_samples(run10, seed):
+  """--seed=2147483648 ended in OverflowError (int32) after the model had loaded."""
+  result = _run(["experiments.translate", f"--workdir={run10}", "--sampling=sample", f"--seed={seed}"],
+                stdin="twenty-one\nfive\n")
+  assert result.stdout.count("\n") == 2 and "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize("seed", [2**32, 2**63, -1])
+def test_a_seed_outside_a_keys_range_is_refused_in_one_line(run10, seed):
+  _one_line_error(_run(["experiments.translate", f"--workdir={run10}", "--sampling=sample", f"--seed={seed}"],
+                       stdin="five\n", check=False), "--seed", "4294967295")
+
+
+# -- issue 67: nothing the vocabulary cannot spell is forced into an output -----------------------------------
+
+@pytest.mark.parametrize("flag", ["constraints_file", "prefix_file"])
+def test_a_forced_phrase_the_vocabulary_cannot_spell_is_refused_naming_its_line(run10, tmp_path, flag):
+  """A constraint of characters outside the vocabulary was encoded as <unk>, forced into the output as '⁇' and
+  reported as met."""
+  (tmp_path / "forced.txt").write_text("fünf\n漢字\n", encoding="utf-8")
+  result = _run(["experiments.translate", f"--workdir={run10}", "--beam_size=4", f"--{flag}={tmp_path}/forced.txt",
+                 "--output_format=jsonl"], stdin="five\nsix\n", check=False)
+  what = "constraint" if flag == "constraints_file" else "prefix"
+  _one_line_error(result, f"the {what} '漢字' of line 2 has characters outside the vocabulary")
+
+
+# -- issue 67: a refusal says why ------------------------------------------------------------------------------
+
+def test_a_corpus_whose_every_pair_is_too_long_names_the_length_key(tmp_path):
+  """A one-pair corpus longer than data.max_len ended in 'no training examples left to batch', no reason given."""
+  long_en = " ".join(["seven hundred seventy-seven thousand"] * 6)
+  corpus = _number_corpus(tmp_path / "long", [long_en], ["siebenhundert " * 12])
+  result = _run(["experiments.train", f"--workdir={tmp_path}/w", *CORPUS_FLAGS, f"--config.data.dir={corpus}",
+                 "--config.data.max_len=8", "--config.data.tokens_per_batch=64"], check=False)
+  _one_line_error(result, "every one of its 1 non-blank pairs was dropped for its length",
+                  "--config.data.max_len=8", "raise data.max_len")
+
+
+# -- issue 67: a tracker whose import fails is one line ---------------------------------------------------------
+
+def test_a_tracker_whose_package_fails_to_import_is_refused_in_one_line(tmp_path):
+  """wandb installed but broken (its protobuf mismatch, wandb issue 11548) ended in a traceback."""
+  broken = tmp_path / "site" / "wandb"
+  broken.mkdir(parents=True)
+  (broken / "__init__.py").write_text(
+      "raise TypeError('Descriptors cannot be created directly.\\nIf this call came from a _pb2.py file, your "
+      "generated code is out of date')\n")
+  env = {**_env(), "PYTHONPATH": f"{tmp_path / 'site'}{os.pathsep}{REPO}"}
+  result = subprocess.run([sys.executable, "-m", "experiments.train", f"--workdir={tmp_path}/w", *QUICK,
+                           "--config.trackers=('tensorboard', 'wandb')"], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=300)
+  _one_line_error(result, "--config.trackers includes 'wandb' but importing the wandb package failed",
+                  "TypeError: Descriptors cannot be created directly.")
+  assert not os.path.exists(tmp_path / "w")
+
+
+# -- issue 67: a profile window outside the run ------------------------------------------------------------------
+
+def test_a_profile_window_after_the_run_is_refused_and_one_it_cuts_short_is_logged(tmp_path):
+  """profile_steps=(50, 60) on a 20-step run: exit 0, no trace, not one log line."""
+  result = _run(["experiments.train", f"--workdir={tmp_path}/w", *QUICK, "--config.num_train_steps=20",
+                 "--config.profile_steps=(50, 60)"], check=False)
+  _one_line_error(result, "--config.profile_steps=(50, 60): starts after the run's last step (num_train_steps=20)")
+  assert not os.path.exists(tmp_path / "w")
+  result = _run(["experiments.train", f"--workdir={tmp_path}/w", *QUICK, "--config.num_train_steps=12",
+                 "--config.profile_steps=(11, 30)"])
+  assert "profile_steps (11, 30): the run ends at step 12; the trace will hold steps 11-12" in result.stderr
+  assert list((tmp_path / "w" / "profile").rglob("*.xplane.pb"))

@@ -408,6 +408,9 @@ def _check_data(data: DataConfig) -> None:
 
 
 def _check_schedule(config: ExperimentConfig) -> None:
+  if config.profile_steps and config.profile_steps[0] > config.num_train_steps:
+    raise ConfigError(f"--config.profile_steps={tuple(config.profile_steps)!r}: starts after the run's last step "
+                      f"(num_train_steps={config.num_train_steps}); nothing would be traced")
   if config.cooldown_steps > config.num_train_steps:
     raise ConfigError(f"--config.cooldown_steps={config.cooldown_steps}: must be <= num_train_steps "
                       f"({config.num_train_steps})")

@@ -397,7 +397,8 @@ def train_and_evaluate(config: ExperimentConfig, workdir: str) -> TrainResult:
     start = init_or_restore(run, checkpointer)
     write_run_config(run, run.resolved_config)  # only now: a refused resume leaves config.json, events, metrics
     run.writer.start(run.resolved_config, evaluators_lib.logged_eval_metrics(run.config))
-    profiler = profiling.StepProfiler(run.config.profile_steps, run.workdir.profile, first_step=start.step + 1)
+    profiler = profiling.StepProfiler(run.config.profile_steps, run.workdir.profile, first_step=start.step + 1,
+                                      last_step=run.config.num_train_steps)
     cleanup.callback(profiler.close)
     stop = StopSignal()
     cleanup.callback(stop.restore)

@@ -180,6 +180,12 @@ def build_datasets(data_config: DataConfig, workdir: str, *, seed: int, process_
   builder, source_key, target_key = sources.open_splits(data_config, [split, *eval_names], workdir)
   tok, shards = prepare_ids(data_config, workdir, builder, source_key, target_key, process_index=process_index,
                             process_count=process_count, barrier=barrier)
+  if not len(shards.kept(data_config.max_len)):
+    longest = int(shards.lengths.max(axis=1).min())
+    raise ValueError(f"training split {split!r} of {data_config.dataset}: every one of its {len(shards.lengths)} "
+                     f"non-blank pairs was dropped for its length (the shortest has {longest} tokens on its longer "
+                     f"side, EOS included; --config.data.max_len={data_config.max_len}): raise data.max_len (and "
+                     "model.max_len) to at least that")
   alpha = float(data_config.subword_alpha)
   if alpha and not hasattr(tok, "sample_batch"):
     raise ValueError(f"data.subword_alpha={alpha} needs data.tokenizer='sentencepiece' (a "

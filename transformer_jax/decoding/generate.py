@@ -59,8 +59,8 @@ class DecodeOptions:
     if self.nbest < 1 or self.nbest > self.rows_per_source:
       raise ValueError(f"nbest={self.nbest} must be in [1, {self.rows_per_source}] (n-best lists come from beam "
                        "search: nbest <= beam_size; greedy search and sampling give 1)")
-    if not self.temperature > 0.0:
-      raise ValueError(f"temperature={self.temperature} must be > 0")
+    if not 0.0 < self.temperature < float("inf"):
+      raise ValueError(f"temperature={self.temperature} must be a finite number > 0")
     if self.top_k < 0:
       raise ValueError(f"top_k={self.top_k} must be >= 0")
     if not 0.0 < self.top_p <= 1.0:

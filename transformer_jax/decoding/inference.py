@@ -24,6 +24,10 @@ from transformer_jax.decoding import constraints as constraints_lib
 from transformer_jax.decoding import generate, mbr, scoring
 from transformer_jax.config import ModelConfig
 
+# Largest sampling seed: `jax.random.PRNGKey` keeps a seed's low 32 bits (without jax_enable_x64), so larger
+# seeds would repeat smaller ones.
+MAX_SEED = 2**32 - 1
+
 # Number of traces of each search function, keyed like `_search_fn` plus the traced shapes.
 _TRACES: collections.Counter = collections.Counter()
 
@@ -169,7 +173,8 @@ def decode_ids(params, config: ModelConfig, sources: Sequence[Sequence[int]],
     constraints: optional phrases (target ids, EOS excluded) per source that each output must contain, by
       lexically constrained beam search (`decoding.constraints`; beam search only); check the outputs
       with `constraints.satisfied` (a phrase that cannot fit the length limit leaves the output unfinished).
-    seed: sampling's seed; source i samples with `fold_in(PRNGKey(seed), i)`, whatever the batching.
+    seed: sampling's seed, in [0, MAX_SEED]; source i samples with `fold_in(PRNGKey(seed), i)`, whatever the
+      batching.
     The rest as `translate_ids`.
 
   Each list is best first and holds the finished hypotheses (or, when none finished, the best one alone,
@@ -178,6 +183,8 @@ def decode_ids(params, config: ModelConfig, sources: Sequence[Sequence[int]],
   left no room for more. Raises ValueError for bad options or prefixes.
   """
   options.check()
+  if not 0 <= seed <= MAX_SEED:
+    raise ValueError(f"seed={seed} must be an integer in [0, {MAX_SEED}] (a PRNG key's 32 bits)")
   params_list = [jax.device_put(nn.unbox(p)) for p in (params if isinstance(params, (list, tuple)) else [params])]
   if prefixes is not None and len(prefixes) != len(sources):
     raise ValueError(f"{len(prefixes)} prefixes for {len(sources)} sources: one per source is needed")
@@ -313,7 +320,7 @@ def _run_batch(params_tuple, config: ModelConfig, batch: list[_Prepared], bucket
     phrases = [constraints[i] for i, _, _ in batch] + [[]] * (n_rows - len(batch))
     cons = jax.tree_util.tree_map(jnp.asarray, constraints_lib.pack(phrases, constraint_width))
   fn = _search_fn(config, options, max_decode_len, len(params_tuple), prefixes is not None, constraint_width)
-  return fn(params_tuple, jnp.asarray(inputs), jnp.asarray(limits), jnp.asarray(indices), jnp.int32(seed),
+  return fn(params_tuple, jnp.asarray(inputs), jnp.asarray(limits), jnp.asarray(indices), jnp.uint32(seed),
             jnp.asarray(prefix_tokens), jnp.asarray(prefix_lengths), cons)
 
 
@@ -352,18 +359,30 @@ def decode_texts(params, config: ModelConfig, tokenizer, texts: Sequence[str], o
                  *, prefixes: Optional[Sequence[str]] = None, constraints: Optional[Sequence[Sequence[str]]] = None,
                  **kwargs) -> list[list[Hypothesis]]:
   """`decode_ids` of `texts` (encoded as `translate_texts` does), with optional target `prefixes` (text, one per
-  text; '' = none; encoded as targets, without EOS) and `constraints` (per text, its phrases as text). Per text its `Hypothesis` list (ids: detokenise with
-  `tokenizer.decode`); `[]` for a blank line. Raises ValueError as `decode_ids`."""
+  text; '' = none; encoded as targets, without EOS) and `constraints` (per text, its phrases as text). Per text
+  its `Hypothesis` list (ids: detokenise with `tokenizer.decode`); `[]` for a blank line. Raises ValueError as
+  `decode_ids`, and for a prefix or phrase that the vocabulary cannot spell (it encodes to `<unk>`, which would
+  be forced into the output and count as met), naming its line."""
   ids = [[] if tokenizer.is_blank(t) else tokenizer.encode(t) for t in texts]
   prefix_ids = None
   if prefixes is not None:
-    prefix_ids = [[] if tokenizer.is_blank(p) else tokenizer.encode(p, add_eos=False, target=True)
-                  for p in prefixes]
+    prefix_ids = [[] if tokenizer.is_blank(p) else _forced_target(tokenizer, p, "prefix", i)
+                  for i, p in enumerate(prefixes)]
   constraint_ids = None
   if constraints is not None:
-    constraint_ids = [[tokenizer.encode(p, add_eos=False, target=True) for p in phrases if not tokenizer.is_blank(p)]
-                      for phrases in constraints]
+    constraint_ids = [[_forced_target(tokenizer, p, "constraint", i) for p in phrases if not tokenizer.is_blank(p)]
+                      for i, phrases in enumerate(constraints)]
   return decode_ids(params, config, ids, options, prefixes=prefix_ids, constraints=constraint_ids, **kwargs)
+
+
+def _forced_target(tokenizer, text: str, what: str, index: int) -> list[int]:
+  """`text` as target ids (no EOS) that decoding is made to emit; ValueError if a piece is `<unk>`."""
+  ids = tokenizer.encode(text, add_eos=False, target=True)
+  unknown = getattr(tokenizer, "unk_id", None)
+  if unknown is not None and unknown in ids:
+    raise ValueError(f"the {what} {text!r} of line {index + 1} has characters outside the vocabulary (they encode "
+                     "as <unk>, which decoding would be forced to emit): rephrase it or leave it out")
+  return ids
 
 
 def score_ids(params, config: ModelConfig, sources: Sequence[Sequence[int]], targets: Sequence[Sequence[int]], *,

@@ -224,6 +224,14 @@ def truncate(scaled: Array, top_k: int = 0, top_p: float = 1.0) -> Array:
   return scaled
 
 
+def tempered(log_probs: Array, temperature: float) -> Array:
+  """`(log_probs - max) / temperature` `[rows, vocab]` (= logits / T up to a per-row constant), -inf kept: the
+  most probable token stays at 0, so a tiny T (float32 underflow: every other token -inf) is argmax and a huge
+  T is uniform over the possible tokens, never a row of -inf or NaN from which nothing can be drawn."""
+  top = jnp.max(log_probs, axis=-1, keepdims=True)
+  return jnp.where(log_probs > NEG_INF, (log_probs - top) / temperature, NEG_INF)
+
+
 def sample_over(tokens_to_logits: TokensToLogits, cache, rng: Array, *, batch_size: int, max_decode_len: int,
                 bos_id: int, eos_id: int, pad_id: int, temperature: float = 1.0, top_k: int = 0,
                 top_p: float = 1.0, max_lengths: Optional[Array] = None,
@@ -235,10 +243,12 @@ def sample_over(tokens_to_logits: TokensToLogits, cache, rng: Array, *, batch_si
   `jax.random.fold_in(rng, t)`) or one key per row `[batch, 2]` (row r at step t uses `fold_in(rng[r], t)`, so
   a row's sample does not depend on the other rows: the same outputs whatever the batching). `log_probs` are
   the *model's* log-probs of the sampled tokens (untempered, untruncated); `top_k=1` is greedy search, as is
-  `top_p` -> 0. Raises ValueError for `temperature <= 0`, `top_k < 0` or `top_p` outside (0, 1].
+  `top_p` -> 0. Raises ValueError for a `temperature` that is not finite and > 0, `top_k < 0` or `top_p` outside
+  (0, 1].
   """
-  if temperature <= 0.0:
-    raise ValueError(f"temperature={temperature} must be > 0 (use greedy_search or top_k=1 for argmax)")
+  if not 0.0 < temperature < float("inf"):
+    raise ValueError(f"temperature={temperature} must be a finite number > 0 (use greedy_search or top_k=1 for "
+                     "argmax)")
   if top_k < 0:
     raise ValueError(f"top_k={top_k} must be >= 0")
   if not 0.0 < top_p <= 1.0:
@@ -246,7 +256,7 @@ def sample_over(tokens_to_logits: TokensToLogits, cache, rng: Array, *, batch_si
   per_row = jnp.ndim(rng) == 2
 
   def choose(logp, t):
-    scaled = truncate(logp / temperature, top_k, top_p)  # = logits / T up to a per-row constant
+    scaled = truncate(tempered(logp, temperature), top_k, top_p)
     if per_row:
       draw = lambda key, row: jax.random.categorical(jax.random.fold_in(key, t), row)  # noqa: E731
       return jax.vmap(draw)(rng, scaled)
