@@ -443,3 +443,16 @@ def test_a_profile_window_after_the_run_is_refused_and_one_it_cuts_short_is_logg
                  "--config.profile_steps=(11, 30)"])
   assert "profile_steps (11, 30): the run ends at step 12; the trace will hold steps 11-12" in result.stderr
   assert list((tmp_path / "w" / "profile").rglob("*.xplane.pb"))
+
+
+# -- issue 67: a dtype the backend cannot run is refused before anything is written ---------------------------
+
+def test_a_dtype_the_backend_cannot_run_is_refused_before_the_workdir_exists(tmp_path):
+  """float16 on XLA:CPU (no F16 dot_general) passed the checks, wrote the workdir, and died at the first step."""
+  if jax.default_backend() != "cpu":
+    pytest.skip("XLA:CPU is the backend without float16 matmuls")
+  result = _run(["experiments.train", f"--workdir={tmp_path}/w", *QUICK, "--config.model.dtype=float16"],
+                check=False)
+  _one_line_error(result, "--config.model.dtype=float16 with model.attention_impl=xla: the cpu backend cannot run "
+                  "the model in them")
+  assert not os.path.exists(tmp_path / "w")

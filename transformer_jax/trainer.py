@@ -39,7 +39,8 @@ from transformer_jax.config import ModelConfig
 from transformer_jax.data import datasets as datasets_lib, tokenizer as tokenizer_lib
 from transformer_jax.experiment_config import ExperimentConfig
 from transformer_jax.owner_lock import OwnerLock
-from transformer_jax.run_checks import check_batch_in_tables, check_batch_rows, check_position_table
+from transformer_jax.run_checks import (check_backend_dtype, check_batch_in_tables, check_batch_rows,
+                                        check_position_table)
 from transformer_jax.stop_signal import StopSignal
 from transformer_jax.trackers import MetricWriter
 from transformer_jax.train_log import TrainLog
@@ -150,6 +151,7 @@ def prepare(config: ExperimentConfig, workdir: str) -> Run:
   run_dir.check_compatible(to_jsonable(config), keys=imported_workdir.IMPORT_DATA_KEYS if untrained_import
                            else DATA_KEYS, defaults=DATA_DEFAULTS)
   check_position_table(config)
+  check_backend_dtype(config.model)
   evaluators_lib.check_best_metric(config)
   mesh = sharding.mesh_from_config(config.mesh)
   check_batch_rows(config.data, mesh)
