@@ -456,3 +456,31 @@ def test_a_dtype_the_backend_cannot_run_is_refused_before_the_workdir_exists(tmp
   _one_line_error(result, "--config.model.dtype=float16 with model.attention_impl=xla: the cpu backend cannot run "
                   "the model in them")
   assert not os.path.exists(tmp_path / "w")
+
+
+# -- issue 67: a checkpoint save that fails in the background ----------------------------------------------------
+
+def test_a_failed_background_save_stops_the_run_in_one_line_keeping_the_last_good_step(tmp_path):
+  """A save that failed in orbax's background write (disk full) printed 15 tracebacks in 400 lines, the error
+  line not last, and training went on to the next save. Here the disk 'fills' once step 40 is saved: files the
+  process writes may then hold 40 kB (RLIMIT_FSIZE, set from outside; Python ignores SIGXFSZ, so a write
+  fails with EFBIG as on a full disk), which the checkpoint's array files exceed and the logs do not."""
+  import resource
+  from transformer_jax import trained
+  workdir = tmp_path / "w"
+  trainer_process = subprocess.Popen(
+      [sys.executable, "-m", "experiments.train", f"--workdir={workdir}", *QUICK, "--config.num_train_steps=100000",
+       "--config.checkpoint_every_steps=40", "--config.checkpoint_every_minutes=0"],
+      cwd=REPO, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+  deadline = time.time() + 240
+  while not (workdir / "checkpoints" / "40").is_dir() and time.time() < deadline and trainer_process.poll() is None:
+    time.sleep(0.01)
+  resource.prlimit(trainer_process.pid, resource.RLIMIT_FSIZE, (40_000, 40_000))
+  stdout, stderr = trainer_process.communicate(timeout=240)
+  result = subprocess.CompletedProcess(trainer_process.args, trainer_process.returncode, stdout, stderr)
+  _one_line_error(result, f"{workdir}/checkpoints: the checkpoint of step 80 could not be written",
+                  "the last complete checkpoint is step 40")
+  logged = [json.loads(line)["step"] for line in open(workdir / "metrics.jsonl") if '"train/loss"' in line]
+  assert max(logged) < 120  # it stopped before the next save, not at it
+  assert [d for d in os.listdir(workdir / "checkpoints") if d.isdigit()] == ["40"]
+  trained.load(str(workdir), "40")  # the last good step restores

@@ -325,6 +325,7 @@ class Checkpointer:
     )
     self._manager = _Manager(self.directory, options=options,
                              handler_registry=_handler_registry())
+    self._pending_step: int | None = None  # the asynchronous save under way (`check_background_save`)
 
   @property
   def manager(self) -> ocp.CheckpointManager:
@@ -359,8 +360,30 @@ class Checkpointer:
     self._manager.reload()
 
   def wait(self) -> None:
-    """Block until pending asynchronous saves (and the deletions they trigger) are finished."""
-    self._manager.wait_until_finished()
+    """Block until pending asynchronous saves (and the deletions they trigger) are finished; raises
+    CheckpointWriteError (one line) if a save failed in the background."""
+    step, self._pending_step = self._pending_step, None
+    try:
+      self._manager.wait_until_finished()
+    except Exception as error:  # pylint: disable=broad-except (orbax / tensorstore raise whatever the I/O did)
+      raise CheckpointWriteError(self._failed_save_message(error, step)) from None
+
+  def check_background_save(self) -> None:
+    """Raises CheckpointWriteError (one line) as soon as an asynchronous save has failed (a full disk, a lost
+    bucket), instead of at the next save; cheap while the save runs (no waiting)."""
+    if self._pending_step is None or self._manager.is_saving_in_progress():
+      return
+    step = self._pending_step
+    self.wait()
+    if step not in self._manager.all_steps():
+      raise CheckpointWriteError(self._failed_save_message(None, step))
+
+  def _failed_save_message(self, error: BaseException | None, step: int | None = None) -> str:
+    reason = "" if error is None else f" ({' '.join(str(error).split())[:300]})"
+    complete = [s for s in self._manager.all_steps() if s != step]
+    which = "the last checkpoint" if step is None else f"the checkpoint of step {step}"
+    return (f"{self.directory}: {which} could not be written{reason}; the last complete checkpoint is "
+            f"{f'step {max(complete)}' if complete else 'none'}")
 
   def close(self) -> None:
     self._manager.close()
@@ -396,11 +419,14 @@ class Checkpointer:
     if metrics is not None:
       metrics = to_jsonable(dict(metrics))
       items[METRICS] = ocp.args.JsonSave(metrics)
-    return bool(self._manager.save(
+    self.check_background_save()
+    started = bool(self._manager.save(
         step, args=ocp.args.Composite(**items),
         metrics=metrics,  # the manager's in-memory record, which the preservation policy sees
         force=force,
         custom_metadata=None if custom_metadata is None else to_jsonable(dict(custom_metadata))))
+    self._pending_step = step if started else self._pending_step
+    return started
 
   # -- restore -------------------------------------------------------------------------------------------
 

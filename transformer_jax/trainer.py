@@ -338,6 +338,7 @@ def train(run: Run, start: Start, checkpointer: checkpoint_lib.Checkpointer, sto
       logging.info("Dropout %g from step %d (config.dropout_schedule)", program.dropout_rate, step)
     with profiler.step(step, outputs=lambda: state):
       state, metrics = program.train_step(state, batch, rng)
+    checkpointer.check_background_save()  # a failed save stops the run now, the last complete step intact
     if step == start.step + 1:
       first_step_seconds = time.time() - train_start
     if step == fit_at:
