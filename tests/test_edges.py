@@ -484,3 +484,24 @@ def test_a_failed_background_save_stops_the_run_in_one_line_keeping_the_last_goo
   assert max(logged) < 120  # it stopped before the next save, not at it
   assert [d for d in os.listdir(workdir / "checkpoints") if d.isdigit()] == ["40"]
   trained.load(str(workdir), "40")  # the last good step restores
+
+
+# -- issue 67: a checkpoint step whose files go while it is read -------------------------------------------------
+
+@pytest.mark.parametrize("removed", ["state/_METADATA", "state/manifest.ocdbt", "state/ocdbt.process_0", "state/d",
+                                     "state/ocdbt.process_0/d", "_CHECKPOINT_METADATA", "state"])
+def test_a_step_missing_files_translates_exactly_or_is_one_line(run10, tmp_path, removed):
+  """A trainer keeping `checkpoint_keep` removes a step while `translate --checkpoint=<step>` reads it: 1 load in
+  20 ended in a traceback. Each stage of the removal, frozen: the step's exact translation or one error line."""
+  import shutil
+  copy = tmp_path / "run"
+  shutil.copytree(run10, copy)
+  target = copy / "checkpoints" / "10" / removed
+  shutil.rmtree(target) if target.is_dir() else target.unlink()
+  whole = _run(["experiments.translate", f"--workdir={run10}", "--checkpoint=10"], stdin="twelve\nfive\n")
+  result = _run(["experiments.translate", f"--workdir={copy}", "--checkpoint=10"], stdin="twelve\nfive\n",
+                check=False)
+  if result.returncode == 0:
+    assert result.stdout == whole.stdout and "Traceback" not in result.stderr
+  else:
+    _one_line_error(result, "10")

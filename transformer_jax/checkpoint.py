@@ -552,8 +552,9 @@ def restore_params(directory: str | os.PathLike, model_config: ModelConfig | Non
   `.shape`, `.dtype` and optionally `.sharding`); either way the saved tree must match it exactly, else
   `CheckpointMismatchError` names the first differing parameters. With neither, the saved shapes are taken
   as they are. Arrays go to their target's sharding, else to `sharding` (default: the first device).
-  Raises FileNotFoundError when the directory holds no checkpoint. Uses orbax's partial restore
-  (`ocp.args.PyTreeRestore(..., partial_restore=True)`).
+  Raises FileNotFoundError when the directory holds no checkpoint, CheckpointReadError (an OSError) when the
+  step cannot be read (files missing: removed while read by a trainer keeping `checkpoint_keep`). Uses orbax's
+  partial restore (`ocp.args.PyTreeRestore(..., partial_restore=True)`).
   """
   manager = _read_only_manager(os.fspath(directory), state_handler="pytree")
   try:
@@ -582,6 +583,12 @@ def restore_params(directory: str | os.PathLike, model_config: ModelConfig | Non
     restored = manager.restore(step, args=ocp.args.Composite(**{
         STATE: ocp.args.PyTreeRestore(item=target, restore_args=restore_args, partial_restore=True)}))
     return functools.reduce(lambda tree, key: tree[key], path, restored[STATE])
+  except (OSError, ValueError):  # one line already: a missing file, a mismatch, no moving average
+    raise
+  except Exception as error:  # pylint: disable=broad-except (orbax/tensorstore on files removed mid-read)
+    raise CheckpointReadError(f"step {step} of {absolute(directory)} could not be read: it is incomplete or was "
+                              f"removed while being read ({type(error).__name__}: "
+                              f"{' '.join(str(error).split())[:200]})") from None
   finally:
     manager.close()
 
@@ -631,6 +638,10 @@ def average_trees(trees: Sequence[PyTree]) -> PyTree:
   for k, tree in enumerate(trees, start=1):
     mean = _running_mean(mean, tree, k)
   return _cast_like(mean, trees[0])
+
+
+class CheckpointReadError(OSError):
+  """A checkpoint step that cannot be read: files missing (a step the trainer removed while it was read)."""
 
 
 class CheckpointWriteError(OSError):

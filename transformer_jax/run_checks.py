@@ -56,7 +56,8 @@ def check_backend_dtype(model_config: ModelConfig) -> None:
     reason = " ".join(str(error).split())[:200]
     raise ValueError(f"--config.model.dtype={model_config.dtype} with model.attention_impl="
                      f"{model_config.attention_impl}: the {jax.default_backend()} backend cannot run the model in "
-                     f"them ({reason}); choose a dtype and attention_impl it runs (float32 and xla run everywhere)") from None
+                     f"them ({reason}); choose a dtype and attention_impl it runs (float32 and xla run "
+                     "everywhere)") from None
 
 
 def check_batch_rows(data_config: DataConfig, mesh: jax.sharding.Mesh) -> None:
