@@ -13,6 +13,7 @@ import sys
 import time
 from typing import Any, Callable
 
+import jax
 import tensorflow_datasets as tfds
 from absl import app
 from absl import logging as absl_logging
@@ -83,7 +84,7 @@ def program(body: Callable[[], Any]) -> Callable[[list[str]], Any]:
     except USER_ERRORS as error:
       fail(str(error))
     except Exception as error:  # pylint: disable=broad-except (re-raised unless a storage client's failure)
-      message = storage_error(error)
+      message = storage_error(error) or out_of_memory(error)
       if message is None:
         raise
       fail(message)
@@ -117,6 +118,14 @@ def storage_error(error: BaseException) -> str | None:
     return f"{_words(type(error).__name__)} ({detail})"
   if api_errors is not None and isinstance(error, api_errors.GoogleAPIError):
     return f"Cloud Storage: {_words(type(error).__name__)} ({' '.join(str(error).split())[:300]})"
+  return None
+
+
+def out_of_memory(error: BaseException) -> str | None:
+  """One line for XLA's RESOURCE_EXHAUSTED (a batch, beam or length the device cannot hold), else None."""
+  if isinstance(error, jax.errors.JaxRuntimeError) and "RESOURCE_EXHAUSTED" in str(error):
+    return (f"out of memory: {' '.join(str(error).split())[:300]}; use smaller sizes (beam, batch, length "
+            "flags or config keys)")
   return None
 
 

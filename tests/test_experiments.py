@@ -246,6 +246,11 @@ def test_resume_with_another_architecture_is_refused(deeper_workdir):
 
 @pytest.mark.parametrize("program, flags, needle", [
     ("experiments.translate", ["--beam_size=0"], "--beam_size=0: must be an integer >= 1"),
+    # issue 67: a number flag's range is its type's too (int32 for JAX), not a traceback after loading
+    ("experiments.translate", ["--beam_size=2147483648"], "--beam_size=2147483648: must be an integer >= 1 and <= "
+     "2147483647"),
+    ("experiments.translate", ["--beam_size=20000000"], "beam_size must be <= 16777215"),
+    ("experiments.translate", ["--beam_size=1000000"], "out of memory: RESOURCE_EXHAUSTED"),
     ("experiments.translate", ["--alpha=nan"], "--alpha=nan: must be a finite number"),
     ("experiments.translate", ["--extra_len=-1"], "--extra_len=-1: must be an integer >= 0"),
     ("experiments.translate", ["--input=/no/such/file"], "--input must name an existing file"),
@@ -295,6 +300,8 @@ def test_bad_program_flags_are_one_line_errors(workdir, program, flags, needle):
     (["--config.model.no_such_key=3"], "--config.model.no_such_key=3: the config has no such key"),
     (["--config=experiments/configs/nope.py"], "--config=experiments/configs/nope.py: no such file"),
     (["--config.num_train_steps=-5"], "--config.num_train_steps=-5: must be an integer >= 1"),
+    (["--config.num_train_steps=9223372036854775808"], "must be an integer >= 1 and <= 2147483647"),
+    (["--config.seed=4294967296"], "--config.seed=4294967296: must be an integer >= 0 and <= 2147483647"),
     (["--config.learning_rate=nan"], "--config.learning_rate=nan: must be a finite number"),
     (["--config.label_smoothing=1.5"], "--config.label_smoothing=1.5"),
     (["--config.num_train_steps=abc"], "--config.num_train_steps=abc"),

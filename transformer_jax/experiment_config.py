@@ -217,10 +217,15 @@ class ConfigError(ValueError):
   """A config value or flag outside what its key allows; the message is one line naming key and rule."""
 
 
+INT32_MAX = 2**31 - 1  # counts, steps and sizes reach JAX as int32 (shapes, indices, step counters)
+
+
 def _integer(low: int | None = None):
   def check(value):
-    ok = isinstance(value, int) and not isinstance(value, bool) and (low is None or value >= low)
-    return ok, f"an integer >= {low}" if low is not None else "an integer"
+    ok = (isinstance(value, int) and not isinstance(value, bool) and (low is None or value >= low)
+          and abs(value) <= INT32_MAX)
+    return ok, (f"an integer >= {low} and <= {INT32_MAX}" if low is not None else
+                f"an integer of magnitude <= {INT32_MAX}")
   return check
 
 

@@ -183,6 +183,10 @@ def decode_ids(params, config: ModelConfig, sources: Sequence[Sequence[int]],
   left no room for more. Raises ValueError for bad options or prefixes.
   """
   options.check()
+  if options.rows_per_source * config.vocab_size > np.iinfo(np.int32).max:
+    raise ValueError(f"beam_size={options.beam_size}: beam search ranks beam_size x vocab_size "
+                     f"({config.vocab_size}) candidates with int32 indices; beam_size must be <= "
+                     f"{np.iinfo(np.int32).max // config.vocab_size}")
   if not 0 <= seed <= MAX_SEED:
     raise ValueError(f"seed={seed} must be an integer in [0, {MAX_SEED}] (a PRNG key's 32 bits)")
   params_list = [jax.device_put(nn.unbox(p)) for p in (params if isinstance(params, (list, tuple)) else [params])]

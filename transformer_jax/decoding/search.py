@@ -31,10 +31,10 @@ Beam search: at every step the `beam_size` best one-token extensions of the live
 end in EOS join the finished list (its `beam_size` best are kept) and the others are the new live beams (so an
 EOS pick leaves its slot empty for one step; unlike tensor2tensor's variant, which keeps `beam_size` live beams
 besides, this makes `beam_size=1` exactly greedy search). Early termination: a source stops (its results
-freeze) when no live beam can beat its `nbest`-th best finished hypothesis (`early_stop='best'`, the default;
-with `nbest=1` tensor2tensor's stop_early: the best is exact; with `nbest=n` the first n are exact and n have
-finished, as fairseq and CTranslate2 return n), or its worst kept one (`'all'`: the whole n-best list is then
-exact; `'none'` never stops early), using `score(any completion) <= log_probs(live) / max(lp(len + 1), lp(max_len))`
+freeze) when no live beam can beat its best finished hypothesis and `nbest` have finished (`early_stop='best'`,
+the default; with `nbest=1` tensor2tensor's stop_early; with `nbest=n` the search goes on until n have finished,
+as fairseq and CTranslate2 return n: the best is exact, the others the best the beam found), or when none can
+beat its worst kept one (`'all'`: the whole n-best list is then exact; `'none'` never stops early), using `score(any completion) <= log_probs(live) / max(lp(len + 1), lp(max_len))`
 (log-probs only fall as a hypothesis grows). The loop ends when every source has stopped or after
 `max_decode_len` tokens.
 """
@@ -439,8 +439,8 @@ def beam_search_over(tokens_to_logits: TokensToLogits, cache, *, batch_size: int
     per_token: also track each token's log-prob (static; `BeamSearchOutput.token_log_probs`, else None):
       two more `[batch, beam_size, max_decode_len]` buffers reordered at every step.
     nbest: how many hypotheses the caller keeps (static, in [1, beam_size]): `early_stop='best'` stops a source
-      only once its `nbest` best finished hypotheses are exact, so n-best lists are `nbest` long wherever the
-      length limit leaves room.
+      only once `nbest` hypotheses have finished (and the best is exact), so n-best lists are `nbest` long
+      wherever the length limit leaves room.
 
   Returns a `BeamSearchOutput`. Raises ValueError for `beam_size < 1`, `nbest` outside [1, beam_size], an
   unknown `early_stop` or equal ids.
@@ -479,9 +479,11 @@ def beam_search_over(tokens_to_logits: TokensToLogits, cache, *, batch_size: int
     best_alive = jnp.max(s.alive_log_probs, axis=1)
     bound = best_alive / jnp.maximum(length_penalty(s.t + 1, alpha), lp_at_limit)
     done = s.done | (s.t >= limits)
-    if early_stop != "none":
-      reference = s.fin_scores[:, nbest - 1] if early_stop == "best" else s.fin_scores[:, -1]
-      done = done | (reference >= bound)
+    if early_stop == "best":  # the best is exact, and `nbest` have finished (or nothing more can finish)
+      enough = (s.fin_scores[:, nbest - 1] > NEG_INF) | (best_alive == NEG_INF)
+      done = done | (enough & (s.fin_scores[:, 0] >= bound))
+    elif early_stop == "all":
+      done = done | (s.fin_scores[:, -1] >= bound)
     return s._replace(done=done)
 
   init = _beam_init(batch, k, length, pad_id, cache, per_token)._replace(

@@ -175,8 +175,8 @@ def beam_search(params, config: ModelConfig, inputs: Array, beam_size: int = 4, 
   `steps` (decoder steps run) and `token_log_probs [batch, beam, max_decode_len]` (each token's log-prob).
   `scores = log_probs / ((5 + |Y|) / 6) ** alpha` with `|Y|` the number of emitted tokens INCLUDING EOS
   (excluding BOS). Slots without any hypothesis have score -inf and pad tokens.
-  `early_stop`: 'best' (default), 'all' or 'none', see the module docstring; with 'best', only the first
-  `nbest` (in [1, beam_size]) are exact and finished where the length limit leaves room.
+  `early_stop`: 'best' (default), 'all' or 'none', see the module docstring; with 'best', the search goes on
+  until `nbest` (in [1, beam_size]) have finished, where the length limit leaves room.
   """
   check_beam_options(beam_size, early_stop)
   step, cache, gather_cache = transformer_step_fn(params, config, inputs, max_decode_len, copies=beam_size,
