@@ -48,7 +48,7 @@ def options(beam_size: int, alpha: float, *, nbest: int = 1, alignment: bool = F
     raise ValueError("--temperature, --top_k and --top_p apply to --sampling=sample only")
   if not 0.0 < FLAGS.top_p <= 1.0:
     raise ValueError(f"--top_p={FLAGS.top_p} must be in (0, 1]")
-  if not 0.0 < FLAGS.temperature < float("inf"):
+  if not 0.0 < FLAGS.temperature <= generate.FLOAT32_MAX:
     raise ValueError(f"--temperature={FLAGS.temperature} must be a finite number > 0")
   if FLAGS.top_k < 0:
     raise ValueError(f"--top_k={FLAGS.top_k} must be >= 0")

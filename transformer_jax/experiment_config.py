@@ -218,6 +218,7 @@ class ConfigError(ValueError):
 
 
 INT32_MAX = 2**31 - 1  # counts, steps and sizes reach JAX as int32 (shapes, indices, step counters)
+FLOAT32_MAX = 3.4028234663852886e38  # rates and exponents reach JAX as float32
 
 
 def _integer(low: int | None = None):
@@ -232,10 +233,11 @@ def _integer(low: int | None = None):
 def _number(low: float, high: float | None = None, *, low_open: bool = False, high_open: bool = True):
   def check(value):
     ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    ok = ok and abs(value) <= FLOAT32_MAX  # what reaches JAX is float32: a larger value would be inf there
     ok = ok and (value > low if low_open else value >= low)
     ok = ok and (high is None or (value < high if high_open else value <= high))
     left, right = "(" if low_open else "[", ")" if high_open or high is None else "]"
-    return ok, f"a finite number in {left}{low}, {'inf' if high is None else high}{right}"
+    return ok, f"a finite number in {left}{low}, {'inf' if high is None else high}{right} (float32)"
   return check
 
 

@@ -25,6 +25,7 @@ from transformer_jax.config import ModelConfig
 Array = jax.Array
 
 SAMPLINGS = ("greedy", "beam", "sample")
+FLOAT32_MAX = 3.4028234663852886e38  # the temperature divides float32 log-probs: beyond this it would be inf
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,7 +60,7 @@ class DecodeOptions:
     if self.nbest < 1 or self.nbest > self.rows_per_source:
       raise ValueError(f"nbest={self.nbest} must be in [1, {self.rows_per_source}] (n-best lists come from beam "
                        "search: nbest <= beam_size; greedy search and sampling give 1)")
-    if not 0.0 < self.temperature < float("inf"):
+    if not 0.0 < self.temperature <= FLOAT32_MAX:
       raise ValueError(f"temperature={self.temperature} must be a finite number > 0")
     if self.top_k < 0:
       raise ValueError(f"top_k={self.top_k} must be >= 0")

@@ -34,7 +34,8 @@ besides, this makes `beam_size=1` exactly greedy search). Early termination: a s
 freeze) when no live beam can beat its best finished hypothesis and `nbest` have finished (`early_stop='best'`,
 the default; with `nbest=1` tensor2tensor's stop_early; with `nbest=n` the search goes on until n have finished,
 as fairseq and CTranslate2 return n: the best is exact, the others the best the beam found), or when none can
-beat its worst kept one (`'all'`: the whole n-best list is then exact; `'none'` never stops early), using `score(any completion) <= log_probs(live) / max(lp(len + 1), lp(max_len))`
+beat its worst kept one (`'all'`: the whole n-best list is then exact; `'none'` never stops early),
+using `score(any completion) <= log_probs(live) / max(lp(len + 1), lp(max_len))`
 (log-probs only fall as a hypothesis grows). The loop ends when every source has stopped or after
 `max_decode_len` tokens.
 """
