@@ -13,6 +13,7 @@ import sys
 import time
 from typing import Any, Callable
 
+import jax
 import tensorflow_datasets as tfds
 from absl import app
 from absl import logging as absl_logging
@@ -33,17 +34,33 @@ _QUIET_LIBRARIES = ("/orbax/", "/tensorflow_datasets/", "/etils/", "/tensorstore
 
 
 class _LibraryInfoFilter:
-  """Drops INFO/DEBUG records of chatty libraries (orbax logs every save step by step) from absl logs."""
+  """Drops INFO/DEBUG records of chatty libraries (orbax logs every save step by step) from absl logs, and
+  prints their warnings and errors on one line each, without tracebacks."""
 
   def filter(self, record) -> bool:
     if not any(p in record.pathname for p in _QUIET_LIBRARIES):
       return True
+    if record.exc_info or "\n" in record.getMessage():  # a failed background save: the program says it in one line
+      record.msg, record.args = " ".join(record.getMessage().split())[:300], ()
+      record.exc_info, record.exc_text = None, None
     # Orbax warns that a read-only checkpoint directory is read only every time one is opened.
     return record.levelno >= logging.WARNING and "is read only" not in record.getMessage()
 
 
+def _quiet_closed_loop_callbacks(hook):
+  """`sys.unraisablehook` that drops the "Event loop is closed" RuntimeError of a callback into an asyncio loop
+  that has ended (tensorstore completing the writes of an orbax save that already failed, each one printed as a
+  traceback); the save's own error reaches the program, which says it in one line."""
+  def unraisablehook(unraisable):
+    if unraisable.exc_type is RuntimeError and str(unraisable.exc_value) == "Event loop is closed":
+      return
+    hook(unraisable)
+  return unraisablehook
+
+
 def setup_logging() -> None:
   """Our own progress at INFO; orbax/tfds chatter only from WARNING up; no tfds progress bars."""
+  sys.unraisablehook = _quiet_closed_loop_callbacks(sys.unraisablehook)
   absl_logging.set_verbosity(absl_logging.INFO)
   absl_logging.get_absl_handler().addFilter(_LibraryInfoFilter())
   tfds.disable_progress_bar()
@@ -67,7 +84,7 @@ def program(body: Callable[[], Any]) -> Callable[[list[str]], Any]:
     except USER_ERRORS as error:
       fail(str(error))
     except Exception as error:  # pylint: disable=broad-except (re-raised unless a storage client's failure)
-      message = storage_error(error)
+      message = storage_error(error) or out_of_memory(error)
       if message is None:
         raise
       fail(message)
@@ -101,6 +118,14 @@ def storage_error(error: BaseException) -> str | None:
     return f"{_words(type(error).__name__)} ({detail})"
   if api_errors is not None and isinstance(error, api_errors.GoogleAPIError):
     return f"Cloud Storage: {_words(type(error).__name__)} ({' '.join(str(error).split())[:300]})"
+  return None
+
+
+def out_of_memory(error: BaseException) -> str | None:
+  """One line for XLA's RESOURCE_EXHAUSTED (a batch, beam or length the device cannot hold), else None."""
+  if isinstance(error, jax.errors.JaxRuntimeError) and "RESOURCE_EXHAUSTED" in str(error):
+    return (f"out of memory: {' '.join(str(error).split())[:300]}; use smaller sizes (beam, batch, length "
+            "flags or config keys)")
   return None
 
 

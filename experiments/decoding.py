@@ -13,7 +13,7 @@ from etils import epath
 
 from experiments import common
 from transformer_jax import quantization
-from transformer_jax.decoding import generate
+from transformer_jax.decoding import generate, inference
 
 FLAGS = flags.FLAGS
 
@@ -27,7 +27,8 @@ def define_flags(*, nbest: bool) -> None:
   flags.DEFINE_float("top_p", 1.0, "Sampling: only the nucleus of this probability (Holtzman et al., 2020); "
                      "in (0, 1], 1 = all.")
   flags.DEFINE_integer("seed", 0, "Sampling's seed: line i samples with fold_in(PRNGKey(seed), i), the same "
-                       "outputs whatever the batching.")
+                       "outputs whatever the batching; in [0, 2**32) (a key's 32 bits).", lower_bound=0,
+                       upper_bound=inference.MAX_SEED)
   flags.DEFINE_list("ensemble", [], "More models decoded with --workdir's as one (per-step log-probs averaged): "
                     "steps of --workdir, checkpoint directories, or other workdirs of the same architecture and "
                     "vocabulary. With --ensemble, --checkpoint is the first model.")
@@ -50,8 +51,8 @@ def options(beam_size: int, alpha: float, *, nbest: int = 1, alignment: bool = F
     raise ValueError("--temperature, --top_k and --top_p apply to --sampling=sample only")
   if not 0.0 < FLAGS.top_p <= 1.0:
     raise ValueError(f"--top_p={FLAGS.top_p} must be in (0, 1]")
-  if not FLAGS.temperature > 0.0:
-    raise ValueError(f"--temperature={FLAGS.temperature} must be > 0")
+  if not 0.0 < FLAGS.temperature <= generate.FLOAT32_MAX:
+    raise ValueError(f"--temperature={FLAGS.temperature} must be a finite number > 0")
   if FLAGS.top_k < 0:
     raise ValueError(f"--top_k={FLAGS.top_k} must be >= 0")
   return generate.DecodeOptions(sampling=FLAGS.sampling, beam_size=beam_size, alpha=float(alpha), nbest=nbest,

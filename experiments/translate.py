@@ -9,7 +9,9 @@ Empty input lines give empty output lines. `--checkpoint` takes a step number or
 (e.g. one written by `experiments.average_checkpoints`). `--output_format=text` writes each input line's
 `--nbest` hypotheses on `--nbest` lines (empty where fewer finished), with `--print_alignment` followed by a tab
 and the Pharaoh alignment; `jsonl` writes per input line `{"line", "hypotheses": [{"text", "ids", "log_prob",
-"score", "token_log_probs", "alignment"}]}` (`log_prob`: natural log, EOS included; `score`: length-normalised,
+"score", "token_log_probs", "alignment"}], "finished"}` (beam search keeps going until `--nbest` hypotheses have
+finished: `finished`, their count, is smaller only where the length limit left no room, also warned on stderr
+with the count; `log_prob`: natural log, EOS included; `score`: length-normalised,
 GNMT alpha; `token_log_probs`: one per token, then EOS's; with `--constraints_file`, `constraints_met`: whether
 every phrase appears, false only where the length limit left no room, also warned on stderr). docs/decoding.md
 has one example per flag.
@@ -100,7 +102,11 @@ def _records(lines, lists, tokenizer, phrases):
           logging.warning("line %d: the constraints %s could not all be met within the length limit", i + 1,
                           phrases[i])
       records.append(record)
-    yield {"line": i + 1, "source": line, "hypotheses": records}
+    finished = sum(h.finished for h in hyps)
+    if line.strip() and 1 < FLAGS.nbest and finished < FLAGS.nbest:
+      logging.warning("line %d: %d of the %d hypotheses of --nbest finished within the length limit "
+                      "(--extra_len=%d)", i + 1, finished, FLAGS.nbest, FLAGS.extra_len)
+    yield {"line": i + 1, "source": line, "hypotheses": records, "finished": finished}
 
 
 def _text_lines(records):

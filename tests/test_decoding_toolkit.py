@@ -160,7 +160,7 @@ def test_score_program_equals_sequence_log_probs_and_the_teacher_forced_loss(wor
     (["--beam_size=2", "--nbest=3"], "--nbest=3 must be <= --beam_size=2"),
     (["--sampling=sample", "--nbest=2"], "--nbest=2 needs --sampling=beam"),
     (["--top_p=0.5"], "apply to --sampling=sample only"),
-    (["--sampling=sample", "--temperature=0"], "--temperature=0.0 must be > 0"),
+    (["--sampling=sample", "--temperature=0"], "--temperature=0.0 must be a finite number > 0"),
     (["--sampling=nucleus"], "--sampling"),
 ])
 def test_bad_decoding_flags_are_one_line_errors(workdir, flags, needle):

@@ -13,6 +13,7 @@ import subprocess
 import sys
 import time
 
+import jax
 import numpy as np
 import pytest
 import sacrebleu
@@ -305,3 +306,202 @@ def test_a_checkpoint_trained_with_another_vocabulary_is_refused_by_every_reader
     result = _run(["experiments.translate", f"--workdir={run10}", f"--checkpoint={checkpoint}"], stdin="twelve\n")
     # One translation line for the one input (a 10-step model may well decode it to the empty string).
     assert result.returncode == 0 and result.stdout.count("\n") == 1
+
+
+# -- issue 67: line endings and blank lines do not change the model -------------------------------------------
+
+CORPUS_FLAGS = ["--config.data.dataset=parallel_text", "--config.data.eval_splits=()", "--config.data.max_len=32",
+                "--config.data.tokens_per_batch=256", "--config.data.vocab_size=96", "--config.model.d_model=32",
+                "--config.model.d_ff=64", "--config.model.num_heads=2", "--config.model.num_encoder_layers=1",
+                "--config.model.num_decoder_layers=1", "--config.num_train_steps=12", "--config.warmup_steps=4",
+                "--config.evals.loss.every_steps=0", "--config.checkpoint_every_steps=12",
+                "--config.final_eval.split="]
+
+
+def _number_corpus(directory, lines_en, lines_de, newline="\n", bom=""):
+  directory.mkdir()
+  for lang, lines in (("en", lines_en), ("de", lines_de)):
+    (directory / f"train.{lang}").write_bytes((bom + newline.join(lines) + newline).encode("utf-8"))
+  return directory
+
+
+def _pieces_and_scores(workdir):
+  import sentencepiece as spm
+  model = spm.SentencePieceProcessor(model_file=str(workdir / "vocab/spm.model"))
+  return [(model.id_to_piece(i), model.get_score(i)) for i in range(model.get_piece_size())]
+
+
+def test_crlf_bom_and_blank_lines_train_the_same_vocabulary_and_parameters(tmp_path):
+  """400 pairs; the same with CRLF, a BOM, 3 blank pairs and 2 one-side-blank pairs: the 5 are skipped, and the
+  vocabulary (trained on the pairs training keeps) and the parameters after 12 steps are bit-identical."""
+  from transformer_jax import trained
+  from transformer_jax.data import number_words
+  numbers = [n * 7919 % 1_000_000 for n in range(400)]
+  en, de = [number_words.english(n) for n in numbers], [number_words.german(n) for n in numbers]
+  en2, de2 = list(en), list(de)
+  for at, (s, t) in [(0, ("", "")), (50, ("", "")), (120, ("quiet jazz quiz", "")), (200, ("   ", "")),
+                     (300, ("", "nur ziel hier"))]:
+    en2.insert(at, s)
+    de2.insert(at, t)
+  corpora = {"lf": _number_corpus(tmp_path / "lf", en, de),
+             "crlf": _number_corpus(tmp_path / "crlf", en2, de2, newline="\r\n", bom="\ufeff")}
+  loaded = {}
+  for name, corpus in corpora.items():
+    result = _run(["experiments.train", f"--workdir={tmp_path}/{name}-run", *CORPUS_FLAGS,
+                   f"--config.data.dir={corpus}"])
+    assert "400" in result.stderr + result.stdout
+    loaded[name] = trained.load(str(tmp_path / f"{name}-run"), "12")
+  lf, crlf = loaded["lf"], loaded["crlf"]
+  assert _pieces_and_scores(tmp_path / "lf-run") == _pieces_and_scores(tmp_path / "crlf-run")
+  for a, b in zip(jax.tree_util.tree_leaves(lf.params), jax.tree_util.tree_leaves(crlf.params)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+# -- issue 67: sampling's temperature and seed over their whole range ------------------------------------------
+
+def test_a_vanishing_temperature_samples_the_argmax_and_an_infinite_one_is_refused(run10, tmp_path):
+  """--temperature=1e-45 divided log-probs into -inf/NaN rows: every line came back empty, exit 0."""
+  lines = "twenty-one\nfive\nthree hundred twelve\n"
+  greedy = _run(["experiments.translate", f"--workdir={run10}", "--sampling=greedy", "--output_format=jsonl"],
+                stdin=lines)
+  cold = _run(["experiments.translate", f"--workdir={run10}", "--sampling=sample", "--temperature=1e-45",
+               "--output_format=jsonl"], stdin=lines)
+  ids = lambda result: [json.loads(line)["hypotheses"][0]["ids"] for line in result.stdout.splitlines()]  # noqa
+  assert ids(cold) == ids(greedy) and all(ids(greedy))
+  for value in ("inf", "nan", "0", "-1"):
+    _one_line_error(_run(["experiments.translate", f"--workdir={run10}", "--sampling=sample",
+                          f"--temperature={value}"], stdin=lines, check=False), "--temperature=",
+                    "must be a finite number > 0")
+
+
+@pytest.mark.parametrize("seed", [2**31, 2**32 - 1])
+def test_any_seed_a_key_can_hold_samples(run10, seed):
+  """--seed=2147483648 ended in OverflowError (int32) after the model had loaded."""
+  result = _run(["experiments.translate", f"--workdir={run10}", "--sampling=sample", f"--seed={seed}"],
+                stdin="twenty-one\nfive\n")
+  assert result.stdout.count("\n") == 2 and "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize("seed", [2**32, 2**63, -1])
+def test_a_seed_outside_a_keys_range_is_refused_in_one_line(run10, seed):
+  _one_line_error(_run(["experiments.translate", f"--workdir={run10}", "--sampling=sample", f"--seed={seed}"],
+                       stdin="five\n", check=False), "--seed", "4294967295")
+
+
+# -- issue 67: nothing the vocabulary cannot spell is forced into an output -----------------------------------
+
+@pytest.mark.parametrize("flag", ["constraints_file", "prefix_file"])
+def test_a_forced_phrase_the_vocabulary_cannot_spell_is_refused_naming_its_line(run10, tmp_path, flag):
+  """A constraint of characters outside the vocabulary was encoded as <unk>, forced into the output as '⁇' and
+  reported as met."""
+  (tmp_path / "forced.txt").write_text("fünf\n漢字\n", encoding="utf-8")
+  result = _run(["experiments.translate", f"--workdir={run10}", "--beam_size=4", f"--{flag}={tmp_path}/forced.txt",
+                 "--output_format=jsonl"], stdin="five\nsix\n", check=False)
+  what = "constraint" if flag == "constraints_file" else "prefix"
+  _one_line_error(result, f"the {what} '漢字' of line 2 has characters outside the vocabulary")
+
+
+# -- issue 67: a refusal says why ------------------------------------------------------------------------------
+
+def test_a_corpus_whose_every_pair_is_too_long_names_the_length_key(tmp_path):
+  """A one-pair corpus longer than data.max_len ended in 'no training examples left to batch', no reason given."""
+  long_en = " ".join(["seven hundred seventy-seven thousand"] * 6)
+  corpus = _number_corpus(tmp_path / "long", [long_en], ["siebenhundert " * 12])
+  result = _run(["experiments.train", f"--workdir={tmp_path}/w", *CORPUS_FLAGS, f"--config.data.dir={corpus}",
+                 "--config.data.max_len=8", "--config.data.tokens_per_batch=64"], check=False)
+  _one_line_error(result, "every one of its 1 non-blank pairs was dropped for its length",
+                  "--config.data.max_len=8", "raise data.max_len")
+
+
+# -- issue 67: a tracker whose import fails is one line ---------------------------------------------------------
+
+def test_a_tracker_whose_package_fails_to_import_is_refused_in_one_line(tmp_path):
+  """wandb installed but broken (its protobuf mismatch, wandb issue 11548) ended in a traceback."""
+  broken = tmp_path / "site" / "wandb"
+  broken.mkdir(parents=True)
+  (broken / "__init__.py").write_text(
+      "raise TypeError('Descriptors cannot be created directly.\\nIf this call came from a _pb2.py file, your "
+      "generated code is out of date')\n")
+  env = {**_env(), "PYTHONPATH": f"{tmp_path / 'site'}{os.pathsep}{REPO}"}
+  result = subprocess.run([sys.executable, "-m", "experiments.train", f"--workdir={tmp_path}/w", *QUICK,
+                           "--config.trackers=('tensorboard', 'wandb')"], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=300)
+  _one_line_error(result, "--config.trackers includes 'wandb' but importing the wandb package failed",
+                  "TypeError: Descriptors cannot be created directly.")
+  assert not os.path.exists(tmp_path / "w")
+
+
+# -- issue 67: a profile window outside the run ------------------------------------------------------------------
+
+def test_a_profile_window_after_the_run_is_refused_and_one_it_cuts_short_is_logged(tmp_path):
+  """profile_steps=(50, 60) on a 20-step run: exit 0, no trace, not one log line."""
+  result = _run(["experiments.train", f"--workdir={tmp_path}/w", *QUICK, "--config.num_train_steps=20",
+                 "--config.profile_steps=(50, 60)"], check=False)
+  _one_line_error(result, "--config.profile_steps=(50, 60): starts after the run's last step (num_train_steps=20)")
+  assert not os.path.exists(tmp_path / "w")
+  result = _run(["experiments.train", f"--workdir={tmp_path}/w", *QUICK, "--config.num_train_steps=12",
+                 "--config.profile_steps=(11, 30)"])
+  assert "profile_steps (11, 30): the run ends at step 12; the trace will hold steps 11-12" in result.stderr
+  assert list((tmp_path / "w" / "profile").rglob("*.xplane.pb"))
+
+
+# -- issue 67: a dtype the backend cannot run is refused before anything is written ---------------------------
+
+def test_a_dtype_the_backend_cannot_run_is_refused_before_the_workdir_exists(tmp_path):
+  """float16 on XLA:CPU (no F16 dot_general) passed the checks, wrote the workdir, and died at the first step."""
+  if jax.default_backend() != "cpu":
+    pytest.skip("XLA:CPU is the backend without float16 matmuls")
+  result = _run(["experiments.train", f"--workdir={tmp_path}/w", *QUICK, "--config.model.dtype=float16"],
+                check=False)
+  _one_line_error(result, "--config.model.dtype=float16 with model.attention_impl=xla: the cpu backend cannot run "
+                  "the model in them")
+  assert not os.path.exists(tmp_path / "w")
+
+
+# -- issue 67: a checkpoint save that fails in the background ----------------------------------------------------
+
+def test_a_failed_background_save_stops_the_run_in_one_line_keeping_the_last_good_step(tmp_path):
+  """A save that failed in orbax's background write (disk full) printed 15 tracebacks in 400 lines, the error
+  line not last, and training went on to the next save. Here the disk 'fills' once step 40 is saved: files the
+  process writes may then hold 40 kB (RLIMIT_FSIZE, set from outside; Python ignores SIGXFSZ, so a write
+  fails with EFBIG as on a full disk), which the checkpoint's array files exceed and the logs do not."""
+  import resource
+  from transformer_jax import trained
+  workdir = tmp_path / "w"
+  trainer_process = subprocess.Popen(
+      [sys.executable, "-m", "experiments.train", f"--workdir={workdir}", *QUICK, "--config.num_train_steps=100000",
+       "--config.checkpoint_every_steps=40", "--config.checkpoint_every_minutes=0"],
+      cwd=REPO, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+  deadline = time.time() + 240
+  while not (workdir / "checkpoints" / "40").is_dir() and time.time() < deadline and trainer_process.poll() is None:
+    time.sleep(0.01)
+  resource.prlimit(trainer_process.pid, resource.RLIMIT_FSIZE, (40_000, 40_000))
+  stdout, stderr = trainer_process.communicate(timeout=240)
+  result = subprocess.CompletedProcess(trainer_process.args, trainer_process.returncode, stdout, stderr)
+  _one_line_error(result, f"{workdir}/checkpoints: the checkpoint of step 80 could not be written",
+                  "the last complete checkpoint is step 40")
+  logged = [json.loads(line)["step"] for line in open(workdir / "metrics.jsonl") if '"train/loss"' in line]
+  assert max(logged) < 120  # it stopped before the next save, not at it
+  assert [d for d in os.listdir(workdir / "checkpoints") if d.isdigit()] == ["40"]
+  trained.load(str(workdir), "40")  # the last good step restores
+
+
+# -- issue 67: a checkpoint step whose files go while it is read -------------------------------------------------
+
+@pytest.mark.parametrize("removed", ["state/_METADATA", "state/manifest.ocdbt", "state/ocdbt.process_0", "state/d",
+                                     "state/ocdbt.process_0/d", "_CHECKPOINT_METADATA", "state"])
+def test_a_step_missing_files_translates_exactly_or_is_one_line(run10, tmp_path, removed):
+  """A trainer keeping `checkpoint_keep` removes a step while `translate --checkpoint=<step>` reads it: 1 load in
+  20 ended in a traceback. Each stage of the removal, frozen: the step's exact translation or one error line."""
+  import shutil
+  copy = tmp_path / "run"
+  shutil.copytree(run10, copy)
+  target = copy / "checkpoints" / "10" / removed
+  shutil.rmtree(target) if target.is_dir() else target.unlink()
+  whole = _run(["experiments.translate", f"--workdir={run10}", "--checkpoint=10"], stdin="twelve\nfive\n")
+  result = _run(["experiments.translate", f"--workdir={copy}", "--checkpoint=10"], stdin="twelve\nfive\n",
+                check=False)
+  if result.returncode == 0:
+    assert result.stdout == whole.stdout and "Traceback" not in result.stderr
+  else:
+    _one_line_error(result, "10")

@@ -59,7 +59,7 @@ def test_every_rule_names_a_key_of_the_schema():
 def test_from_config_dict_refuses_in_one_line_naming_the_key():
   config = ExperimentConfig().to_config_dict()
   config.data.max_len = 1
-  with pytest.raises(ConfigError, match=r"^--config.data.max_len=1: must be an integer >= 2$"):
+  with pytest.raises(ConfigError, match=r"^--config.data.max_len=1: must be an integer >= 2 and <= 2147483647$"):
     ExperimentConfig.from_config_dict(config)
   with pytest.raises(ConfigError, match=r"^--config.data.no_such_key: the config has no such key"):
     ExperimentConfig.from_config_dict({"data": {"no_such_key": 3}})

@@ -246,6 +246,11 @@ def test_resume_with_another_architecture_is_refused(deeper_workdir):
 
 @pytest.mark.parametrize("program, flags, needle", [
     ("experiments.translate", ["--beam_size=0"], "--beam_size=0: must be an integer >= 1"),
+    # issue 67: a number flag's range is its type's too (int32 for JAX), not a traceback after loading
+    ("experiments.translate", ["--beam_size=2147483648"], "--beam_size=2147483648: must be an integer >= 1 and <= "
+     "2147483647"),
+    ("experiments.translate", ["--beam_size=20000000"], "beam_size must be <= 16777215"),
+    ("experiments.translate", ["--beam_size=1000000"], "out of memory: RESOURCE_EXHAUSTED"),
     ("experiments.translate", ["--alpha=nan"], "--alpha=nan: must be a finite number"),
     ("experiments.translate", ["--extra_len=-1"], "--extra_len=-1: must be an integer >= 0"),
     ("experiments.translate", ["--input=/no/such/file"], "--input must name an existing file"),
@@ -295,6 +300,8 @@ def test_bad_program_flags_are_one_line_errors(workdir, program, flags, needle):
     (["--config.model.no_such_key=3"], "--config.model.no_such_key=3: the config has no such key"),
     (["--config=experiments/configs/nope.py"], "--config=experiments/configs/nope.py: no such file"),
     (["--config.num_train_steps=-5"], "--config.num_train_steps=-5: must be an integer >= 1"),
+    (["--config.num_train_steps=9223372036854775808"], "must be an integer >= 1 and <= 2147483647"),
+    (["--config.seed=4294967296"], "--config.seed=4294967296: must be an integer >= 0 and <= 2147483647"),
     (["--config.learning_rate=nan"], "--config.learning_rate=nan: must be a finite number"),
     (["--config.label_smoothing=1.5"], "--config.label_smoothing=1.5"),
     (["--config.num_train_steps=abc"], "--config.num_train_steps=abc"),
@@ -434,3 +441,39 @@ def test_vocabulary_replaced_under_its_stamp_is_refused(workdir, tmp_path):
   last = result.stderr.strip().splitlines()[-1]
   assert last.startswith("error: ") and "spm.normalization.json was written for another model" in last
   assert _tree(copy) == before
+
+
+# -- issue 67: --nbest=N gives N finished hypotheses, or says why not ----------------------------------------
+
+HELD_OUT = [608885, 462353, 911697, 164944, 66047, 556143, 876546, 163315, 386090, 374620, 470307, 991670, 988136,
+            346873, 872217, 515840, 917796, 971801, 680035, 617490, 46055, 859126, 704246, 972127, 361170, 721034,
+            738665, 364382, 413276, 459718]
+
+
+def _nbest_lines(result):
+  return [json.loads(line) for line in result.stdout.splitlines()]
+
+
+def test_nbest_returns_n_finished_hypotheses_best_first(workdir):
+  """Beam search went on only until the best was exact: a line of this list came back with 1 hypothesis of 3."""
+  from transformer_jax.data import number_words
+  numbers = HELD_OUT + [n * 7919 % 1_000_000 for n in range(1, 121)]
+  text = "".join(number_words.english(n) + "\n" for n in numbers)
+  rows = _nbest_lines(_run(["experiments.translate", f"--workdir={workdir}", "--beam_size=4", "--nbest=3",
+                            "--output_format=jsonl"], stdin=text))
+  assert len(rows) == len(numbers)
+  short = [(row["line"], len(row["hypotheses"])) for row in rows if len(row["hypotheses"]) != 3]
+  assert not short, short
+  for row in rows:
+    assert row["finished"] == 3, row
+    scores = [h["score"] for h in row["hypotheses"]]
+    assert scores == sorted(scores, reverse=True)
+    assert all(h["ids"][-1:] != [3] for h in row["hypotheses"])  # EOS is not among the ids
+
+
+def test_nbest_cut_short_by_the_length_limit_says_so(workdir):
+  result = _run(["experiments.translate", f"--workdir={workdir}", "--beam_size=4", "--nbest=4",
+                 "--output_format=jsonl", "--extra_len=0"], stdin="seven hundred seventy-seven thousand\n")
+  row = _nbest_lines(result)[0]
+  assert row["finished"] < 4 and sum(1 for h in row["hypotheses"]) <= 4
+  assert f"line 1: {row['finished']} of the 4 hypotheses of --nbest finished within the length limit" in result.stderr

@@ -326,6 +326,7 @@ class Checkpointer:
     )
     self._manager = _Manager(self.directory, options=options,
                              handler_registry=_handler_registry())
+    self._pending_step: int | None = None  # the asynchronous save under way (`check_background_save`)
 
   @property
   def manager(self) -> ocp.CheckpointManager:
@@ -360,8 +361,30 @@ class Checkpointer:
     self._manager.reload()
 
   def wait(self) -> None:
-    """Block until pending asynchronous saves (and the deletions they trigger) are finished."""
-    self._manager.wait_until_finished()
+    """Block until pending asynchronous saves (and the deletions they trigger) are finished; raises
+    CheckpointWriteError (one line) if a save failed in the background."""
+    step, self._pending_step = self._pending_step, None
+    try:
+      self._manager.wait_until_finished()
+    except Exception as error:  # pylint: disable=broad-except (orbax / tensorstore raise whatever the I/O did)
+      raise CheckpointWriteError(self._failed_save_message(error, step)) from None
+
+  def check_background_save(self) -> None:
+    """Raises CheckpointWriteError (one line) as soon as an asynchronous save has failed (a full disk, a lost
+    bucket), instead of at the next save; cheap while the save runs (no waiting)."""
+    if self._pending_step is None or self._manager.is_saving_in_progress():
+      return
+    step = self._pending_step
+    self.wait()
+    if step not in self._manager.all_steps():
+      raise CheckpointWriteError(self._failed_save_message(None, step))
+
+  def _failed_save_message(self, error: BaseException | None, step: int | None = None) -> str:
+    reason = "" if error is None else f" ({' '.join(str(error).split())[:300]})"
+    complete = [s for s in self._manager.all_steps() if s != step]
+    which = "the last checkpoint" if step is None else f"the checkpoint of step {step}"
+    return (f"{self.directory}: {which} could not be written{reason}; the last complete checkpoint is "
+            f"{f'step {max(complete)}' if complete else 'none'}")
 
   def close(self) -> None:
     self._manager.close()
@@ -397,11 +420,14 @@ class Checkpointer:
     if metrics is not None:
       metrics = to_jsonable(dict(metrics))
       items[METRICS] = ocp.args.JsonSave(metrics)
-    return bool(self._manager.save(
+    self.check_background_save()
+    started = bool(self._manager.save(
         step, args=ocp.args.Composite(**items),
         metrics=metrics,  # the manager's in-memory record, which the preservation policy sees
         force=force,
         custom_metadata=None if custom_metadata is None else to_jsonable(dict(custom_metadata))))
+    self._pending_step = step if started else self._pending_step
+    return started
 
   # -- restore -------------------------------------------------------------------------------------------
 
@@ -527,8 +553,9 @@ def restore_params(directory: str | os.PathLike, model_config: ModelConfig | Non
   `.shape`, `.dtype` and optionally `.sharding`); either way the saved tree must match it exactly, else
   `CheckpointMismatchError` names the first differing parameters. With neither, the saved shapes are taken
   as they are. Arrays go to their target's sharding, else to `sharding` (default: the first device).
-  Raises FileNotFoundError when the directory holds no checkpoint. Uses orbax's partial restore
-  (`ocp.args.PyTreeRestore(..., partial_restore=True)`).
+  Raises FileNotFoundError when the directory holds no checkpoint, CheckpointReadError (an OSError) when the
+  step cannot be read (files missing: removed while read by a trainer keeping `checkpoint_keep`). Uses orbax's
+  partial restore (`ocp.args.PyTreeRestore(..., partial_restore=True)`).
   """
   manager = _read_only_manager(os.fspath(directory), state_handler="pytree")
   try:
@@ -557,6 +584,12 @@ def restore_params(directory: str | os.PathLike, model_config: ModelConfig | Non
     restored = manager.restore(step, args=ocp.args.Composite(**{
         STATE: ocp.args.PyTreeRestore(item=target, restore_args=restore_args, partial_restore=True)}))
     return functools.reduce(lambda tree, key: tree[key], path, restored[STATE])
+  except (OSError, ValueError):  # one line already: a missing file, a mismatch, no moving average
+    raise
+  except Exception as error:  # pylint: disable=broad-except (orbax/tensorstore on files removed mid-read)
+    raise CheckpointReadError(f"step {step} of {absolute(directory)} could not be read: it is incomplete or was "
+                              f"removed while being read ({type(error).__name__}: "
+                              f"{' '.join(str(error).split())[:200]})") from None
   finally:
     manager.close()
 
@@ -606,6 +639,10 @@ def average_trees(trees: Sequence[PyTree]) -> PyTree:
   for k, tree in enumerate(trees, start=1):
     mean = _running_mean(mean, tree, k)
   return _cast_like(mean, trees[0])
+
+
+class CheckpointReadError(OSError):
+  """A checkpoint step that cannot be read: files missing (a step the trainer removed while it was read)."""
 
 
 class CheckpointWriteError(OSError):

@@ -217,20 +217,27 @@ class ConfigError(ValueError):
   """A config value or flag outside what its key allows; the message is one line naming key and rule."""
 
 
+INT32_MAX = 2**31 - 1  # counts, steps and sizes reach JAX as int32 (shapes, indices, step counters)
+FLOAT32_MAX = 3.4028234663852886e38  # rates and exponents reach JAX as float32
+
+
 def _integer(low: int | None = None):
   def check(value):
-    ok = isinstance(value, int) and not isinstance(value, bool) and (low is None or value >= low)
-    return ok, f"an integer >= {low}" if low is not None else "an integer"
+    ok = (isinstance(value, int) and not isinstance(value, bool) and (low is None or value >= low)
+          and abs(value) <= INT32_MAX)
+    return ok, (f"an integer >= {low} and <= {INT32_MAX}" if low is not None else
+                f"an integer of magnitude <= {INT32_MAX}")
   return check
 
 
 def _number(low: float, high: float | None = None, *, low_open: bool = False, high_open: bool = True):
   def check(value):
     ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    ok = ok and abs(value) <= FLOAT32_MAX  # what reaches JAX is float32: a larger value would be inf there
     ok = ok and (value > low if low_open else value >= low)
     ok = ok and (high is None or (value < high if high_open else value <= high))
     left, right = "(" if low_open else "[", ")" if high_open or high is None else "]"
-    return ok, f"a finite number in {left}{low}, {'inf' if high is None else high}{right}"
+    return ok, f"a finite number in {left}{low}, {'inf' if high is None else high}{right} (float32)"
   return check
 
 
@@ -408,6 +415,9 @@ def _check_data(data: DataConfig) -> None:
 
 
 def _check_schedule(config: ExperimentConfig) -> None:
+  if config.profile_steps and config.profile_steps[0] > config.num_train_steps:
+    raise ConfigError(f"--config.profile_steps={tuple(config.profile_steps)!r}: starts after the run's last step "
+                      f"(num_train_steps={config.num_train_steps}); nothing would be traced")
   if config.cooldown_steps > config.num_train_steps:
     raise ConfigError(f"--config.cooldown_steps={config.cooldown_steps}: must be <= num_train_steps "
                       f"({config.num_train_steps})")

@@ -27,17 +27,26 @@ import jax
 class StepProfiler:
   """Traces steps `window[0]..window[1]` (inclusive; `()` = never) into `directory`.
 
-  A window that starts before `first_step` (a run resumed past its start) is not traced (logged).
+  A window that starts before `first_step` (a run resumed past its start) or after `last_step` (the run's last
+  step) is not traced, one that ends after `last_step` is traced to it, and a trace that `close` ends before
+  the window's end (a stop signal, the time budget, early stopping) holds the steps run: each is logged as a
+  warning, saying which steps the trace holds.
   """
 
-  def __init__(self, window: Sequence[int], directory: os.PathLike | str, first_step: int = 1):
+  def __init__(self, window: Sequence[int], directory: os.PathLike | str, first_step: int = 1,
+               last_step: int | None = None):
     self.start, self.stop = (int(window[0]), int(window[1])) if window else (0, -1)
     self.directory = str(directory)
     self.active = False
-    if window and self.start < first_step:
-      logging.info("profile_steps %s: the run starts at step %d, past the window; no trace", tuple(window),
-                   first_step)
+    self.last_traced = 0
+    if window and (self.start < first_step or (last_step is not None and self.start > last_step)):
+      logging.warning("profile_steps %s: the run runs steps %d-%s, outside the window; no trace", tuple(window),
+                      first_step, last_step)
       self.start, self.stop = 0, -1
+    elif window and last_step is not None and self.stop > last_step:
+      logging.warning("profile_steps %s: the run ends at step %d; the trace will hold steps %d-%d",
+                      tuple(window), last_step, self.start, last_step)
+      self.stop = last_step
 
   @contextlib.contextmanager
   def step(self, step: int, outputs: Callable[[], Any]) -> Iterator[None]:
@@ -53,6 +62,7 @@ class StepProfiler:
       logging.info("Profiling steps %d-%d into %s", self.start, self.stop, self.directory)
     with jax.profiler.StepTraceAnnotation("train", step_num=step):
       yield
+    self.last_traced = step
     if step == self.stop:
       jax.block_until_ready(outputs())
       self.close()
@@ -62,4 +72,7 @@ class StepProfiler:
     if self.active:
       jax.profiler.stop_trace()
       self.active = False
-      logging.info("Wrote the profile of steps %d-%d to %s", self.start, self.stop, self.directory)
+      if self.last_traced < self.stop:
+        logging.warning("profile_steps (%d, %d): the run stopped after step %d, inside the window", self.start,
+                        self.stop, self.last_traced)
+      logging.info("Wrote the profile of steps %d-%d to %s", self.start, self.last_traced, self.directory)

@@ -11,10 +11,12 @@ from __future__ import annotations
 from typing import Mapping
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from transformer_jax import sharding
 from transformer_jax.config import ModelConfig
+from transformer_jax.model import Transformer
 from transformer_jax.experiment_config import DataConfig, ExperimentConfig
 
 
@@ -29,6 +31,33 @@ def check_position_table(config: ExperimentConfig) -> None:
     raise ValueError(f"--config.data.max_len={config.data.max_len} exceeds --config.model.max_len="
                      f"{config.model.max_len}, the positions the model's table holds (a longer example would "
                      f"read positions past it); lower data.max_len or raise model.max_len")
+
+
+def check_backend_dtype(model_config: ModelConfig) -> None:
+  """Raises ValueError (one line, naming `model.dtype`, `model.attention_impl` and the backend) unless the
+  backend runs a training step of the model's layers with them: a forward and backward pass of a 1+1-layer
+  copy of the model (same dtype, attention implementation, heads) on a 1 x 4 batch. XLA:CPU has no float16
+  attention ('F16_F16_F32' dot_general), so a float16 run on a CPU host would otherwise die at its first step,
+  after the workdir was written. A probe, not a table: what the installed XLA runs is what counts; float32 with
+  XLA's attention runs everywhere and is not probed.
+  """
+  if model_config.dtype == "float32" and model_config.attention_impl == "xla":
+    return
+  probe_config = model_config.replace(vocab_size=16, d_model=8 * model_config.num_heads,
+                                      d_ff=8 * model_config.num_heads, num_encoder_layers=1, num_decoder_layers=1,
+                                      max_len=8, max_relative_position=min(model_config.max_relative_position, 2))
+  model = Transformer(probe_config)
+  ids = jnp.ones((1, 4), jnp.int32)
+  try:
+    params = model.init(jax.random.PRNGKey(0), ids, ids)
+    loss = lambda p: jnp.sum(model.apply(p, ids, ids).astype(jnp.float32))  # noqa: E731
+    jax.block_until_ready(jax.jit(jax.grad(loss))(params))
+  except Exception as error:  # pylint: disable=broad-except (XLA's errors: XlaRuntimeError, NotImplementedError)
+    reason = " ".join(str(error).split())[:200]
+    raise ValueError(f"--config.model.dtype={model_config.dtype} with model.attention_impl="
+                     f"{model_config.attention_impl}: the {jax.default_backend()} backend cannot run the model in "
+                     f"them ({reason}); choose a dtype and attention_impl it runs (float32 and xla run "
+                     "everywhere)") from None
 
 
 def check_batch_rows(data_config: DataConfig, mesh: jax.sharding.Mesh) -> None:

@@ -69,9 +69,22 @@ def check_trackers(names: Sequence[str]) -> None:
     if name not in TRACKERS:
       raise TrackerError(f"--config.trackers: unknown tracker {name!r}; one of {', '.join(map(repr, TRACKERS))}")
     package = PACKAGES.get(name)
-    if package and importlib.util.find_spec(package) is None:
-      raise TrackerError(f"--config.trackers includes {name!r} but the {package} package is not installed: "
-                         f"pip install -e '.[{name}]'")
+    if package:
+      import_package(name, package)
+
+
+def import_package(name: str, package: str):
+  """The tracker `name`'s optional `package`, imported; TrackerError (one line) when it is not installed or its
+  import fails (a broken install: e.g. wandb against another protobuf, wandb issue 11548)."""
+  if importlib.util.find_spec(package) is None:
+    raise TrackerError(f"--config.trackers includes {name!r} but the {package} package is not installed: "
+                       f"pip install -e '.[{name}]'")
+  try:
+    return importlib.import_module(package)
+  except Exception as error:  # pylint: disable=broad-except (whatever a broken install raises)
+    message = " ".join(str(error).split())[:300]
+    raise TrackerError(f"--config.trackers includes {name!r} but importing the {package} package failed "
+                       f"({type(error).__name__}: {message}): repair or reinstall it, or drop {name!r}") from None
 
 
 def flatten_hparams(config: Mapping, prefix: str = "") -> dict[str, bool | int | float | str]:
@@ -154,7 +167,7 @@ class WandbTracker:
     if not is_local(workdir.root):  # wandb writes its run files with local file I/O
       raise TrackerError(f"--config.trackers includes 'wandb', which keeps its run in a local directory, but the "
                          f"workdir {workdir.root} is not local: drop 'wandb' or use a local --workdir")
-    import wandb  # an optional extra, imported only when listed
+    wandb = import_package("wandb", PACKAGES["wandb"])  # an optional extra, imported only when listed
     self._wandb = wandb
     directory = workdir.wandb
     created = [p for p in (workdir.root, directory) if not p.exists()]

@@ -39,7 +39,8 @@ from transformer_jax.config import ModelConfig
 from transformer_jax.data import datasets as datasets_lib, tokenizer as tokenizer_lib
 from transformer_jax.experiment_config import ExperimentConfig
 from transformer_jax.owner_lock import OwnerLock
-from transformer_jax.run_checks import check_batch_in_tables, check_batch_rows, check_position_table
+from transformer_jax.run_checks import (check_backend_dtype, check_batch_in_tables, check_batch_rows,
+                                        check_position_table)
 from transformer_jax.stop_signal import StopSignal
 from transformer_jax.trackers import MetricWriter
 from transformer_jax.train_log import TrainLog
@@ -150,6 +151,7 @@ def prepare(config: ExperimentConfig, workdir: str) -> Run:
   run_dir.check_compatible(to_jsonable(config), keys=imported_workdir.IMPORT_DATA_KEYS if untrained_import
                            else DATA_KEYS, defaults=DATA_DEFAULTS)
   check_position_table(config)
+  check_backend_dtype(config.model)
   evaluators_lib.check_best_metric(config)
   mesh = sharding.mesh_from_config(config.mesh)
   check_batch_rows(config.data, mesh)
@@ -336,6 +338,7 @@ def train(run: Run, start: Start, checkpointer: checkpoint_lib.Checkpointer, sto
       logging.info("Dropout %g from step %d (config.dropout_schedule)", program.dropout_rate, step)
     with profiler.step(step, outputs=lambda: state):
       state, metrics = program.train_step(state, batch, rng)
+    checkpointer.check_background_save()  # a failed save stops the run now, the last complete step intact
     if step == start.step + 1:
       first_step_seconds = time.time() - train_start
     if step == fit_at:
@@ -397,7 +400,8 @@ def train_and_evaluate(config: ExperimentConfig, workdir: str) -> TrainResult:
     start = init_or_restore(run, checkpointer)
     write_run_config(run, run.resolved_config)  # only now: a refused resume leaves config.json, events, metrics
     run.writer.start(run.resolved_config, evaluators_lib.logged_eval_metrics(run.config))
-    profiler = profiling.StepProfiler(run.config.profile_steps, run.workdir.profile, first_step=start.step + 1)
+    profiler = profiling.StepProfiler(run.config.profile_steps, run.workdir.profile, first_step=start.step + 1,
+                                      last_step=run.config.num_train_steps)
     cleanup.callback(profiler.close)
     stop = StopSignal()
     cleanup.callback(stop.restore)

@@ -75,13 +75,19 @@ def open_tokenizer(data_config: DataConfig, workdir: str) -> tokenizer_lib.TextT
 
 def load_tokenizer(data_config: DataConfig, workdir: str, train_pairs=None) -> tokenizer_lib.TextTokenizer:
   """Loads the run's vocabulary, training a SentencePiece one on both sides of the training split the first
-  time; a Marian tokenizer is only ever loaded (`open_tokenizer`)."""
+  time; a Marian tokenizer is only ever loaded (`open_tokenizer`).
+
+  The vocabulary sees the pairs training keeps: a pair with a blank side (`normalize.is_blank`) is skipped
+  whole, as the id shards skip it, so blank lines, CRLF endings and a BOM leave the vocabulary as it is.
+  """
   path = vocab_path(data_config, workdir)
   if data_config.tokenizer == MARIAN_TOKENIZER or epath.Path(path).exists():
     return open_tokenizer(data_config, workdir)
 
   def texts():
     for s, t in train_pairs:
+      if normalize.is_blank(s) or normalize.is_blank(t):
+        continue
       yield s
       yield t
 
@@ -174,6 +180,12 @@ def build_datasets(data_config: DataConfig, workdir: str, *, seed: int, process_
   builder, source_key, target_key = sources.open_splits(data_config, [split, *eval_names], workdir)
   tok, shards = prepare_ids(data_config, workdir, builder, source_key, target_key, process_index=process_index,
                             process_count=process_count, barrier=barrier)
+  if not len(shards.kept(data_config.max_len)):
+    longest = int(shards.lengths.max(axis=1).min())
+    raise ValueError(f"training split {split!r} of {data_config.dataset}: every one of its {len(shards.lengths)} "
+                     f"non-blank pairs was dropped for its length (the shortest has {longest} tokens on its longer "
+                     f"side, EOS included; --config.data.max_len={data_config.max_len}): raise data.max_len (and "
+                     "model.max_len) to at least that")
   alpha = float(data_config.subword_alpha)
   if alpha and not hasattr(tok, "sample_batch"):
     raise ValueError(f"data.subword_alpha={alpha} needs data.tokenizer='sentencepiece' (a "

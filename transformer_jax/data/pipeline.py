@@ -413,7 +413,9 @@ class TrainStream:
                        f"is not a positive multiple of the {process_count} processes")
     kept = shards.kept(row_length)
     if not len(kept):
-      raise ValueError("no training examples left to batch")
+      raise ValueError(f"no training pairs left to batch: all {len(shards.lengths)} non-blank pairs are longer than "
+                       f"row_length={row_length} tokens on a side (the shortest has "
+                       f"{int(shards.lengths.max(axis=1).min())}; ids with EOS)")
     self.shards, self.kept, self.row_length, self.rows_per_batch = shards, kept, row_length, rows
     self.pad_id, self.seed = int(pad_id), int(seed)
     self.process_index, self.process_count = process_index, process_count

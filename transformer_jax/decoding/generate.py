@@ -25,6 +25,7 @@ from transformer_jax.config import ModelConfig
 Array = jax.Array
 
 SAMPLINGS = ("greedy", "beam", "sample")
+FLOAT32_MAX = 3.4028234663852886e38  # the temperature divides float32 log-probs: beyond this it would be inf
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,8 +60,8 @@ class DecodeOptions:
     if self.nbest < 1 or self.nbest > self.rows_per_source:
       raise ValueError(f"nbest={self.nbest} must be in [1, {self.rows_per_source}] (n-best lists come from beam "
                        "search: nbest <= beam_size; greedy search and sampling give 1)")
-    if not self.temperature > 0.0:
-      raise ValueError(f"temperature={self.temperature} must be > 0")
+    if not 0.0 < self.temperature <= FLOAT32_MAX:
+      raise ValueError(f"temperature={self.temperature} must be a finite number > 0")
     if self.top_k < 0:
       raise ValueError(f"top_k={self.top_k} must be >= 0")
     if not 0.0 < self.top_p <= 1.0:
@@ -111,7 +112,7 @@ def generate(params_list: Sequence, config: ModelConfig, inputs: Array, max_leng
     selector = None if constraints is None else constraints_lib.DynamicBeamAllocation(constraints, config.eos_id)
     out = search.beam_search_over(step.tokens_to_logits, step.cache, beam_size=options.beam_size,
                                   alpha=options.alpha, gather_cache=step.gather_cache, selector=selector,
-                                  per_token=options.token_log_probs, **common)
+                                  per_token=options.token_log_probs, nbest=options.nbest, **common)
     n = options.nbest
     per_token = None if out.token_log_probs is None else out.token_log_probs[:, :n]
     hyps = Hypotheses(out.tokens[:, :n], out.log_probs[:, :n], out.scores[:, :n], per_token, None)

@@ -24,6 +24,10 @@ from transformer_jax.decoding import constraints as constraints_lib
 from transformer_jax.decoding import generate, mbr, scoring
 from transformer_jax.config import ModelConfig
 
+# Largest sampling seed: `jax.random.PRNGKey` keeps a seed's low 32 bits (without jax_enable_x64), so larger
+# seeds would repeat smaller ones.
+MAX_SEED = 2**32 - 1
+
 # Number of traces of each search function, keyed like `_search_fn` plus the traced shapes.
 _TRACES: collections.Counter = collections.Counter()
 
@@ -90,6 +94,7 @@ class Hypothesis(NamedTuple):
   score: float  # log_prob / ((5 + |Y|) / 6) ** alpha, |Y| counting EOS (`search.length_penalty`)
   token_log_probs: Optional[list]  # one float per token, then EOS's (if finished); None unless asked for
   alignment: Optional[list]  # source position of each token of `ids` (`alignment.pharaoh`), or None
+  finished: bool = True  # False: the length limit cut it before EOS (returned only when nothing finished)
 
 
 def _strip(tokens: np.ndarray, eos_id: int, pad_id: int) -> list[int]:
@@ -170,14 +175,23 @@ def decode_ids(params, config: ModelConfig, sources: Sequence[Sequence[int]],
     constraints: optional phrases (target ids, EOS excluded) per source that each output must contain, by
       lexically constrained beam search (`decoding.constraints`; beam search only); check the outputs
       with `constraints.satisfied` (a phrase that cannot fit the length limit leaves the output unfinished).
-    seed: sampling's seed; source i samples with `fold_in(PRNGKey(seed), first_index + i)`, whatever the
-      batching (`first_index`: the line number of `sources[0]` in a corpus decoded in parts, `transformer_jax.corpus`).
+    seed: sampling's seed, in [0, MAX_SEED]; source i samples with `fold_in(PRNGKey(seed), first_index + i)`,
+      whatever the batching (`first_index`: the line number of `sources[0]` in a corpus decoded in parts,
+      `transformer_jax.corpus`).
     The rest as `translate_ids`.
 
-  Each list is best first, at most `options.nbest` long, and holds the finished hypotheses (or, when none
-  finished, the best one alone); an empty source gives `[]`. Raises ValueError for bad options or prefixes.
+  Each list is best first and holds the finished hypotheses (or, when none finished, the best one alone,
+  `finished=False`); an empty source gives `[]`. Beam search keeps going until `options.nbest` have finished
+  (`search.beam_search_over`'s `nbest`), so a list is shorter than `options.nbest` only where the length limit
+  left no room for more. Raises ValueError for bad options or prefixes.
   """
   options.check()
+  if options.rows_per_source * config.vocab_size > np.iinfo(np.int32).max:
+    raise ValueError(f"beam_size={options.beam_size}: beam search ranks beam_size x vocab_size "
+                     f"({config.vocab_size}) candidates with int32 indices; beam_size must be <= "
+                     f"{np.iinfo(np.int32).max // config.vocab_size}")
+  if not 0 <= seed <= MAX_SEED:
+    raise ValueError(f"seed={seed} must be an integer in [0, {MAX_SEED}] (a PRNG key's 32 bits)")
   params_list = [jax.device_put(nn.unbox(p)) for p in (params if isinstance(params, (list, tuple)) else [params])]
   if prefixes is not None and len(prefixes) != len(sources):
     raise ValueError(f"{len(prefixes)} prefixes for {len(sources)} sources: one per source is needed")
@@ -202,7 +216,8 @@ def _hypotheses(row, config: ModelConfig) -> list[Hypothesis]:
     aligned = None if row.alignment is None else [int(x) for x in row.alignment[k][: len(ids)]]
     out.append(Hypothesis(ids, float(row.log_probs[k]), float(row.scores[k]),
                           None if row.token_log_probs is None else
-                          [float(x) for x in row.token_log_probs[k][:emitted]], aligned))
+                          [float(x) for x in row.token_log_probs[k][:emitted]], aligned,
+                          finished=emitted > len(ids)))
   return out
 
 
@@ -312,7 +327,7 @@ def _run_batch(params_tuple, config: ModelConfig, batch: list[_Prepared], bucket
     phrases = [constraints[i] for i, _, _ in batch] + [[]] * (n_rows - len(batch))
     cons = jax.tree_util.tree_map(jnp.asarray, constraints_lib.pack(phrases, constraint_width))
   fn = _search_fn(config, options, max_decode_len, len(params_tuple), prefixes is not None, constraint_width)
-  return fn(params_tuple, jnp.asarray(inputs), jnp.asarray(limits), jnp.asarray(indices), jnp.int32(seed),
+  return fn(params_tuple, jnp.asarray(inputs), jnp.asarray(limits), jnp.asarray(indices), jnp.uint32(seed),
             jnp.asarray(prefix_tokens), jnp.asarray(prefix_lengths), cons)
 
 
@@ -351,18 +366,30 @@ def decode_texts(params, config: ModelConfig, tokenizer, texts: Sequence[str], o
                  *, prefixes: Optional[Sequence[str]] = None, constraints: Optional[Sequence[Sequence[str]]] = None,
                  **kwargs) -> list[list[Hypothesis]]:
   """`decode_ids` of `texts` (encoded as `translate_texts` does), with optional target `prefixes` (text, one per
-  text; '' = none; encoded as targets, without EOS) and `constraints` (per text, its phrases as text). Per text its `Hypothesis` list (ids: detokenise with
-  `tokenizer.decode`); `[]` for a blank line. Raises ValueError as `decode_ids`."""
+  text; '' = none; encoded as targets, without EOS) and `constraints` (per text, its phrases as text). Per text
+  its `Hypothesis` list (ids: detokenise with `tokenizer.decode`); `[]` for a blank line. Raises ValueError as
+  `decode_ids`, and for a prefix or phrase that the vocabulary cannot spell (it encodes to `<unk>`, which would
+  be forced into the output and count as met), naming its line."""
   ids = [[] if tokenizer.is_blank(t) else tokenizer.encode(t) for t in texts]
   prefix_ids = None
   if prefixes is not None:
-    prefix_ids = [[] if tokenizer.is_blank(p) else tokenizer.encode(p, add_eos=False, target=True)
-                  for p in prefixes]
+    prefix_ids = [[] if tokenizer.is_blank(p) else _forced_target(tokenizer, p, "prefix", i)
+                  for i, p in enumerate(prefixes)]
   constraint_ids = None
   if constraints is not None:
-    constraint_ids = [[tokenizer.encode(p, add_eos=False, target=True) for p in phrases if not tokenizer.is_blank(p)]
-                      for phrases in constraints]
+    constraint_ids = [[_forced_target(tokenizer, p, "constraint", i) for p in phrases if not tokenizer.is_blank(p)]
+                      for i, phrases in enumerate(constraints)]
   return decode_ids(params, config, ids, options, prefixes=prefix_ids, constraints=constraint_ids, **kwargs)
+
+
+def _forced_target(tokenizer, text: str, what: str, index: int) -> list[int]:
+  """`text` as target ids (no EOS) that decoding is made to emit; ValueError if a piece is `<unk>`."""
+  ids = tokenizer.encode(text, add_eos=False, target=True)
+  unknown = getattr(tokenizer, "unk_id", None)
+  if unknown is not None and unknown in ids:
+    raise ValueError(f"the {what} {text!r} of line {index + 1} has characters outside the vocabulary (they encode "
+                     "as <unk>, which decoding would be forced to emit): rephrase it or leave it out")
+  return ids
 
 
 def score_ids(params, config: ModelConfig, sources: Sequence[Sequence[int]], targets: Sequence[Sequence[int]], *,

@@ -31,9 +31,11 @@ Beam search: at every step the `beam_size` best one-token extensions of the live
 end in EOS join the finished list (its `beam_size` best are kept) and the others are the new live beams (so an
 EOS pick leaves its slot empty for one step; unlike tensor2tensor's variant, which keeps `beam_size` live beams
 besides, this makes `beam_size=1` exactly greedy search). Early termination: a source stops (its results
-freeze) when no live beam can beat its best finished hypothesis (`early_stop='best'`, the default, as
-tensor2tensor's stop_early), or its worst kept one (`'all'`: the whole n-best list is then exact; `'none'`
-never stops early), using `score(any completion) <= log_probs(live) / max(lp(len + 1), lp(max_len))`
+freeze) when no live beam can beat its best finished hypothesis and `nbest` have finished (`early_stop='best'`,
+the default; with `nbest=1` tensor2tensor's stop_early; with `nbest=n` the search goes on until n have finished,
+as fairseq and CTranslate2 return n: the best is exact, the others the best the beam found), or when none can
+beat its worst kept one (`'all'`: the whole n-best list is then exact; `'none'` never stops early),
+using `score(any completion) <= log_probs(live) / max(lp(len + 1), lp(max_len))`
 (log-probs only fall as a hypothesis grows). The loop ends when every source has stopped or after
 `max_decode_len` tokens.
 """
@@ -223,6 +225,14 @@ def truncate(scaled: Array, top_k: int = 0, top_p: float = 1.0) -> Array:
   return scaled
 
 
+def tempered(log_probs: Array, temperature: float) -> Array:
+  """`(log_probs - max) / temperature` `[rows, vocab]` (= logits / T up to a per-row constant), -inf kept: the
+  most probable token stays at 0, so a tiny T (float32 underflow: every other token -inf) is argmax and a huge
+  T is uniform over the possible tokens, never a row of -inf or NaN from which nothing can be drawn."""
+  top = jnp.max(log_probs, axis=-1, keepdims=True)
+  return jnp.where(log_probs > NEG_INF, (log_probs - top) / temperature, NEG_INF)
+
+
 def sample_over(tokens_to_logits: TokensToLogits, cache, rng: Array, *, batch_size: int, max_decode_len: int,
                 bos_id: int, eos_id: int, pad_id: int, temperature: float = 1.0, top_k: int = 0,
                 top_p: float = 1.0, max_lengths: Optional[Array] = None,
@@ -234,10 +244,12 @@ def sample_over(tokens_to_logits: TokensToLogits, cache, rng: Array, *, batch_si
   `jax.random.fold_in(rng, t)`) or one key per row `[batch, 2]` (row r at step t uses `fold_in(rng[r], t)`, so
   a row's sample does not depend on the other rows: the same outputs whatever the batching). `log_probs` are
   the *model's* log-probs of the sampled tokens (untempered, untruncated); `top_k=1` is greedy search, as is
-  `top_p` -> 0. Raises ValueError for `temperature <= 0`, `top_k < 0` or `top_p` outside (0, 1].
+  `top_p` -> 0. Raises ValueError for a `temperature` that is not finite and > 0, `top_k < 0` or `top_p` outside
+  (0, 1].
   """
-  if temperature <= 0.0:
-    raise ValueError(f"temperature={temperature} must be > 0 (use greedy_search or top_k=1 for argmax)")
+  if not 0.0 < temperature < float("inf"):
+    raise ValueError(f"temperature={temperature} must be a finite number > 0 (use greedy_search or top_k=1 for "
+                     "argmax)")
   if top_k < 0:
     raise ValueError(f"top_k={top_k} must be >= 0")
   if not 0.0 < top_p <= 1.0:
@@ -245,7 +257,7 @@ def sample_over(tokens_to_logits: TokensToLogits, cache, rng: Array, *, batch_si
   per_row = jnp.ndim(rng) == 2
 
   def choose(logp, t):
-    scaled = truncate(logp / temperature, top_k, top_p)  # = logits / T up to a per-row constant
+    scaled = truncate(tempered(logp, temperature), top_k, top_p)
     if per_row:
       draw = lambda key, row: jax.random.categorical(jax.random.fold_in(key, t), row)  # noqa: E731
       return jax.vmap(draw)(rng, scaled)
@@ -409,7 +421,8 @@ def beam_search_over(tokens_to_logits: TokensToLogits, cache, *, batch_size: int
                      alpha: float, max_decode_len: int, bos_id: int, eos_id: int, pad_id: int,
                      max_lengths: Optional[Array] = None, early_stop: str = "best",
                      gather_cache: Callable = gather_beams, log_probs_fn: Optional[LogProbsFn] = None,
-                     selector: Optional[BeamSelector] = None, per_token: bool = False) -> BeamSearchOutput:
+                     selector: Optional[BeamSelector] = None, per_token: bool = False,
+                     nbest: int = 1) -> BeamSearchOutput:
   """Beam search with the GNMT length penalty over any step function (flax wmt / t5x `beam_search`).
 
   Args:
@@ -426,11 +439,17 @@ def beam_search_over(tokens_to_logits: TokensToLogits, cache, *, batch_size: int
     selector: optional `BeamSelector` that chooses the next beams instead of the plain top-k.
     per_token: also track each token's log-prob (static; `BeamSearchOutput.token_log_probs`, else None):
       two more `[batch, beam_size, max_decode_len]` buffers reordered at every step.
+    nbest: how many hypotheses the caller keeps (static, in [1, beam_size]): `early_stop='best'` stops a source
+      only once `nbest` hypotheses have finished (and the best is exact), so n-best lists are `nbest` long
+      wherever the length limit leaves room.
 
-  Returns a `BeamSearchOutput`. Raises ValueError for `beam_size < 1`, an unknown `early_stop` or equal ids.
+  Returns a `BeamSearchOutput`. Raises ValueError for `beam_size < 1`, `nbest` outside [1, beam_size], an
+  unknown `early_stop` or equal ids.
   """
   _check_ids(bos_id, eos_id, pad_id)
   check_beam_options(beam_size, early_stop)
+  if not 1 <= nbest <= beam_size:
+    raise ValueError(f"nbest={nbest} must be in [1, beam_size={beam_size}]")
   batch, k, length = batch_size, beam_size, max_decode_len
   limits = _row_limits(max_lengths, batch, length)
   # Best possible score of a live beam's completion: log_probs / max over the remaining lengths of lp.
@@ -461,9 +480,11 @@ def beam_search_over(tokens_to_logits: TokensToLogits, cache, *, batch_size: int
     best_alive = jnp.max(s.alive_log_probs, axis=1)
     bound = best_alive / jnp.maximum(length_penalty(s.t + 1, alpha), lp_at_limit)
     done = s.done | (s.t >= limits)
-    if early_stop != "none":
-      reference = s.fin_scores[:, 0] if early_stop == "best" else s.fin_scores[:, -1]
-      done = done | (reference >= bound)
+    if early_stop == "best":  # the best is exact, and `nbest` have finished (or nothing more can finish)
+      enough = (s.fin_scores[:, nbest - 1] > NEG_INF) | (best_alive == NEG_INF)
+      done = done | (enough & (s.fin_scores[:, 0] >= bound))
+    elif early_stop == "all":
+      done = done | (s.fin_scores[:, -1] >= bound)
     return s._replace(done=done)
 
   init = _beam_init(batch, k, length, pad_id, cache, per_token)._replace(

@@ -164,10 +164,10 @@ def sample(params, config: ModelConfig, inputs: Array, rng: Array, max_decode_le
 
 
 @functools.partial(jax.jit, static_argnames=("config", "beam_size", "alpha", "max_decode_len", "cached",
-                                             "early_stop", "full_output"))
+                                             "early_stop", "full_output", "nbest"))
 def beam_search(params, config: ModelConfig, inputs: Array, beam_size: int = 4, alpha: float = 0.6,
                 max_decode_len: int = 64, *, max_lengths: Optional[Array] = None, cached: bool = True,
-                early_stop: str = "best", full_output: bool = False):
+                early_stop: str = "best", full_output: bool = False, nbest: int = 1):
   """Beam search of the Transformer with the GNMT length penalty (`transformer_step_fn` + `beam_search_over`).
 
   Returns `(tokens [batch, beam, max_decode_len], scores [batch, beam])`, best first; with `full_output`, a
@@ -175,14 +175,15 @@ def beam_search(params, config: ModelConfig, inputs: Array, beam_size: int = 4, 
   `steps` (decoder steps run) and `token_log_probs [batch, beam, max_decode_len]` (each token's log-prob).
   `scores = log_probs / ((5 + |Y|) / 6) ** alpha` with `|Y|` the number of emitted tokens INCLUDING EOS
   (excluding BOS). Slots without any hypothesis have score -inf and pad tokens.
-  `early_stop`: 'best' (default), 'all' or 'none', see the module docstring.
+  `early_stop`: 'best' (default), 'all' or 'none', see the module docstring; with 'best', the search goes on
+  until `nbest` (in [1, beam_size]) have finished, where the length limit leaves room.
   """
   check_beam_options(beam_size, early_stop)
   step, cache, gather_cache = transformer_step_fn(params, config, inputs, max_decode_len, copies=beam_size,
                                                   cached=cached)
   out = beam_search_over(step, cache, batch_size=inputs.shape[0], beam_size=beam_size, alpha=alpha,
                          max_decode_len=max_decode_len, max_lengths=max_lengths, early_stop=early_stop,
-                         gather_cache=gather_cache, per_token=full_output, **_ids(config))
+                         gather_cache=gather_cache, per_token=full_output, nbest=nbest, **_ids(config))
   return out if full_output else (out.tokens, out.scores)
 
 
