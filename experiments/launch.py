@@ -5,7 +5,9 @@ and the host devices a config asks for (`set_cpu_devices`). The restart with gli
 buffers happens earlier, when Python imports the package to run the program (`experiments/huge_pages.py`).
 """
 
+import math
 import os
+import re
 import sys
 import traceback
 from typing import Any, Callable, Sequence
@@ -63,7 +65,8 @@ def _config_error_message(error: BaseException) -> str:
   if isinstance(error, OSError):  # ml_collections: the --config file could not be loaded
     return _one_line(error).replace("Configuration is not available because of an earlier failure to load: ", "")
   if isinstance(error, (flags.Error, KeyError, ValueError, TypeError)):
-    return _one_line(error)
+    # absl prefixes a validator's message with "flag --x=v: ", which ours already begin with "--x=v: "
+    return re.sub(r"^flag (--\S+): \1: ", r"\1: ", _one_line(error))
   return _raised_in_config_file(error)  # anything else the file's own code raised (ImportError, ...)
 
 
@@ -123,6 +126,22 @@ def check_flags(**flag_to_key: str) -> None:
           experiment_config.check_value(key, value, flag=f"--{flag}")
         except experiment_config.ConfigError as error:
           raise flags.ValidationError(str(error)) from None
+      return True
+    flags.register_validator(flag, validator)
+
+
+def check_ranges(**flag_to_range: tuple[float, float]) -> None:
+  """Registers absl validators: each named number flag must be finite and within its (low, high), both
+  included; an integer flag is also held to int32 (`experiment_config.INT32_MAX`), what JAX sizes hold."""
+  for flag, (low, high) in flag_to_range.items():
+    def validator(value, flag=flag, low=low, high=high):
+      if value is None:
+        return True
+      is_int = isinstance(value, int)
+      top = min(high, experiment_config.INT32_MAX) if is_int else high
+      if not (math.isfinite(value) and low <= value <= top):
+        kind = "an integer" if is_int else "a finite number"
+        raise flags.ValidationError(f"--{flag}={value}: must be {kind} in [{low}, {top}]")
       return True
     flags.register_validator(flag, validator)
 

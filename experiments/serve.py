@@ -35,6 +35,8 @@ flags.DEFINE_integer("max_connections", 256, "Concurrent connections at most (mo
 flags.DEFINE_enum("quantize", "", quantization.MODES, "'' = float weights; int8 = weight-only int8 (qwix).")
 flags.mark_flags_as_required(["workdir"])
 launch.check_flags(alpha="decode.alpha", extra_len="decode.extra_len")
+launch.check_ranges(port=(0, 65535), max_batch_size=(1, 65536), max_wait_ms=(0, 60_000), max_input_tokens=(2, 2147483647),
+                    max_texts_per_request=(1, 2147483647), max_pending_texts=(1, 2147483647), max_connections=(1, 2147483647))
 
 
 def _limits() -> batching.ServingLimits:

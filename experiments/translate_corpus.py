@@ -46,6 +46,8 @@ flags.DEFINE_integer("process_id", None, "With --distributed: this process's id 
 decoding.define_flags(nbest=False)
 flags.mark_flags_as_required(["workdir", "input", "output_dir"])
 launch.check_flags(beam_size="decode.beam_size", alpha="decode.alpha", extra_len="decode.extra_len")
+launch.check_ranges(lines_per_shard=(1, 2147483647), max_tokens_per_batch=(1, 2147483647), noise_swap=(0, 2147483647),
+                    num_processes=(1, 2147483647), process_id=(0, 2147483647))
 flags.register_validator("parallel_corpus", lambda v: not v or v.isidentifier(),
                          message="--parallel_corpus must be a split name (letters, digits, underscores)")
 

@@ -287,6 +287,12 @@ def test_resume_with_another_architecture_is_refused(deeper_workdir):
     ("experiments.attention_map", ["--source=one", "--output=experiments"], "--output must name a file to write"),
     ("experiments.tune_decoding", ["--source=README.md", "--reference=README.md", "--report=experiments"],
      "--report must name a file to write"),
+    # the translation tools' own number flags: in range, finite, and int32 (launch.check_ranges)
+    ("experiments.serve", ["--port=70000"], "--port=70000: must be an integer in [0, 65535]"),
+    ("experiments.serve", ["--max_wait_ms=nan"], "--max_wait_ms=nan: must be a finite number in [0, 60000]"),
+    ("experiments.serve", ["--max_pending_texts=2147483648"], "--max_pending_texts=2147483648: must be an integer"),
+    ("experiments.translate_corpus", ["--input=README.md", "--output_dir=out", "--lines_per_shard=0"],
+     "--lines_per_shard=0: must be an integer in [1, 2147483647]"),
 ])
 def test_bad_program_flags_are_one_line_errors(workdir, program, flags, needle):
   before = _tree_snapshot(workdir)
