@@ -63,6 +63,14 @@ def create_state(config: ExperimentConfig, model_config: ModelConfig, mesh: jax.
   return state_lib.create_train_state(model_config, tx, rng, mesh, rules)
 
 
+def abstract_state(config: ExperimentConfig, model_config: ModelConfig, mesh: jax.sharding.Mesh, rng: jax.Array,
+                   rules=sharding.LOGICAL_AXIS_RULES) -> steps.TrainState:
+  """`create_state`'s train state as sharded `jax.ShapeDtypeStruct`s: nothing initialised, so `mesh` may hold
+  compile-only devices (`transformer_jax.plan` compiles the run's steps on it for a TPU topology)."""
+  tx, _ = optimizer(config, model_config.d_model)
+  return state_lib.abstract_train_state(model_config, tx, rng, mesh, rules)
+
+
 def train_model_config(config: ExperimentConfig, model_config: ModelConfig, step: int) -> ModelConfig:
   """The model config update `step` (counted from 1) trains with: `model_config` with the residual dropout rate
   `config.dropout_schedule` sets for that step (`schedule.dropout_rate`)."""

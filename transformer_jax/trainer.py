@@ -34,7 +34,7 @@ import numpy as np
 from transformer_jax import checkpoint as checkpoint_lib
 from transformer_jax import early_stopping as early_stopping_lib
 from transformer_jax import evaluators as evaluators_lib
-from transformer_jax import factories, imported_workdir, multihost, profiling, sharding
+from transformer_jax import factories, imported_workdir, multihost, plan, profiling, sharding
 from transformer_jax.config import ModelConfig
 from transformer_jax.data import datasets as datasets_lib, tokenizer as tokenizer_lib
 from transformer_jax.experiment_config import ExperimentConfig
@@ -153,6 +153,7 @@ def prepare(config: ExperimentConfig, workdir: str) -> Run:
   evaluators_lib.check_best_metric(config)
   mesh = sharding.mesh_from_config(config.mesh)
   check_batch_rows(config.data, mesh)
+  plan.check_run_fits(config, mesh)  # on an accelerator: a train step that cannot fit is refused here
   # A tracker that cannot start is refused (trackers.TrackerError) before we write anything.
   writer = MetricWriter.open(config.trackers, run_dir, dataclasses.asdict(config.wandb),
                             enabled=jax.process_index() == 0)
