@@ -69,9 +69,9 @@ def plan_config(config: ExperimentConfig, explicit: dict) -> tuple[ExperimentCon
   """`config` with `model.vocab_size` from `data.vocab_size` and the TPU rule's compute dtype unless
   `--config.model.dtype` was given; returns (config, a note on the dtype)."""
   vocab = config.data.vocab_size or config.model.vocab_size
-  dtype = config.model.dtype if "model.dtype" in explicit else accelerators.backend_choices("tpu").compute_dtype
-  note = f"model.dtype={dtype} ({'given' if 'model.dtype' in explicit else 'the TPU rule'}; recipe: " \
-         f"{config.model.dtype})"
+  given = "model.dtype" in explicit
+  dtype = accelerators.resolve_dtype(config.model.dtype if given else "auto", "tpu")
+  note = f"model.dtype={dtype} ({'given' if given else 'the TPU rule'}; recipe: {config.model.dtype})"
   return dataclasses.replace(config, model=config.model.replace(vocab_size=vocab, dtype=dtype)), note
 
 
@@ -102,7 +102,7 @@ def _build(config: ExperimentConfig, topology: accelerators.Topology, programs: 
   mesh = sharding.mesh_from_config(config.mesh, devices=topology.devices)
   from transformer_jax import run_checks  # pylint: disable=g-import-not-at-top
   run_checks.check_batch_rows(config.data, mesh)
-  model_config = factories.model_config_from(config, config.model.vocab_size)
+  model_config = factories.model_config_from(config, config.model.vocab_size, topology.devices[0].platform)
   return plan.build_programs(config, model_config, mesh, decode_rows=FLAGS.decode_rows if "decode" in programs
                              else 0, decode_src_len=FLAGS.decode_src_len)
 
@@ -119,7 +119,8 @@ def figures(name: str, report: plan.CompiledReport, config: ExperimentConfig, bu
   seconds, source = plan.step_estimate(report, topology)
   row = {"program": name, **report.to_json(), "capacity_bytes": topology.hbm_bytes_per_device,
          "fits": report.peak_bytes <= topology.hbm_bytes_per_device, "step_seconds": seconds,
-         "estimate": source, "analytic_flops": analytic,
+         "estimate": source, "roofline_seconds": plan.roofline_seconds(report, topology),
+         "uncovered_ops": plan.uncovered_ops(report), "analytic_flops": analytic,
          "flops_ratio": report.flops * devices / analytic if analytic else None}
   if name == "train":
     row["tokens_per_second_per_chip"] = built.target_tokens / seconds / chips
@@ -133,7 +134,7 @@ def figures(name: str, report: plan.CompiledReport, config: ExperimentConfig, bu
 def table(rows: list[dict]) -> str:
   """The rows as a fixed-width text table."""
   head = (f"{'program':8} {'fits':5} {'peak GiB':>9} {'HBM GiB':>8} {'args GiB':>9} {'temp GiB':>9} "
-          f"{'FLOPs/an.':>9} {'est s':>9} {'source':8} {'tok/s/chip':>11} {'MFU':>6} {'hours':>7} "
+          f"{'FLOPs/an.':>9} {'est s':>9} {'source':13} {'tok/s/chip':>11} {'MFU':>6} {'hours':>7} "
           f"{'compile s':>9}  collectives")
   lines = [head]
   for r in rows:
@@ -142,7 +143,7 @@ def table(rows: list[dict]) -> str:
     lines.append(f"{r['program']:8} {str(r['fits']):5} {r['peak_bytes'] / 2**30:9.2f} "
                  f"{r['capacity_bytes'] / 2**30:8.1f} {r['argument_bytes'] / 2**30:9.2f} "
                  f"{r['temp_bytes'] / 2**30:9.2f} {fmt('flops_ratio', '9.2f')} {r['step_seconds']:9.4f} "
-                 f"{r['estimate']:8} {fmt('tokens_per_second_per_chip', '11.0f')} {fmt('mfu', '6.1%')} "
+                 f"{r['estimate']:13} {fmt('tokens_per_second_per_chip', '11.0f')} {fmt('mfu', '6.1%')} "
                  f"{fmt('hours', '7.1f')} {r['compile_seconds']:9.1f}  {coll or '-'}")
   return "\n".join(lines)
 

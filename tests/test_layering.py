@@ -25,7 +25,7 @@ RANKS = {
     "transformer_jax.attention.layer": 1.4, "transformer_jax.attention": 1.5,
     "transformer_jax.profiling": 0,  # jax.profiler around chosen steps: a leaf
     "transformer_jax.multihost": 0,  # the host collectives (process 0 decides, every host agrees): jax only
-    "transformer_jax.accelerators": 0,  # chips' facts, TPU topologies, the backend rule: jax only
+    "transformer_jax.accelerators": -1,  # chips' facts, TPU topologies, the backend rule: jax only
     "transformer_jax.stop_signal": 0.5,  # SIGTERM/SIGINT and the preemption notice (multihost)
     "transformer_jax.train_log": 1,  # the training scalars between logging steps (NonFiniteLossError)
     "transformer_jax.trackers": 1,   # metrics.jsonl, TensorBoard, W&B: writers that know only the workdir

@@ -191,3 +191,8 @@ def backend_choices(platform: str) -> BackendChoices:
   if platform not in BACKEND_CHOICES:
     raise ValueError(f"no backend choices for platform {platform!r}; one of {sorted(BACKEND_CHOICES)}")
   return BACKEND_CHOICES[platform]
+
+
+def resolve_dtype(dtype: str, platform: str) -> str:
+  """`model.dtype` for `platform`: 'auto' is the platform's `compute_dtype`, anything else is kept."""
+  return backend_choices(platform).compute_dtype if dtype == "auto" else dtype

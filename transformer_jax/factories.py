@@ -23,6 +23,7 @@ from typing import Any
 import jax
 import optax
 
+from transformer_jax import accelerators
 from transformer_jax import checkpoint as checkpoint_lib
 from transformer_jax import metrics as metrics_lib
 from transformer_jax import sharding
@@ -35,9 +36,12 @@ from transformer_jax.training import state as state_lib
 from transformer_jax.training import steps
 
 
-def model_config_from(config: ExperimentConfig, vocab_size: int) -> ModelConfig:
-  """`config.model` with the vocabulary size of the run's tokenizer (ValueError: ModelConfig's range errors)."""
-  return config.model.replace(vocab_size=vocab_size)
+def model_config_from(config: ExperimentConfig, vocab_size: int, platform: str | None = None) -> ModelConfig:
+  """`config.model` with the vocabulary size of the run's tokenizer and `model.dtype='auto'` resolved for
+  `platform` (default `jax.default_backend()`; `accelerators.resolve_dtype`). ValueError: ModelConfig's range
+  errors."""
+  dtype = accelerators.resolve_dtype(config.model.dtype, platform or jax.default_backend())
+  return config.model.replace(vocab_size=vocab_size, dtype=dtype)
 
 
 def optimizer(config: ExperimentConfig, d_model: int) -> tuple[optax.GradientTransformation, Any]:

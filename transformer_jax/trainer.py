@@ -171,7 +171,7 @@ def _prepare_run(config: ExperimentConfig, run_dir: Workdir, saved: dict | None,
   data = datasets_lib.build_datasets(config.data, str(run_dir.root), seed=config.seed,
                                      process_index=jax.process_index(), process_count=jax.process_count(),
                                      barrier=multihost.sync_processes)
-  model_config = factories.model_config_from(config, data.tokenizer.vocab_size)
+  model_config = factories.model_config_from(config, data.tokenizer.vocab_size, mesh.devices.flat[0].platform)
   tokenizer_lib.check_model_ids(data.tokenizer, model_config)
   resolved = to_jsonable(config)
   resolved["model"] = to_jsonable(model_config)
