@@ -155,7 +155,7 @@ def compile_report(program: tuple, cache_dir: Optional[str] = None, cache_key: s
     path = pathlib.Path(cache_dir) / f"{digest.hexdigest()[:32]}.json"
     if path.exists():
       return CompiledReport(**json.loads(path.read_text()))
-  report = _analyse(lowered)
+  report = analyse(lowered)
   if path is not None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(report.to_json()))
@@ -169,7 +169,7 @@ def _libtpu_version() -> str:
     return "none"
 
 
-def _analyse(lowered: jax.stages.Lowered) -> CompiledReport:
+def analyse(lowered: jax.stages.Lowered) -> CompiledReport:
   """Compiles `lowered` (timed) and reads `memory_analysis`, `cost_analysis` and the optimised HLO's collectives."""
   start = time.perf_counter()
   try:
