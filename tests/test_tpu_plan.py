@@ -14,7 +14,7 @@ from transformer_jax import accelerators, plan, sharding
 from transformer_jax.config import ModelConfig
 from transformer_jax.experiment_config import DataConfig, ExperimentConfig
 
-pytestmark = pytest.mark.skipif(not accelerators.libtpu_available(),
+needs_libtpu = pytest.mark.skipif(not accelerators.libtpu_available(),
                                 reason="libtpu is not installed (pip install -e '.[tpu]'; make test installs it)")
 
 MODEL = ModelConfig(vocab_size=512, num_encoder_layers=1, num_decoder_layers=1, d_model=256, d_ff=1024,
@@ -35,6 +35,7 @@ def _check_memory_and_flops(topology, report):
   assert report.flops * len(topology.devices) == pytest.approx(analytic, rel=0.15)
 
 
+@needs_libtpu
 def test_data_parallel_on_v5e_all_reduces_gradients():
   topology, report = _train_report("v5e:2x2", sharding.MeshConfig(data=4))
   assert len(topology.devices) == 4 and topology.chip.name == "v5e"
@@ -43,6 +44,7 @@ def test_data_parallel_on_v5e_all_reduces_gradients():
   _check_memory_and_flops(topology, report)
 
 
+@needs_libtpu
 def test_fsdp_on_v4_gathers_weights_and_scatters_gradients():
   # v4:2x2x1 is 4 megacore chips = 4 devices (as a v4-8 TPU VM shows them): data 2 x fsdp 2.
   topology, report = _train_report("v4:2x2x1", sharding.MeshConfig(data=2, fsdp=2))
@@ -52,6 +54,7 @@ def test_fsdp_on_v4_gathers_weights_and_scatters_gradients():
   _check_memory_and_flops(topology, report)
 
 
+@needs_libtpu
 def test_a_run_too_big_for_one_v5e_chip_is_refused_in_one_line_with_nothing_written(tmp_path):
   output = tmp_path / "plan.json"
   # A 1+1-layer model with a 64k-wide FFN: ~2.1 G parameters, 8.6 GB in float32 and twice that in Adam moments.
