@@ -40,7 +40,7 @@ from ml_collections import config_flags
 from benchmarks import common
 from experiments import common as program_common
 from experiments import launch
-from transformer_jax import accelerators, factories, plan, sharding
+from transformer_jax import accelerators, factories, plan, run_checks, sharding
 from transformer_jax.experiment_config import ExperimentConfig
 
 FLAGS = flags.FLAGS
@@ -100,7 +100,6 @@ def compile_train(config: ExperimentConfig, topology: accelerators.Topology, fit
 
 def _build(config: ExperimentConfig, topology: accelerators.Topology, programs: tuple) -> plan.Programs:
   mesh = sharding.mesh_from_config(config.mesh, devices=topology.devices)
-  from transformer_jax import run_checks  # pylint: disable=g-import-not-at-top
   run_checks.check_batch_rows(config.data, mesh)
   model_config = factories.model_config_from(config, config.model.vocab_size, topology.devices[0].platform)
   return plan.build_programs(config, model_config, mesh, decode_rows=FLAGS.decode_rows if "decode" in programs

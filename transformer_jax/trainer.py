@@ -138,6 +138,8 @@ def prepare(config: ExperimentConfig, workdir: str) -> Run:
   A workdir holding an imported model needs `config` from `imported_workdir.config_for_workdir` (ValueError
   otherwise). The model's pad/EOS ids must be the tokenizer's (`tokenizer.check_model_ids`, VocabularyError).
   The trackers of `config.trackers` start before anything is written (`trackers.TrackerError` if one cannot).
+  On devices that report their memory (TPU, GPU) the train step is compiled first and a run whose peak exceeds
+  a device's memory is refused (`plan.DoesNotFitError`, one line naming the levers), before anything is written.
   """
   multihost.maybe_initialize_distributed(config.distributed)
   run_dir = Workdir(workdir)
