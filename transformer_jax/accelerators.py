@@ -125,14 +125,14 @@ def tpu_topology(name: str, num_slices: int = 1) -> Topology:
 
   v4 and v5p are described as megacore (one device per chip, as a TPU VM shows them); v2/v3 have one device
   per TensorCore. A slice smaller than a host's chips (v5e:1x1) gets host bounds of its own size.
-  Raises ValueError on a malformed name or num_slices < 1, RuntimeError (one line) when libtpu is absent.
+  Raises ValueError (one line) on a malformed name, num_slices < 1, or when libtpu is absent.
   """
   chip, dims = parse_topology(name)
   if num_slices < 1:
     raise ValueError(f"--num_slices={num_slices}: must be >= 1")
   if not libtpu_available():
-    raise RuntimeError("compiling for a TPU topology needs libtpu: pip install -e '.[tpu]' (the version "
-                       "jax[tpu] pins)")
+    raise ValueError(f"--topology={name}: compiling for a TPU topology needs libtpu, which is not installed: "
+                     "pip install -e '.[tpu]' (the version jax[tpu] pins)")
   # Compile-only use never touches a chip: let several processes (tests under xdist, two plans) load libtpu at
   # once instead of the first one holding /tmp/libtpu_lockfile.
   os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
