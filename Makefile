@@ -20,7 +20,7 @@ $(STAMP): pyproject.toml
 	$(PYTHON) -c 'import sys; assert sys.version_info >= (3, 11), "python3 >= 3.11 is required, found " + sys.version'
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q -e '.[test,interop,wandb,gcs,serve]'
+	$(BIN)/python -m pip install -q -e '.[test,interop,wandb,gcs,serve,tpu]'
 	touch $(STAMP)
 
 setup: $(STAMP)

@@ -7,11 +7,13 @@ r"""One command that says whether this code works on an accelerator, and how fas
 Sections, each a row (or rows) of the table, in this order:
   devices       what JAX sees: platform, device count, device kind, memory per device
   matmul        a large bf16 matmul (8192^2; --tiny 512^2): the chip's reachable rate, beside its bf16 peak
-                from `PEAK_BF16_TFLOPS` (the vendor's dense figure for the device kind)
+                from `accelerators.CHIPS` (the vendor's dense figure for the device kind)
   train         the base and big train steps in bf16 (--tiny: the CPU preset only), the trainer's own compiled
                 step (`benchmarks.common.build_train_step`, what `experiments.train` runs) on plain full rows
                 (`common.plain_batch`, 64 x 256 per side; --tiny 8 x 32): compile time, step time, target
-                tokens/s, and MFU = analytic model FLOP/s (`common.model_flops`) / the peak, and / the matmul
+                tokens/s, and MFU = analytic model FLOP/s (`common.model_flops`) / the peak, and / the matmul;
+                beside the measured step, the compiler's own estimate of it (`plan.step_estimate`, the figure
+                `benchmarks.tpu_plan` gives without the chip), so the first lent chip says how good it is
   attention     `model.attention_impl` xla vs cudnn (GPU only): the first step's loss and gradient norm from
                 the same init and batch (equal within bf16 rounding), and both step times
   decode        greedy and beam 4 at base size (--tiny: the CPU preset), random init, 256 sources of 24
@@ -51,18 +53,15 @@ from experiments import common as program_common
 from experiments import launch
 from benchmarks import common
 from experiments.configs import number_words
+from transformer_jax import accelerators
 from transformer_jax import checkpoint as checkpoint_lib
+from transformer_jax import plan as tpu_plan_lib
 from transformer_jax import sharding, trainer
 from transformer_jax.decoding import inference
 from transformer_jax.experiment_config import ExperimentConfig
 from transformer_jax.training.steps import init_params
 
 SECTIONS = ("devices", "matmul", "train", "attention", "decode", "number_words", "checkpoint")
-# Dense bf16 peak TFLOP/s per chip by `device_kind` substring (first match wins): the vendors' datasheets
-# (NVIDIA H100/H200 SXM 989.4, H100 PCIe 756, A100 312, L4 121; Cloud TPU v4 275, v5e 197, v5p 459, v6e 918).
-PEAK_BF16_TFLOPS = (("H100 PCIe", 756.0), ("H100", 989.4), ("H200", 989.4), ("A100", 312.0), ("L4", 121.0),
-                    ("TPU v4", 275.0), ("TPU v5 lite", 197.0), ("TPU v5e", 197.0), ("TPU v5p", 459.0),
-                    ("TPU v5", 459.0), ("TPU v6 lite", 918.0), ("TPU v6e", 918.0))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -133,8 +132,10 @@ def guarded(section: str, item: str, fn: Callable[[], Row | list[Row]]) -> list[
 
 
 def peak_tflops(device_kind: str) -> float | None:
-  """The dense bf16 peak of a device kind (`PEAK_BF16_TFLOPS`), None when the table has none (CPUs)."""
-  return next((peak for key, peak in PEAK_BF16_TFLOPS if key.lower() in device_kind.lower()), None)
+  """The dense bf16 peak per chip of a device kind (`accelerators.CHIPS`, the vendors' datasheets), None for a
+  device kind the table has not (CPUs)."""
+  chip = accelerators.chip_of(device_kind)
+  return chip.bf16_tflops if chip else None
 
 
 def _timed(fn: Callable[[], object], reps: int) -> float:
@@ -202,10 +203,28 @@ def _time_steps(plan: Plan, built: common.TrainStep, batch: dict) -> dict:
   return {"compile_s": compile_s, "step_s": _timed(one_step, plan.steps), "first_metrics": first}
 
 
+def compiler_estimate(built: common.TrainStep, batch: dict) -> dict:
+  """The compiler's own estimate of the step (`plan.step_estimate`: `optimal_seconds`, or its known part, or a
+  roofline, labelled) and its peak bytes per device, for the program `built.step` runs on `batch`: what
+  `benchmarks.tpu_plan` predicts without the chip, beside what the chip measures. Lowered before any step (the
+  state is donated). Seconds None where the backend gives no estimate and the chip is not in
+  `accelerators.CHIPS` (CPUs)."""
+  report = tpu_plan_lib.analyse(built.step.lower(built.state, batch, built.rng))
+  topology = accelerators.attached_topology()
+  if topology is not None:
+    seconds, source = tpu_plan_lib.step_estimate(report, topology)
+  elif report.optimal_seconds is not None and report.optimal_seconds > 0:
+    seconds, source = report.optimal_seconds, "compiler"
+  else:
+    seconds, source = None, "none"
+  return {"estimate_s": seconds, "estimate_source": source, "compiled_peak_bytes": report.peak_bytes}
+
+
 def train_row(plan: Plan, name: str, matmul_tflops: float | None) -> Row:
   built, batch = _train_step(plan, name)
   params = int(sum(x.size for x in jax.tree_util.tree_leaves(built.state.params)))  # before a step donates them
-  timing = _time_steps(plan, built, batch)
+  estimate = compiler_estimate(built, batch)
+  timing = {**_time_steps(plan, built, batch), **estimate}
   flops = common.model_flops(built.model_config, plan.rows, plan.length, plan.length)["total"]
   tflops = flops / timing["step_s"] / 1e12
   tokens_per_s = plan.rows * plan.length / timing["step_s"]
@@ -214,7 +233,9 @@ def train_row(plan: Plan, name: str, matmul_tflops: float | None) -> Row:
   mfu_matmul = tflops / matmul_tflops if matmul_tflops else None
   value = (f"{tokens_per_s:,.0f} tok/s, step {timing['step_s'] * 1e3:.1f} ms, MFU "
            f"{f'{mfu:.1%}' if mfu is not None else 'n/a (no peak)'} of peak"
-           + (f", {mfu_matmul:.0%} of the matmul" if mfu_matmul else ""))
+           + (f", {mfu_matmul:.0%} of the matmul" if mfu_matmul else "")
+           + (f"; compiler's estimate {estimate['estimate_s'] * 1e3:.1f} ms ({estimate['estimate_source']})"
+              if estimate["estimate_s"] else "; no compiler estimate"))
   return Row("train", f"{name} bf16 {plan.rows}x{plan.length}", "ok", value,
              {**timing, "tokens_per_s": tokens_per_s, "model_tflops": tflops, "mfu_peak": mfu,
               "mfu_matmul": mfu_matmul, "params": params})

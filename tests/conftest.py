@@ -23,6 +23,9 @@ if "--xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):  #
   os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0").strip()
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")
+# The suite runs on the host's CPU; with libtpu installed (the tpu extra) a TPU backend would otherwise be tried
+# (and log its failure) in every process. TPU topologies still compile (tests/test_tpu_plan.py).
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ:  # the first process of the run (xdist's controller) makes it
   os.environ["JAX_COMPILATION_CACHE_DIR"] = _OWN_CACHE = tempfile.mkdtemp(prefix="transformer_jax-tests-xla-")
   os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")

@@ -65,6 +65,8 @@ def test_tiny_mode_runs_every_section_and_writes_its_json(tmp_path):
   assert train["detail"]["tokens_per_s"] == pytest.approx(8 * 32 / train["detail"]["step_s"])
   assert train["detail"]["mfu_peak"] is None and train["detail"]["mfu_matmul"] > 0
   assert train["detail"]["first_metrics"]["loss"] > 0
+  # The compiler's own analysis of the same step (XLA:CPU gives no time estimate; a TPU or GPU does).
+  assert train["detail"]["compiled_peak_bytes"] > 0 and train["detail"]["estimate_source"] in ("compiler", "none")
   matmul = rows[("matmul", "bf16 512x512")]
   assert matmul["detail"]["tflops"] == pytest.approx(2 * 512 ** 3 / matmul["detail"]["seconds"] / 1e12)
   for search in ("greedy", "beam 4"):

@@ -25,6 +25,7 @@ RANKS = {
     "transformer_jax.attention.layer": 1.4, "transformer_jax.attention": 1.5,
     "transformer_jax.profiling": 0,  # jax.profiler around chosen steps: a leaf
     "transformer_jax.multihost": 0,  # the host collectives (process 0 decides, every host agrees): jax only
+    "transformer_jax.accelerators": -1,  # chips' facts, TPU topologies, the backend rule: jax only
     "transformer_jax.stop_signal": 0.5,  # SIGTERM/SIGINT and the preemption notice (multihost)
     "transformer_jax.train_log": 1,  # the training scalars between logging steps (NonFiniteLossError)
     "transformer_jax.trackers": 1,   # metrics.jsonl, TensorBoard, W&B: writers that know only the workdir
@@ -54,6 +55,8 @@ RANKS = {
     # config -> model config, optimizer, train state, compiled steps, checkpointer (trainer and benchmarks)
     "transformer_jax.factories": 5.2,
     "transformer_jax.imported_workdir": 5.2,  # what a run does in a workdir holding an imported model
+    # the run's steps compiled on abstract arrays (a TPU topology too): memory, cost, collectives, fit refusal
+    "transformer_jax.plan": 5.3,
     "transformer_jax.trained": 5.5,  # a trained workdir loaded for inference: checkpoint + tokenizer + config
     "transformer_jax.corpus": 4.6,  # a corpus translated in shards across hosts: decoding, data, multihost
     "transformer_jax.serving.batching": 4.7,  # dynamic batching onto compiled shapes: decoding only

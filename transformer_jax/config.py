@@ -11,7 +11,10 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Literal, Mapping
 
+import jax
 import jax.numpy as jnp
+
+from transformer_jax import accelerators
 
 PositionKind = Literal["sinusoidal", "learned", "none"]
 AttentionImpl = Literal["xla", "cudnn"]
@@ -62,7 +65,9 @@ class ModelConfig:
   scale_embeddings: bool = True
   layer_norm_epsilon: float = 1e-6
   attention_impl: AttentionImpl = "xla"
-  # Activation / matmul dtype; parameters are always float32, softmax and loss run in float32.
+  # Activation / matmul dtype; parameters are always float32, softmax and loss run in float32. 'auto': the
+  # backend's rule (`accelerators.BACKEND_CHOICES`: bfloat16 on TPU and GPU, float32 on CPU), resolved by
+  # `factories.model_config_from` for the run's devices (config.json records the resolved dtype).
   dtype: str = "float32"
   # Rematerialise each layer's activations in the backward pass (saves memory for long sequences).
   remat: bool = False
@@ -109,8 +114,8 @@ class ModelConfig:
           f"position_embedding={self.position_embedding!r}; expected 'sinusoidal', 'learned' or 'none'")
     if self.attention_impl not in ("xla", "cudnn"):
       raise ValueError(f"attention_impl={self.attention_impl!r}; expected 'xla' or 'cudnn'")
-    if self.dtype not in ("float32", "bfloat16", "float16"):
-      raise ValueError(f"dtype={self.dtype!r}; expected 'float32', 'bfloat16' or 'float16'")
+    if self.dtype not in ("float32", "bfloat16", "float16", "auto"):
+      raise ValueError(f"dtype={self.dtype!r}; expected 'float32', 'bfloat16', 'float16' or 'auto'")
     for name in ("vocab_size", "num_encoder_layers", "num_decoder_layers", "d_model", "d_ff", "max_len"):
       if getattr(self, name) <= 0:
         raise ValueError(f"{name}={getattr(self, name)} must be positive")
@@ -141,7 +146,8 @@ class ModelConfig:
 
   @property
   def compute_dtype(self) -> jnp.dtype:
-    return jnp.dtype(self.dtype)
+    """`dtype`; 'auto' (unresolved) is the rule of the default backend (`accelerators.resolve_dtype`)."""
+    return jnp.dtype(accelerators.resolve_dtype(self.dtype, jax.default_backend()))
 
   def replace(self, **changes) -> "ModelConfig":
     return dataclasses.replace(self, **changes)

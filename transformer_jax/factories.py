@@ -23,6 +23,7 @@ from typing import Any
 import jax
 import optax
 
+from transformer_jax import accelerators
 from transformer_jax import checkpoint as checkpoint_lib
 from transformer_jax import metrics as metrics_lib
 from transformer_jax import sharding
@@ -35,9 +36,12 @@ from transformer_jax.training import state as state_lib
 from transformer_jax.training import steps
 
 
-def model_config_from(config: ExperimentConfig, vocab_size: int) -> ModelConfig:
-  """`config.model` with the vocabulary size of the run's tokenizer (ValueError: ModelConfig's range errors)."""
-  return config.model.replace(vocab_size=vocab_size)
+def model_config_from(config: ExperimentConfig, vocab_size: int, platform: str | None = None) -> ModelConfig:
+  """`config.model` with the vocabulary size of the run's tokenizer and `model.dtype='auto'` resolved for
+  `platform` (default `jax.default_backend()`; `accelerators.resolve_dtype`). ValueError: ModelConfig's range
+  errors."""
+  dtype = accelerators.resolve_dtype(config.model.dtype, platform or jax.default_backend())
+  return config.model.replace(vocab_size=vocab_size, dtype=dtype)
 
 
 def optimizer(config: ExperimentConfig, d_model: int) -> tuple[optax.GradientTransformation, Any]:
@@ -61,6 +65,14 @@ def create_state(config: ExperimentConfig, model_config: ModelConfig, mesh: jax.
   `jax.random.key`, for the parameters' initialisation)."""
   tx, _ = optimizer(config, model_config.d_model)
   return state_lib.create_train_state(model_config, tx, rng, mesh, rules)
+
+
+def abstract_state(config: ExperimentConfig, model_config: ModelConfig, mesh: jax.sharding.Mesh, rng: jax.Array,
+                   rules=sharding.LOGICAL_AXIS_RULES) -> steps.TrainState:
+  """`create_state`'s train state as sharded `jax.ShapeDtypeStruct`s: nothing initialised, so `mesh` may hold
+  compile-only devices (`transformer_jax.plan` compiles the run's steps on it for a TPU topology)."""
+  tx, _ = optimizer(config, model_config.d_model)
+  return state_lib.abstract_train_state(model_config, tx, rng, mesh, rules)
 
 
 def train_model_config(config: ExperimentConfig, model_config: ModelConfig, step: int) -> ModelConfig:

@@ -46,6 +46,7 @@ from typing import Any, Callable, Iterator, Mapping, Optional, Sequence
 import flax.linen as nn
 import jax
 import numpy as np
+from jax.experimental import mesh_utils
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 from transformer_jax.config import ModelConfig
@@ -119,12 +120,25 @@ def make_mesh(data: int = -1, fsdp: int = 1, tensor: int = 1,
               devices: Optional[Sequence[jax.Device]] = None) -> Mesh:
   """A ('data', 'fsdp', 'tensor') mesh over `devices` (default: all of them, every process) with Auto axes.
 
+  Devices of several TPU slices (`device.slice_index`) get a hybrid mesh: `data` is split across the slices
+  (DCN) first, then within each; ValueError when `data` is not a multiple of the slice count.
+
   Flax's logical partitioning emits ordinary sharding constraints, which need Auto (GSPMD-propagated)
   axes; `jax.make_mesh` now defaults to Explicit axes, so the types are set here.
   """
   devices = list(jax.devices() if devices is None else devices)
   shape = mesh_shape(data, fsdp, tensor, num_devices=len(devices))
-  return jax.make_mesh(shape, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES), devices=devices)
+  axis_types = (AxisType.Auto,) * len(MESH_AXES)
+  slices = len({getattr(d, "slice_index", 0) for d in devices})
+  if slices == 1:
+    return jax.make_mesh(shape, MESH_AXES, axis_types=axis_types, devices=devices)
+  # Multi-slice (MaxText's DCN data parallelism): the slices split the data axis; fsdp, tensor and the rest of
+  # data stay within a slice, on its ICI links. Only the gradients' all-reduce crosses DCN.
+  if shape[0] % slices:
+    raise ValueError(f"mesh data={shape[0]} must be a multiple of the {slices} slices: the data axis spans "
+                     "the slices over DCN (fsdp and tensor stay within a slice)")
+  grid = mesh_utils.create_hybrid_device_mesh((shape[0] // slices, shape[1], shape[2]), (slices, 1, 1), devices)
+  return Mesh(grid, MESH_AXES, axis_types=axis_types)
 
 
 def mesh_from_config(mesh_config: MeshConfig = MeshConfig(), devices: Optional[Sequence[jax.Device]] = None) -> Mesh:

@@ -34,7 +34,7 @@ import numpy as np
 from transformer_jax import checkpoint as checkpoint_lib
 from transformer_jax import early_stopping as early_stopping_lib
 from transformer_jax import evaluators as evaluators_lib
-from transformer_jax import factories, imported_workdir, multihost, profiling, sharding
+from transformer_jax import factories, imported_workdir, multihost, plan, profiling, sharding
 from transformer_jax.config import ModelConfig
 from transformer_jax.data import datasets as datasets_lib, tokenizer as tokenizer_lib
 from transformer_jax.experiment_config import ExperimentConfig
@@ -139,6 +139,8 @@ def prepare(config: ExperimentConfig, workdir: str) -> Run:
   A workdir holding an imported model needs `config` from `imported_workdir.config_for_workdir` (ValueError
   otherwise). The model's pad/EOS ids must be the tokenizer's (`tokenizer.check_model_ids`, VocabularyError).
   The trackers of `config.trackers` start before anything is written (`trackers.TrackerError` if one cannot).
+  On devices that report their memory (TPU, GPU) the train step is compiled first and a run whose peak exceeds
+  a device's memory is refused (`plan.DoesNotFitError`, one line naming the levers), before anything is written.
   """
   multihost.maybe_initialize_distributed(config.distributed)
   run_dir = Workdir(workdir)
@@ -155,6 +157,7 @@ def prepare(config: ExperimentConfig, workdir: str) -> Run:
   evaluators_lib.check_best_metric(config)
   mesh = sharding.mesh_from_config(config.mesh)
   check_batch_rows(config.data, mesh)
+  plan.check_run_fits(config, mesh)  # on an accelerator: a train step that cannot fit is refused here
   # A tracker that cannot start is refused (trackers.TrackerError) before we write anything.
   writer = MetricWriter.open(config.trackers, run_dir, dataclasses.asdict(config.wandb),
                             enabled=jax.process_index() == 0)
@@ -172,7 +175,7 @@ def _prepare_run(config: ExperimentConfig, run_dir: Workdir, saved: dict | None,
   data = datasets_lib.build_datasets(config.data, str(run_dir.root), seed=config.seed,
                                      process_index=jax.process_index(), process_count=jax.process_count(),
                                      barrier=multihost.sync_processes)
-  model_config = factories.model_config_from(config, data.tokenizer.vocab_size)
+  model_config = factories.model_config_from(config, data.tokenizer.vocab_size, mesh.devices.flat[0].platform)
   tokenizer_lib.check_model_ids(data.tokenizer, model_config)
   resolved = to_jsonable(config)
   resolved["model"] = to_jsonable(model_config)

@@ -41,7 +41,9 @@ def get_config() -> ml_collections.ConfigDict:
   # dropout: `ModelConfig`'s defaults. vocab_size is replaced by the size of the trained vocabulary. max_len
   # only sizes the sinusoid table and caps decoding (source length + 50); it is larger than data.max_len so
   # that long test sentences (eval and test splits are not length-filtered) still fit.
-  config.model.update(vocab_size=37000, max_len=512)
+  # dtype 'auto': bfloat16 compute on TPU and GPU, float32 on CPU (accelerators.BACKEND_CHOICES; parameters and
+  # Adam stay float32; docs/performance.md, "Compiled for the accelerators we target").
+  config.model.update(vocab_size=37000, max_len=512, dtype="auto")
 
   config.data.dataset = "wmt14_translate/de-en"   # tfds: train = Europarl v7 + CommonCrawl + News Commentary v9
   config.data.builder_config = ""                 # (number_words only; the WMT config is in the dataset name)

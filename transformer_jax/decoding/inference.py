@@ -87,6 +87,14 @@ def _search_fn(config: ModelConfig, options: generate.DecodeOptions, max_decode_
   return jax.jit(run)
 
 
+def search_program(config: ModelConfig, options: generate.DecodeOptions, max_decode_len: int) -> Callable:
+  """The jitted search `decode_ids` dispatches a batch to (one model, no prefixes or constraints):
+  `(params_tuple, inputs [rows, src_len] int32, max_lengths [rows], indices [rows], seed int32 scalar,
+  prefix_tokens [rows, 0], prefix_lengths [rows]) -> generate.Hypotheses`; `transformer_jax.plan` lowers it for
+  a TPU topology."""
+  return _search_fn(config, options, max_decode_len)
+
+
 class Hypothesis(NamedTuple):
   """One decoded hypothesis of `decode_ids`."""
   ids: list  # token ids, EOS excluded

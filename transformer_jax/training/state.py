@@ -39,6 +39,26 @@ def create_train_state(model_config: ModelConfig, tx: optax.GradientTransformati
   """
   mesh = sharding.single_device_mesh() if mesh is None else mesh
   rules = sharding.validate_model_for_mesh(model_config, mesh, rules)
+  boxed_state, abstract, shardings = _state_layout(model_config, tx, rng, mesh, rules)
+  with nn.logical_axis_rules(rules):
+    return jax.jit(lambda key: nn.unbox(boxed_state(key)), out_shardings=shardings)(rng)
+
+
+def abstract_train_state(model_config: ModelConfig, tx: optax.GradientTransformation, rng: jax.Array, mesh: Mesh,
+                         rules: sharding.LogicalRules = sharding.LOGICAL_AXIS_RULES) -> steps.TrainState:
+  """The `TrainState` `create_train_state` would build, as `jax.ShapeDtypeStruct`s with its shardings on
+  `mesh`: nothing is initialised or placed, so `mesh` may hold compile-only devices (a TPU topology,
+  `accelerators.tpu_topology`). The compiled steps lower on it exactly as on the real state. Raises what
+  `create_train_state` raises."""
+  rules = sharding.validate_model_for_mesh(model_config, mesh, rules)
+  _, abstract, shardings = _state_layout(model_config, tx, rng, mesh, rules)
+  return jax.tree_util.tree_map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                                nn.unbox(abstract), shardings)
+
+
+def _state_layout(model_config: ModelConfig, tx: optax.GradientTransformation, rng: jax.Array, mesh: Mesh,
+                  rules: sharding.LogicalRules):
+  """(the boxed state's initialisation `key -> state`, its abstract value, its shardings on `mesh`)."""
   apply_fn = Transformer(model_config).apply
 
   def boxed_state(key):
@@ -48,5 +68,4 @@ def create_train_state(model_config: ModelConfig, tx: optax.GradientTransformati
   abstract = jax.eval_shape(boxed_state, rng)
   shardings = nn.logical_to_mesh_sharding(nn.get_partition_spec(abstract), mesh, rules)
   sharding.check_divisible(nn.unbox(abstract), shardings)
-  with nn.logical_axis_rules(rules):
-    return jax.jit(lambda key: nn.unbox(boxed_state(key)), out_shardings=shardings)(rng)
+  return boxed_state, abstract, shardings

@@ -1,0 +1,92 @@
+"""The run's own train step compiled for TPU topologies on this host (libtpu, no TPU): the collectives each
+mesh implies, memory within the chip, the compiler's FLOPs against the analytic count, and the refusal of a run
+that cannot fit (`transformer_jax.plan`, `benchmarks.tpu_plan`). Skipped only where libtpu (the `tpu` extra)
+is absent."""
+
+import dataclasses
+import subprocess
+import sys
+
+import pytest
+
+from benchmarks import common
+from transformer_jax import accelerators, plan, sharding
+from transformer_jax.config import ModelConfig
+from transformer_jax.experiment_config import DataConfig, ExperimentConfig
+
+needs_libtpu = pytest.mark.skipif(not accelerators.libtpu_available(),
+                                reason="libtpu is not installed (pip install -e '.[tpu]'; make test installs it)")
+
+MODEL = ModelConfig(vocab_size=512, num_encoder_layers=1, num_decoder_layers=1, d_model=256, d_ff=1024,
+                    num_heads=4, max_len=32, dtype="bfloat16")
+CONFIG = ExperimentConfig(model=MODEL, data=DataConfig(vocab_size=512, max_len=32, tokens_per_batch=32 * 16))
+
+
+def _train_report(topology_name: str, mesh_config: sharding.MeshConfig):
+  topology = accelerators.tpu_topology(topology_name)
+  config = dataclasses.replace(CONFIG, mesh=mesh_config)
+  mesh = sharding.mesh_from_config(mesh_config, devices=topology.devices)
+  return topology, plan.compile_report(plan.build_programs(config, MODEL, mesh, decode_rows=0).train)
+
+
+def _check_memory_and_flops(topology, report):
+  assert 0 < report.peak_bytes <= topology.hbm_bytes_per_device
+  analytic = common.model_flops(MODEL, 16, 32, 32)["total"]
+  assert report.flops * len(topology.devices) == pytest.approx(analytic, rel=0.15)
+
+
+@needs_libtpu
+def test_data_parallel_on_v5e_all_reduces_gradients():
+  topology, report = _train_report("v5e:2x2", sharding.MeshConfig(data=4))
+  assert len(topology.devices) == 4 and topology.chip.name == "v5e"
+  assert report.collectives["all-reduce"]["count"] >= 1
+  assert "all-gather" not in report.collectives and "reduce-scatter" not in report.collectives
+  _check_memory_and_flops(topology, report)
+
+
+@needs_libtpu
+def test_fsdp_on_v4_gathers_weights_and_scatters_gradients():
+  # v4:2x2x1 is 4 megacore chips = 4 devices (as a v4-8 TPU VM shows them): data 2 x fsdp 2.
+  topology, report = _train_report("v4:2x2x1", sharding.MeshConfig(data=2, fsdp=2))
+  assert len(topology.devices) == 4
+  assert report.collectives["all-gather"]["count"] >= 1
+  assert {"reduce-scatter", "all-reduce"} & set(report.collectives)  # gradients reduced over fsdp, then data
+  _check_memory_and_flops(topology, report)
+
+
+@needs_libtpu
+def test_a_run_too_big_for_one_v5e_chip_is_refused_in_one_line_with_nothing_written(tmp_path):
+  output = tmp_path / "plan.json"
+  # A 1+1-layer model with a 64k-wide FFN: ~2.1 G parameters, 8.6 GB in float32 and twice that in Adam moments.
+  result = subprocess.run(
+      [sys.executable, "-m", "benchmarks.tpu_plan", "--config=experiments/configs/number_words.py",
+       "--topology=v5e:1x1", "--programs=train", f"--output={output}", f"--cache_dir={tmp_path / 'cache'}",
+       "--config.model.num_encoder_layers=1", "--config.model.num_decoder_layers=1",
+       "--config.model.d_model=8192", "--config.model.d_ff=65536", "--config.model.num_heads=64"],
+      capture_output=True, text=True, cwd=common.REPO, check=False)
+  assert result.returncode == 1, result.stderr[-2000:]
+  errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+  assert len(errors) == 1 and "GiB per device at its peak" in errors[0] and "15.75 GiB" in errors[0], errors
+  assert "mesh.fsdp" in errors[0] and "grad_accum_steps" in errors[0] and "remat" in errors[0]
+  assert not output.exists()
+
+
+def test_collectives_are_read_from_the_optimised_hlo():
+  hlo = ("%ar = f32[512,128]{1,0} all-reduce(f32[512,128]{1,0} %g), replica_groups={}\n"
+         "%ags = (bf16[64,128]{1,0}, bf16[256,128]{1,0}) all-gather-start(bf16[64,128]{1,0} %w)\n"
+         "%agd = bf16[256,128]{1,0} all-gather-done(%ags)\n")
+  assert plan.collectives(hlo) == {"all-reduce": {"count": 1, "bytes": 512 * 128 * 4},
+                                   "all-gather": {"count": 1, "bytes": 256 * 128 * 2}}
+
+
+def test_fit_candidates_go_from_the_config_to_fsdp_tensor_then_accumulation():
+  config = dataclasses.replace(CONFIG, data=dataclasses.replace(CONFIG.data, tokens_per_batch=32 * 16))
+  splits = [plan.describe_split(c) for c in plan.fit_candidates(config, 4, max_accum=4)]
+  assert splits == [
+      "mesh data=-1 fsdp=1 tensor=1, tokens_per_batch=512 x grad_accum_steps=1",
+      "mesh data=-1 fsdp=2 tensor=1, tokens_per_batch=512 x grad_accum_steps=1",
+      "mesh data=-1 fsdp=4 tensor=1, tokens_per_batch=512 x grad_accum_steps=1",
+      "mesh data=-1 fsdp=1 tensor=2, tokens_per_batch=512 x grad_accum_steps=1",
+      "mesh data=-1 fsdp=1 tensor=4, tokens_per_batch=512 x grad_accum_steps=1",
+      "mesh data=-1 fsdp=1 tensor=1, tokens_per_batch=256 x grad_accum_steps=2",
+      "mesh data=-1 fsdp=1 tensor=1, tokens_per_batch=128 x grad_accum_steps=4"]
