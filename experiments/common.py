@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime
 import functools
+import gc
 import logging
 import os
 import platform
@@ -47,20 +48,44 @@ class _LibraryInfoFilter:
     return record.levelno >= logging.WARNING and "is read only" not in record.getMessage()
 
 
-def _quiet_closed_loop_callbacks(hook):
-  """`sys.unraisablehook` that drops the "Event loop is closed" RuntimeError of a callback into an asyncio loop
-  that has ended (tensorstore completing the writes of an orbax save that already failed, each one printed as a
-  traceback); the save's own error reaches the program, which says it in one line."""
+_failed = False  # set by `fail`: the program has said its error line
+
+
+def _quiet_unraisable(hook):
+  """`sys.unraisablehook` for the programs: an exception that nobody awaits in a library's background work
+  (orbax/tensorstore coroutines and callbacks of a save or restore that already failed: the failure itself reaches
+  the program, which says it in one line) prints no traceback. After `fail` nothing more is printed, so the
+  `error:` line stays the last; before it, one `warning:` line; asyncio's "Event loop is closed" is dropped."""
   def unraisablehook(unraisable):
-    if unraisable.exc_type is RuntimeError and str(unraisable.exc_value) == "Event loop is closed":
+    if _failed or (unraisable.exc_type is RuntimeError and str(unraisable.exc_value) == "Event loop is closed"):
       return
-    hook(unraisable)
+    if unraisable.exc_value is None:
+      return hook(unraisable)
+    text = " ".join(str(unraisable.exc_value).split())[:300]
+    print(f"warning: ignored in background work: {unraisable.exc_type.__name__}: {text}", file=sys.stderr)
   return unraisablehook
 
 
+class _OneLineBackgroundErrors(logging.Filter):
+  """asyncio's "Task exception was never retrieved" (orbax's restore tasks left over once one of them failed: the
+  failure itself reaches the program) as one line without its traceback, and nothing after `fail`."""
+
+  def filter(self, record: logging.LogRecord) -> bool:
+    if _failed:
+      return False
+    if record.exc_info and record.exc_info[1] is not None:
+      error = record.exc_info[1]
+      record.msg, record.args = f"ignored in background work: {type(error).__name__}: " + " ".join(
+          str(error).split())[:300], ()
+      record.exc_info = record.exc_text = None
+    return True
+
+
 def setup_logging() -> None:
-  """Our own progress at INFO; orbax/tfds chatter only from WARNING up; no tfds progress bars."""
-  sys.unraisablehook = _quiet_closed_loop_callbacks(sys.unraisablehook)
+  """Our own progress at INFO; orbax/tfds chatter only from WARNING up; no tfds progress bars; background work's
+  unretrieved errors in one line (`_quiet_unraisable`, `_OneLineBackgroundErrors`)."""
+  sys.unraisablehook = _quiet_unraisable(sys.unraisablehook)
+  logging.getLogger("asyncio").addFilter(_OneLineBackgroundErrors())
   absl_logging.set_verbosity(absl_logging.INFO)
   absl_logging.get_absl_handler().addFilter(_LibraryInfoFilter())
   tfds.disable_progress_bar()
@@ -130,7 +155,11 @@ def out_of_memory(error: BaseException) -> str | None:
 
 
 def fail(message: str) -> None:
-  """Prints `error: <message>` on one line to stderr and exits with status 1."""
+  """Prints `error: <message>` on one line to stderr and exits with status 1 (the garbage of the failed work
+  collected first, so that its unraisable exceptions come before the line or not at all: `_quiet_unraisable`)."""
+  global _failed
+  gc.collect()
+  _failed = True
   print("error: " + " ".join(str(message).split()), file=sys.stderr)
   sys.exit(1)
 

@@ -5,6 +5,8 @@ and the host devices a config asks for (`set_cpu_devices`). The restart with gli
 buffers happens earlier, when Python imports the package to run the program (`experiments/huge_pages.py`).
 """
 
+import glob
+import importlib.util
 import math
 import os
 import re
@@ -194,4 +196,20 @@ def run(main: Callable[[list[str]], Any]) -> None:
   here, once.
   """
   huge_pages.maybe_reexecute()
+  skip_absent_tpu()
   app.run(main, flags_parser=parse_flags)
+
+
+def skip_absent_tpu() -> None:
+  """On a host with the `tpu` extra's libtpu but no TPU chip (no /dev/accel*, no /dev/vfio/<n>) and no CUDA
+  plugin, JAX's backends are limited to the CPU (`JAX_PLATFORMS=cpu`): otherwise libtpu's failed start prints five
+  lines of warnings in every program. Compile-only TPU plans do not need the TPU backend (`accelerators`).
+  `JAX_PLATFORMS` set by the caller is kept; must run before JAX starts its backends."""
+  if "JAX_PLATFORMS" in os.environ or importlib.util.find_spec("libtpu") is None:
+    return
+  if glob.glob("/dev/accel*") or glob.glob("/dev/vfio/[0-9]*"):
+    return
+  if any(importlib.util.find_spec(name) for name in ("jax_cuda12_plugin", "jax_cuda13_plugin")):
+    return
+  os.environ["JAX_PLATFORMS"] = "cpu"
+  jax.config.update("jax_platforms", "cpu")
