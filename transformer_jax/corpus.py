@@ -35,7 +35,8 @@ from transformer_jax import multihost
 from transformer_jax.data import noise as noise_lib
 from transformer_jax.data import parallel_text
 from transformer_jax.decoding import generate, inference
-from transformer_jax.workdir import config_diff, read_json, to_jsonable, write_bytes_atomically, write_json_atomically
+from transformer_jax.workdir import (config_diff, open_atomically, read_json, to_jsonable, write_bytes_atomically,
+                                     write_json_atomically)
 
 
 class Unit(NamedTuple):
@@ -227,23 +228,17 @@ def write_manifest(layout: Layout, files: Sequence[epath.Path], units: Sequence[
 
 
 def _concatenate(path: epath.Path, parts: Sequence[epath.Path]) -> None:
-  """`parts` one after the other into `path` (a part not ending with a newline gets one), streamed, through a
-  temporary file and a rename."""
-  tmp = path.parent / f"{path.name}.{time.time_ns()}.tmp"
-  try:
-    with tmp.open("wb") as out:
-      for part in parts:
-        last = b"\n"
-        with part.open("rb") as f:
-          for block in iter(lambda: f.read(1 << 20), b""):  # noqa: B023
-            out.write(block)
-            last = block[-1:]
-        if last != b"\n":
-          out.write(b"\n")
-    tmp.replace(path)
-  finally:
-    if tmp.exists():
-      tmp.unlink()
+  """`parts` one after the other into `path` (a part not ending with a newline gets one), streamed, written
+  atomically (`workdir.open_atomically`)."""
+  with open_atomically(path) as out:
+    for part in parts:
+      last = b"\n"
+      with part.open("rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):  # noqa: B023
+          out.write(block)
+          last = block[-1:]
+      if last != b"\n":
+        out.write(b"\n")
 
 
 def write_parallel_corpus(layout: Layout, files: Sequence[epath.Path], units: Sequence[Unit], split: str,

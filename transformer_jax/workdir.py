@@ -37,11 +37,12 @@ two kinds apart where a library opens local files only (ArrayRecord, zip writing
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
 import uuid
-from typing import Any, Mapping, Sequence
+from typing import Any, BinaryIO, Iterator, Mapping, Sequence
 
 import numpy as np
 from etils import epath
@@ -252,14 +253,27 @@ def absolute(path: PathLike) -> epath.Path:
   return path.absolute() if is_local(path) else path
 
 
-def write_bytes_atomically(path: PathLike, data: bytes) -> None:
-  """Writes `data` to `path` through a temporary file (one per writer) and a rename: readers never see half a
-  file. On Cloud Storage, where a rename is a copy, each object still appears whole or not at all."""
+@contextlib.contextmanager
+def open_atomically(path: PathLike) -> Iterator[BinaryIO]:
+  """A binary file to stream into `path`: written to a temporary file (one per writer, `<name>.<uuid>.tmp`) and
+  renamed over `path` when the block ends without an error (else removed), so readers never see half a file. On
+  Cloud Storage, where a rename is a copy, each object still appears whole or not at all."""
   path = epath.Path(path)
   path.parent.mkdir(parents=True, exist_ok=True)
   tmp = path.parent / f"{path.name}.{uuid.uuid4().hex}.tmp"
-  tmp.write_bytes(data)
-  tmp.replace(path)
+  try:
+    with tmp.open("wb") as out:
+      yield out
+    tmp.replace(path)
+  finally:
+    if tmp.exists():
+      tmp.unlink()
+
+
+def write_bytes_atomically(path: PathLike, data: bytes) -> None:
+  """Writes `data` to `path` through `open_atomically`: readers never see half a file."""
+  with open_atomically(path) as out:
+    out.write(data)
 
 
 def write_json_atomically(path: PathLike, value: Any) -> None:
