@@ -7,9 +7,11 @@ event reader, wandb's own record type and `jax.profiler.ProfileData`, against th
 import glob
 import json
 import os
+import re
 import struct
 import subprocess
 import sys
+import types
 
 import jax
 import pytest
@@ -191,8 +193,9 @@ def test_the_train_program_refuses_an_unknown_tracker_in_one_line(tmp_path):
 def test_tensorboard_events_are_written_without_importing_tensorflow(tmp_path):
   """The event file of a local workdir is written with TensorBoard's record writer and local file I/O: opening
   it once imported TensorFlow (`tf.io.gfile`), 5 s of every training run's start; TensorBoard reads it back."""
-  code = ("import sys; from transformer_jax import trackers; from transformer_jax.workdir import Workdir\n"
-          f"writer = trackers.MetricWriter.open(('tensorboard',), Workdir({str(tmp_path / 'run')!r}), {{}})\n"
+  code = ("import sys, types; from transformer_jax import trackers; from transformer_jax.workdir import Workdir\n"
+          "config = types.SimpleNamespace(trackers=('tensorboard',))\n"
+          f"writer = trackers.MetricWriter.open(config, Workdir({str(tmp_path / 'run')!r}))\n"
           "writer.start({'model': {'d_model': 32}}, ['validation/loss'])\n"
           "writer.write(3, {'train/loss': 2.5, 'validation/loss': 2.75})\n"
           "writer.write_samples(3, 'validation', [('five', 'fünf', 'fünf')])\n"
@@ -209,3 +212,44 @@ def test_tensorboard_events_are_written_without_importing_tensorflow(tmp_path):
       (3, 2.5)]
   assert "validation/samples" in events.Tags()["tensors"]
   assert events.PluginTagToContent(hparams_metadata.PLUGIN_NAME)
+
+
+class _RecordingTracker:
+  """A tracker of the `Tracker` protocol that records its calls (what a new tracker implements)."""
+  package = ""
+  calls: list = []
+
+  def __init__(self, workdir, options):
+    self.calls.append(("init", dict(options)))
+
+  def start(self, hparams, metric_tags):
+    self.calls.append(("start", hparams["model.d_model"], tuple(metric_tags)))
+
+  def write(self, step, scalars):
+    self.calls.append(("write", step, dict(scalars)))
+
+  def write_samples(self, step, tag, rows):
+    self.calls.append(("samples", step, tag, list(rows)))
+
+  def close(self):
+    self.calls.append(("close",))
+
+
+def test_a_new_tracker_is_a_class_in_the_registry_with_its_config_section_as_options(tmp_path, monkeypatch):
+  """The writer names no tracker: a class of the protocol registered in `TRACKERS` receives the config section
+  of its name and every call, beside metrics.jsonl; the trainer names no tracker either."""
+  monkeypatch.setitem(trackers.TRACKERS, "recording", _RecordingTracker)
+  monkeypatch.setattr(_RecordingTracker, "calls", [])
+  config = types.SimpleNamespace(trackers=("recording",), recording={"project": "p"})
+  (tmp_path / "run").mkdir()  # the trainer creates the workdir before `start`
+  writer = trackers.MetricWriter.open(config, Workdir(str(tmp_path / "run")))
+  writer.start({"model": {"d_model": 32}}, ["validation/bleu"])
+  writer.write(3, {"train/loss": 2.5})
+  writer.write_samples(3, "validation", [("five", "fünf", "fünf")])
+  writer.close()
+  assert _RecordingTracker.calls == [("init", {"project": "p"}), ("start", 32, ("validation/bleu",)),
+                                     ("write", 3, {"train/loss": 2.5}),
+                                     ("samples", 3, "validation/samples", [("five", "fünf", "fünf")]), ("close",)]
+  assert [json.loads(line)["train/loss"] for line in open(tmp_path / "run" / "metrics.jsonl")] == [2.5]
+  trainer_source = open(trainer.__file__).read()
+  assert not re.search(r"wandb|tensorboard|TensorBoard", trainer_source)

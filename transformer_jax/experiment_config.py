@@ -278,7 +278,7 @@ def _metric_name(value):
 def _trackers(value):
   ok = isinstance(value, (tuple, list)) and len(set(value)) == len(value) and all(
       v in trackers.TRACKERS for v in value)
-  return ok, f"a tuple of distinct tracker names from {trackers.TRACKERS}, e.g. \"('tensorboard', 'wandb')\""
+  return ok, f"a tuple of distinct tracker names from {tuple(trackers.TRACKERS)}, e.g. \"('tensorboard', 'wandb')\""
 
 
 def _profile_steps(value):

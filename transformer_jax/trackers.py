@@ -1,12 +1,18 @@
-"""Where a training run's numbers go: `metrics.jsonl` always, and the trackers `config.trackers` lists.
+"""Where a training run's numbers go: the trackers `config.trackers` lists, and `metrics.jsonl` always.
 
-    writer = trackers.MetricWriter.open(config.trackers, workdir, config.wandb, enabled=is_chief)  # wandb starts
+    writer = trackers.MetricWriter.open(config, workdir, enabled=is_chief)  # each tracker constructed; wandb starts
     writer.start(resolved_config, metric_tags)           # TensorBoard, metrics.jsonl; the config as hyperparameters
-    writer.write(step, {"train/loss": 2.1, ...})         # scalars, to every tracker and metrics.jsonl
+    writer.write(step, {"train/loss": 2.1, ...})         # scalars, to every tracker
     writer.write_samples(step, "validation", [(source, reference, hypothesis), ...])
     writer.close()                                       # the final validation metrics close the HParams session
 
-Trackers (`TRACKERS`):
+A tracker is any class with the `Tracker` protocol's four methods and a constructor `(workdir, options)`, where
+`options` is the config section named after it (`config.wandb` for "wandb"; {} where the config has none),
+registered by name in `TRACKERS`. The constructor does what can be refused (a missing package, `wandb.init`)
+and writes nothing else; `start` opens its files. Adding one: a class here, its name in `TRACKERS`, its package
+in a pyproject extra, and (if it takes options) a section of its name in `ExperimentConfig`.
+
+Trackers (`TRACKERS`), beside `metrics.jsonl` (`JsonlTracker`, always on: one JSON object per write):
   tensorboard  event files in `<workdir>/tensorboard/`, TensorBoard's record format written by its own
                `RecordWriter` (`tensorboard.summary.writer.record_writer`, the record framing
                `EventFileWriter` uses, without its TensorFlow file I/O): scalars (the `scalars` plugin), the resolved
@@ -18,17 +24,13 @@ Trackers (`TRACKERS`):
                saved there: the same scalars (`run.log`), the config (`run.config`), the samples (a
                `wandb.Table`). `WANDB_MODE=offline` keeps everything on disk (`wandb sync` uploads it later).
 
-Start-up cost, as light as the writer it replaces (`python -X importtime`, after jax; 2 shared cores under
-load): TensorBoard's summary protos and tensor_util ~0.08 s (as `tensorboard.summary.Writer` cost), the HParams
-and text `summary_v2` helpers and this module 0.02 s more; no TensorFlow at import (the HParams v1 helpers,
-`hparams.summary`, import it: not used). The event file is opened through `etils.epath`, which does local file I/O
-itself; TensorBoard's `EventFileWriter` went through `tf.io.gfile` and so imported TensorFlow at the start of every
-run (5.1 s idle on 2 cores, 16-18 s loaded). A `gs://` workdir still goes through TensorFlow's GCS file system
-(epath's backend for URIs when TensorFlow is installed). wandb is imported only when listed (3-4 s, plus its
-service process).
+No TensorFlow at import: the event file is opened through `etils.epath`, which does local file I/O itself
+(TensorBoard's `EventFileWriter` goes through `tf.io.gfile`); a `gs://` workdir still goes through TensorFlow's
+GCS file system (epath's backend for URIs when TensorFlow is installed). wandb is imported only when listed.
+Start-up costs: docs/performance.md.
 
-A tracker that cannot start (unknown name, package not installed, `wandb.init` refused: a bad API key, an
-unknown entity) raises `TrackerError` (one line) before the trainer writes anything of its own.
+A tracker that cannot start (unknown name, package not installed or failing to import, `wandb.init` refused:
+a bad API key, an unknown entity) raises `TrackerError` (one line) before the trainer writes anything of its own.
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ import shutil
 import socket
 import time
 import uuid
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Iterable, Mapping, Protocol, Sequence
 
 import numpy as np
 from etils import epath
@@ -54,23 +56,25 @@ from tensorboard.util import tensor_util
 
 from transformer_jax.workdir import Workdir, is_local, to_jsonable
 
-TRACKERS = ("tensorboard", "wandb")
-# The Python package each tracker needs beyond the core dependencies (pyproject extras).
-PACKAGES = {"wandb": "wandb"}
-
-
 class TrackerError(ValueError):
   """A tracker that cannot start; the message is one line naming the tracker and what to do."""
 
 
-def check_trackers(names: Sequence[str]) -> None:
-  """Raises TrackerError (one line) for an unknown tracker name or one whose package is not installed."""
-  for name in names:
-    if name not in TRACKERS:
-      raise TrackerError(f"--config.trackers: unknown tracker {name!r}; one of {', '.join(map(repr, TRACKERS))}")
-    package = PACKAGES.get(name)
-    if package:
-      import_package(name, package)
+class Tracker(Protocol):
+  """Where a run's scalars, hyperparameters and sample translations go (process 0 only)."""
+
+  def start(self, hparams: Mapping[str, Any], metric_tags: Sequence[str]) -> None:
+    """Opens what the tracker writes; records the flattened resolved config (`flatten_hparams`) with the
+    `<split>/<metric>` tags that judge the run."""
+
+  def write(self, step: int, scalars: Mapping[str, float]) -> None:
+    """Scalars of `step`, named `train/loss`, `validation/bleu`, ..."""
+
+  def write_samples(self, step: int, tag: str, rows: Sequence[tuple[str, str, str]]) -> None:
+    """Sample translations (source, reference, hypothesis) of `step` under `tag` (`<split>/samples`)."""
+
+  def close(self) -> None:
+    """Flushes and closes."""
 
 
 def import_package(name: str, package: str):
@@ -122,11 +126,16 @@ class TensorBoardTracker:
   process that opens it, as `tensorboard.summary.writer.event_file_writer.EventFileWriter` writes them; every
   event is flushed when written)."""
 
-  def __init__(self, directory: os.PathLike | str):
-    directory = epath.Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
+  package = ""  # the core dependencies have it
+
+  def __init__(self, workdir: Workdir, options: Mapping[str, Any]):
+    del options  # none
+    self._directory = workdir.tensorboard
     self._closing = contextlib.ExitStack()  # epath opens a gs:// file as a context manager
-    self._file = self._closing.enter_context((directory / event_file_name()).open("wb"))
+
+  def _open(self) -> None:
+    self._directory.mkdir(parents=True, exist_ok=True)
+    self._file = self._closing.enter_context((self._directory / event_file_name()).open("wb"))
     self._records = record_writer.RecordWriter(self._file)
     self._add(event_pb2.Event(wall_time=time.time(), file_version="brain.Event:2"))
 
@@ -138,6 +147,7 @@ class TensorBoardTracker:
     self._add(event_pb2.Event(wall_time=time.time(), step=int(step), summary=summary))
 
   def start(self, hparams: Mapping[str, Any], metric_tags: Sequence[str]) -> None:
+    self._open()
     config_pb = hparams_summary.hparams_config_pb(
         hparams=[hparams_summary.HParam(name) for name in sorted(hparams)],
         metrics=[hparams_summary.Metric(tag, display_name=tag) for tag in metric_tags])
@@ -163,11 +173,13 @@ class TensorBoardTracker:
 class WandbTracker:
   """A Weights & Biases run in `<workdir>/wandb/`, resumed across restarts by the run id saved there."""
 
-  def __init__(self, workdir: Workdir, options: Mapping[str, str]):
+  package = "wandb"  # the `wandb` extra
+
+  def __init__(self, workdir: Workdir, options: Mapping[str, Any]):
     if not is_local(workdir.root):  # wandb writes its run files with local file I/O
       raise TrackerError(f"--config.trackers includes 'wandb', which keeps its run in a local directory, but the "
                          f"workdir {workdir.root} is not local: drop 'wandb' or use a local --workdir")
-    wandb = import_package("wandb", PACKAGES["wandb"])  # an optional extra, imported only when listed
+    wandb = import_package("wandb", self.package)  # an optional extra, imported only when listed
     self._wandb = wandb
     directory = workdir.wandb
     created = [p for p in (workdir.root, directory) if not p.exists()]
@@ -175,8 +187,8 @@ class WandbTracker:
     run_id = id_file.read_text().strip() if id_file.exists() else uuid.uuid4().hex[:8]
     try:
       directory.mkdir(parents=True, exist_ok=True)
-      self.run = wandb.init(project=options["project"] or None, entity=options["entity"] or None,
-                            name=options["name"] or None, dir=str(workdir.root), id=run_id, resume="allow",
+      self.run = wandb.init(project=options.get("project") or None, entity=options.get("entity") or None,
+                            name=options.get("name") or None, dir=str(workdir.root), id=run_id, resume="allow",
                             settings=wandb.Settings(console="off", quiet=True))
     except Exception as error:  # wandb raises its own errors (UsageError, AuthenticationError, CommError, ...)
       for path in reversed(created):  # leave the workdir as it was
@@ -200,58 +212,91 @@ class WandbTracker:
     self.run.finish()
 
 
-class MetricWriter:
-  """Fans scalars, hyperparameters and sample translations out to the run's trackers; scalars also go to
-  `metrics.jsonl` in the workdir (one JSON object per write: `{"step", "time", **scalars}`). Process 0 only:
-  `enabled=False` on the other hosts makes every method a no-op.
+class JsonlTracker:
+  """`metrics.jsonl` in the workdir: one JSON object `{"step", "time", **scalars}` per write, appended (a resumed
+  run continues the file). Hyperparameters and samples are in `config.json` and the other trackers."""
 
-  `open` starts the trackers that can be refused (wandb) before the trainer writes anything; `start`, once the
-  run's config is written, opens the rest (TensorBoard's event file, metrics.jsonl) and records the config.
+  def __init__(self, workdir: Workdir, options: Mapping[str, Any]):
+    del options  # none
+    self._path, self._files, self._file = workdir.metrics_jsonl, contextlib.ExitStack(), None
+
+  def start(self, hparams: Mapping[str, Any], metric_tags: Sequence[str]) -> None:
+    del hparams, metric_tags
+    # A context manager, not a file, for a gs:// path (epath's TensorFlow backend): entered, closed with the stack.
+    self._file = self._files.enter_context(self._path.open("a", encoding="utf-8"))
+
+  def write(self, step: int, scalars: Mapping[str, float]) -> None:
+    self._file.write(json.dumps({"step": step, "time": time.time(), **scalars}) + "\n")
+    self._file.flush()
+
+  def write_samples(self, step: int, tag: str, rows: Sequence[tuple[str, str, str]]) -> None:
+    del step, tag, rows
+
+  def close(self) -> None:
+    self._files.close()
+
+
+# The trackers `config.trackers` may list, by name; `metrics.jsonl` is always written besides them.
+TRACKERS: dict[str, type] = {"tensorboard": TensorBoardTracker, "wandb": WandbTracker}
+
+
+def check_trackers(names: Sequence[str]) -> None:
+  """Raises TrackerError (one line) for an unknown tracker name or one whose package is not installed or does
+  not import."""
+  for name in names:
+    if name not in TRACKERS:
+      raise TrackerError(f"--config.trackers: unknown tracker {name!r}; one of {', '.join(map(repr, TRACKERS))}")
+    if TRACKERS[name].package:
+      import_package(name, TRACKERS[name].package)
+
+
+def tracker_options(config: Any, name: str) -> Mapping[str, Any]:
+  """The options of tracker `name`: the config section of that name as a dict ({} where there is none)."""
+  section = getattr(config, name, None)
+  return to_jsonable(section) if section is not None else {}
+
+
+class MetricWriter:
+  """Fans scalars, hyperparameters and sample translations out to the run's trackers (`Tracker`): those
+  `config.trackers` names, then `metrics.jsonl`. Process 0 only: `enabled=False` on the other hosts makes
+  every method a no-op.
+
+  `open` constructs the trackers (what can be refused, wandb's start, happens there) before the trainer writes
+  anything; `start`, once the run's config is written, opens their files and records the config.
   """
 
-  def __init__(self, workdir: Workdir, names: Sequence[str], trackers: Sequence[Any], enabled: bool = True):
-    self.workdir, self.names, self.enabled, self.trackers = workdir, tuple(names), enabled, list(trackers)
-    self._jsonl, self._files = None, contextlib.ExitStack()
+  def __init__(self, trackers: Sequence[Tracker], enabled: bool = True):
+    self.trackers, self.enabled = list(trackers), enabled
 
   @classmethod
-  def open(cls, names: Sequence[str], workdir: Workdir, wandb_options: Mapping[str, str],
-           enabled: bool = True) -> "MetricWriter":
-    """Checks the trackers `names` and starts wandb when listed (the tracker that can be refused).
+  def open(cls, config: Any, workdir: Workdir, enabled: bool = True) -> "MetricWriter":
+    """The trackers of `config.trackers` (options: `tracker_options`) and `JsonlTracker`, constructed.
 
     Raises TrackerError (one line) when one cannot start; nothing of the trainer's is written then.
     """
-    check_trackers(names)
-    started = [WandbTracker(workdir, wandb_options)] if enabled and "wandb" in names else []
-    return cls(workdir, names, started, enabled)
+    check_trackers(config.trackers)
+    if not enabled:
+      return cls([], enabled=False)
+    trackers = [TRACKERS[name](workdir, tracker_options(config, name)) for name in config.trackers]
+    return cls([*trackers, JsonlTracker(workdir, {})])
 
   def start(self, resolved_config: Mapping, metric_tags: Sequence[str]) -> None:
-    """Opens TensorBoard's event file (if listed) and metrics.jsonl, and records the run's hyperparameters
-    (the flattened resolved config) with the metrics that judge it."""
-    if not self.enabled:
-      return
-    if "tensorboard" in self.names:
-      self.trackers.insert(0, TensorBoardTracker(self.workdir.tensorboard))
-    # A context manager, not a file, for a gs:// path (epath's TensorFlow backend): entered, closed with the stack.
-    self._jsonl = self._files.enter_context(self.workdir.metrics_jsonl.open("a", encoding="utf-8"))
+    """Opens each tracker's files and records the run's hyperparameters (the flattened resolved config) with
+    the metrics that judge it."""
     hparams = flatten_hparams(resolved_config)
     for tracker in self.trackers:
       tracker.start(hparams, metric_tags)
 
   def write(self, step: int, scalars: Mapping[str, float]) -> None:
-    if not self.enabled:
-      return
     for tracker in self.trackers:
       tracker.write(step, scalars)
-    self._jsonl.write(json.dumps({"step": step, "time": time.time(), **scalars}) + "\n")
-    self._jsonl.flush()
 
   def write_samples(self, step: int, split: str, rows: Sequence[tuple[str, str, str]]) -> None:
     """`rows` of (source, reference, hypothesis) as `<split>/samples`."""
-    for tracker in self.trackers if self.enabled else ():
+    for tracker in self.trackers:
       tracker.write_samples(step, f"{split}/samples", rows)
 
   def close(self) -> None:
     for tracker in self.trackers:
       tracker.close()
-    self._files.close()
-    self.trackers, self._jsonl = [], None
+    self.trackers = []
