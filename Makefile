@@ -31,10 +31,10 @@ train: $(STAMP)
 	  | $(BIN)/python -m experiments.translate --workdir=$(WORKDIR)
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -q -n 2 -m 'not slow' $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q -n 2 --dist loadscope -m 'not slow' $(PYTEST_ARGS)
 
 test-all: $(STAMP)
-	$(BIN)/python -m pytest -q -n 2 $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q -n 2 --dist loadscope $(PYTEST_ARGS)
 
 bench: $(STAMP)
 	$(BIN)/python -m pip install -q -e '.[bench]'

@@ -46,7 +46,6 @@ import uuid
 from typing import Any, Iterable, Mapping, Protocol, Sequence
 
 import numpy as np
-from etils import epath
 from tensorboard.compat.proto import event_pb2, summary_pb2
 from tensorboard.plugins.hparams import summary_v2 as hparams_summary
 from tensorboard.plugins.scalar import metadata as scalars_metadata
