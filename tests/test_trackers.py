@@ -11,7 +11,6 @@ import re
 import struct
 import subprocess
 import sys
-import types
 
 import jax
 import pytest
@@ -193,9 +192,8 @@ def test_the_train_program_refuses_an_unknown_tracker_in_one_line(tmp_path):
 def test_tensorboard_events_are_written_without_importing_tensorflow(tmp_path):
   """The event file of a local workdir is written with TensorBoard's record writer and local file I/O: opening
   it once imported TensorFlow (`tf.io.gfile`), 5 s of every training run's start; TensorBoard reads it back."""
-  code = ("import sys, types; from transformer_jax import trackers; from transformer_jax.workdir import Workdir\n"
-          "config = types.SimpleNamespace(trackers=('tensorboard',))\n"
-          f"writer = trackers.MetricWriter.open(config, Workdir({str(tmp_path / 'run')!r}))\n"
+  code = ("import sys; from transformer_jax import trackers; from transformer_jax.workdir import Workdir\n"
+          f"writer = trackers.MetricWriter.open({{'tensorboard': {{}}}}, Workdir({str(tmp_path / 'run')!r}))\n"
           "writer.start({'model': {'d_model': 32}}, ['validation/loss'])\n"
           "writer.write(3, {'train/loss': 2.5, 'validation/loss': 2.75})\n"
           "writer.write_samples(3, 'validation', [('five', 'fünf', 'fünf')])\n"
@@ -240,9 +238,8 @@ def test_a_new_tracker_is_a_class_in_the_registry_with_its_config_section_as_opt
   of its name and every call, beside metrics.jsonl; the trainer names no tracker either."""
   monkeypatch.setitem(trackers.TRACKERS, "recording", _RecordingTracker)
   monkeypatch.setattr(_RecordingTracker, "calls", [])
-  config = types.SimpleNamespace(trackers=("recording",), recording={"project": "p"})
   (tmp_path / "run").mkdir()  # the trainer creates the workdir before `start`
-  writer = trackers.MetricWriter.open(config, Workdir(str(tmp_path / "run")))
+  writer = trackers.MetricWriter.open({"recording": {"project": "p"}}, Workdir(str(tmp_path / "run")))
   writer.start({"model": {"d_model": 32}}, ["validation/bleu"])
   writer.write(3, {"train/loss": 2.5})
   writer.write_samples(3, "validation", [("five", "fünf", "fünf")])
@@ -253,3 +250,6 @@ def test_a_new_tracker_is_a_class_in_the_registry_with_its_config_section_as_opt
   assert [json.loads(line)["train/loss"] for line in open(tmp_path / "run" / "metrics.jsonl")] == [2.5]
   trainer_source = open(trainer.__file__).read()
   assert not re.search(r"wandb|tensorboard|TensorBoard", trainer_source)
+  config = ExperimentConfig().replace(trackers=("tensorboard", "wandb"))
+  assert config.tracker_options() == {"tensorboard": {}, "wandb": {"project": "transformer_jax", "entity": "",
+                                                                   "name": ""}}

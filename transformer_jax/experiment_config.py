@@ -173,6 +173,12 @@ class ExperimentConfig:
   def replace(self, **changes) -> ExperimentConfig:
     return dataclasses.replace(self, **changes)
 
+  def tracker_options(self) -> dict[str, dict[str, Any]]:
+    """`{tracker: options}` for each of `trackers`: the section of the tracker's name (`wandb`) as a dict, {} for
+    a tracker without one (`trackers.Tracker`)."""
+    sections = {field.name for field in dataclasses.fields(self)}
+    return {name: dataclasses.asdict(getattr(self, name)) if name in sections else {} for name in self.trackers}
+
 
 def _plain(values: Any) -> dict:
   return values.to_dict() if hasattr(values, "to_dict") else dict(values)

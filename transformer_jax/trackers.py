@@ -1,13 +1,14 @@
 """Where a training run's numbers go: the trackers `config.trackers` lists, and `metrics.jsonl` always.
 
-    writer = trackers.MetricWriter.open(config, workdir, enabled=is_chief)  # each tracker constructed; wandb starts
+    writer = trackers.MetricWriter.open(config.tracker_options(), workdir, enabled=is_chief)  # wandb starts here
     writer.start(resolved_config, metric_tags)           # TensorBoard, metrics.jsonl; the config as hyperparameters
     writer.write(step, {"train/loss": 2.1, ...})         # scalars, to every tracker
     writer.write_samples(step, "validation", [(source, reference, hypothesis), ...])
     writer.close()                                       # the final validation metrics close the HParams session
 
 A tracker is any class with the `Tracker` protocol's four methods and a constructor `(workdir, options)`, where
-`options` is the config section named after it (`config.wandb` for "wandb"; {} where the config has none),
+`options` is the config section named after it (`config.wandb` for "wandb"; {} where the config has none:
+`ExperimentConfig.tracker_options`),
 registered by name in `TRACKERS`. The constructor does what can be refused (a missing package, `wandb.init`)
 and writes nothing else; `start` opens its files. Adding one: a class here, its name in `TRACKERS`, its package
 in a pyproject extra, and (if it takes options) a section of its name in `ExperimentConfig`.
@@ -249,12 +250,6 @@ def check_trackers(names: Sequence[str]) -> None:
       import_package(name, TRACKERS[name].package)
 
 
-def tracker_options(config: Any, name: str) -> Mapping[str, Any]:
-  """The options of tracker `name`: the config section of that name as a dict ({} where there is none)."""
-  section = getattr(config, name, None)
-  return to_jsonable(section) if section is not None else {}
-
-
 class MetricWriter:
   """Fans scalars, hyperparameters and sample translations out to the run's trackers (`Tracker`): those
   `config.trackers` names, then `metrics.jsonl`. Process 0 only: `enabled=False` on the other hosts makes
@@ -268,15 +263,16 @@ class MetricWriter:
     self.trackers, self.enabled = list(trackers), enabled
 
   @classmethod
-  def open(cls, config: Any, workdir: Workdir, enabled: bool = True) -> "MetricWriter":
-    """The trackers of `config.trackers` (options: `tracker_options`) and `JsonlTracker`, constructed.
+  def open(cls, options: Mapping[str, Mapping[str, Any]], workdir: Workdir, enabled: bool = True) -> "MetricWriter":
+    """The trackers named by `options`' keys, each constructed with its options (`config.tracker_options()`:
+    the config section of its name), then `JsonlTracker`.
 
     Raises TrackerError (one line) when one cannot start; nothing of the trainer's is written then.
     """
-    check_trackers(config.trackers)
+    check_trackers(list(options))
     if not enabled:
       return cls([], enabled=False)
-    trackers = [TRACKERS[name](workdir, tracker_options(config, name)) for name in config.trackers]
+    trackers = [TRACKERS[name](workdir, tracker_options) for name, tracker_options in options.items()]
     return cls([*trackers, JsonlTracker(workdir, {})])
 
   def start(self, resolved_config: Mapping, metric_tags: Sequence[str]) -> None:

@@ -159,7 +159,7 @@ def prepare(config: ExperimentConfig, workdir: str) -> Run:
   check_batch_rows(config.data, mesh)
   plan.check_run_fits(config, mesh)  # on an accelerator: a train step that cannot fit is refused here
   # A tracker that cannot start is refused (trackers.TrackerError) before we write anything.
-  writer = MetricWriter.open(config, run_dir, enabled=jax.process_index() == 0)
+  writer = MetricWriter.open(config.tracker_options(), run_dir, enabled=jax.process_index() == 0)
   try:
     return _prepare_run(config, run_dir, saved, untrained_import, mesh, writer)
   except BaseException:
