@@ -8,6 +8,8 @@ import sys
 import time
 
 import numpy as np
+from flax import linen as nn
+from flax import traverse_util
 
 from experiments.configs import number_words
 from transformer_jax import factories
@@ -81,3 +83,8 @@ def free_port() -> int:
   with socket.socket() as s:
     s.bind(("127.0.0.1", 0))
     return s.getsockname()[1]
+
+
+def cache_entries(cache, kind: type) -> dict:
+  """`{path: entry}` of the entries of type `kind` (e.g. `kvcache.SelfAttentionCache`) in a `cache` collection."""
+  return {path: x for path, x in traverse_util.flatten_dict(nn.unbox(cache)).items() if isinstance(x, kind)}

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from test_decode import CFG, L, PARAMS, SRC
+import helpers
 from transformer_jax import decoding
 from transformer_jax import model as model_lib
 from transformer_jax.attention import MultiHeadAttention, kvcache
@@ -49,9 +50,9 @@ def test_renamed_attention_submodules_decode_the_same(monkeypatch):
   _, variables = model_lib.Transformer(CFG).apply(
       {"params": renamed}, encoded, SRC, jnp.full((SRC.shape[0], 1), CFG.bos_id), use_cache=True,
       max_decode_len=L, method=model_lib.Transformer.decode, mutable=["cache"])
-  paths = kvcache.entries(variables["cache"], kvcache.SelfAttentionCache)
+  paths = helpers.cache_entries(variables["cache"], kvcache.SelfAttentionCache)
   assert [path[-2] for path in paths] == ["masked_attention"]  # the renamed model really keeps renamed caches
-  assert [path[-2] for path in kvcache.entries(variables["cache"], kvcache.CrossAttentionCache)] == [
+  assert [path[-2] for path in helpers.cache_entries(variables["cache"], kvcache.CrossAttentionCache)] == [
       "source_attention"]
 
   got, got_nbest = _outputs(renamed)

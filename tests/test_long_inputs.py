@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from test_model import _batch, _ids, cached_decode_logits, logits_fn, params_for, small
+import helpers
 from transformer_jax.attention import (AttentionMask, RelativePositions, blocked_attention,
                                        dot_product_attention, full_attention_weights)
 from transformer_jax import decoding, diagnostics
@@ -251,7 +252,7 @@ def test_windowed_cache_is_a_ring_buffer_of_the_window():
   bos = jnp.full((2, 1), cfg.bos_id, jnp.int32)
   _, variables = model.apply({"params": params}, encoded, src, bos, use_cache=True, max_decode_len=100,
                              mutable=["cache"], method=Transformer.decode)
-  caches = kvcache.entries(variables["cache"], kvcache.SelfAttentionCache)  # one per decoder layer
+  caches = helpers.cache_entries(variables["cache"], kvcache.SelfAttentionCache)  # one per decoder layer
   assert len(caches) == cfg.num_decoder_layers
   for entry in caches.values():
     assert entry.key.shape == entry.value.shape == (2, cfg.num_heads, cfg.attention_window, cfg.head_dim)

@@ -4,7 +4,8 @@ One checkpoint step directory `<directory>/<step>/` holds these items:
 
 * `state`   the `TrainState` pytree (`step`, `params`, `opt_state`; `apply_fn`/`tx` are static and not saved),
 * `rng`     `{"key": uint32 key data}` (a typed key is stored as its `jax.random.key_data`),
-* `data`    JSON: the input iterator position, e.g. `{"epoch": 3, "index": 1200, "seed": 0}`,
+* `data`    JSON: the input position, as the trainer writes it `{"processes": [<each process's grain iterator
+            state>]}` (`data.pipeline`; any JSON the caller gives),
 * `config`  JSON: the resolved experiment config as a plain dict,
 * `metrics` JSON, optional: e.g. validation BLEU/loss (Orbax's own metrics item; used to keep the best step).
 
@@ -46,7 +47,6 @@ logger = logging.getLogger(__name__)
 
 PyTree = Any
 
-CHECKPOINT_SUBDIR = "checkpoints"
 STATE, RNG, DATA, CONFIG = "state", "rng", "data", "config"
 METRICS = "metrics"  # the item name Orbax's CheckpointManager reads metrics from
 _RNG_KEY = "key"
@@ -622,23 +622,20 @@ def _running_mean(mean: PyTree | None, tree: PyTree, k: int) -> PyTree:
   return jax.tree_util.tree_map(update, mean, tree)
 
 
-def _cast_like(mean: PyTree, template: PyTree) -> PyTree:
-  return jax.tree_util.tree_map(lambda m, t: jnp.asarray(m).astype(jnp.result_type(t)), mean, template)
+def average_trees(trees: Iterable[PyTree]) -> PyTree:
+  """Leaf-wise mean of pytrees with the same structure, a running mean accumulated in float32 (at least): a
+  generator of trees keeps one in memory at a time besides the accumulator (`average_checkpoints`).
 
-
-def average_trees(trees: Sequence[PyTree]) -> PyTree:
-  """Leaf-wise mean of pytrees with the same structure, accumulated in float32 (at least).
-
-  Floating leaves come back in their own dtype; non-floating leaves (counters) are the last tree's.
+  Floating leaves come back in the first tree's dtype; non-floating leaves (counters) are the last tree's.
   Raises ValueError for no trees.
   """
-  trees = list(trees)
-  if not trees:
-    raise ValueError("average_trees needs at least one tree")
-  mean = None
+  mean, dtypes = None, None
   for k, tree in enumerate(trees, start=1):
+    dtypes = dtypes or jax.tree_util.tree_map(jnp.result_type, tree)
     mean = _running_mean(mean, tree, k)
-  return _cast_like(mean, trees[0])
+  if mean is None:
+    raise ValueError("average_trees needs at least one tree")
+  return jax.tree_util.tree_map(lambda m, dtype: jnp.asarray(m).astype(dtype), mean, dtypes)
 
 
 class CheckpointReadError(OSError):
@@ -707,14 +704,10 @@ def average_checkpoints(directory: str | os.PathLike, steps: Iterable[int] | Non
   finally:
     manager.close()
 
-  # Running mean, one checkpoint in memory at a time (plus the accumulator); every step must be the same model.
-  template = newest_items[STATE]["params"]
-  mean = None
-  for k, step in enumerate(chosen, start=1):
-    params = template if step == newest else restore_params(
-        directory, step=step, abstract=state_target["params"])
-    mean = _running_mean(mean, params, k)
-  averaged = _cast_like(mean, template)
+  # One checkpoint in memory at a time (plus the accumulator); every step must be the same model.
+  newest_params = newest_items[STATE]["params"]
+  averaged = average_trees(newest_params if step == newest else restore_params(
+      directory, step=step, abstract=state_target["params"]) for step in chosen)
 
   state = dict(newest_items[STATE])
   state["params"] = averaged

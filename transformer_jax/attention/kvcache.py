@@ -316,8 +316,3 @@ def reorder_beams(changing: dict, parent: Array) -> dict:
   """The beam reorder of a `to_beams` cache (`parent` `[batch, beams]` int32): only the ancestry tables
   `[batch, beams, max_decode_len]` move."""
   return {path: x.reorder(parent) if isinstance(x, BeamSelfAttentionCache) else x for path, x in changing.items()}
-
-
-def entries(cache, kind: type) -> dict:
-  """`{path: entry}` of the entries of type `kind` (e.g. `SelfAttentionCache`) in a `cache` collection."""
-  return {path: x for path, x in traverse_util.flatten_dict(nn.unbox(cache)).items() if isinstance(x, kind)}
