@@ -94,7 +94,7 @@ def moses_tokenize(lines: Sequence[str], lang: str, *, lowercase: bool = False, 
   """Moses tokenisation via sacremoses, after optional lowercasing and punctuation normalisation (in that order:
   lowercase.perl | normalize-punctuation.perl | tokenizer.perl). `escape` writes `"` `'` `&` `<` `>` `[` `]` `|`
   as tokenizer.perl's default entities (`&quot;` ...), as in Multi30k's lc.norm.tok references."""
-  # pylint: disable-next=g-import-not-at-top (its regexes: 0.3 s CPU of every program's start otherwise)
+  # pylint: disable-next=g-import-not-at-top (its regexes cost every program's start: docs/performance.md)
   from sacremoses import MosesPunctNormalizer, MosesTokenizer
   tokenizer = MosesTokenizer(lang=lang)
   normalizer = MosesPunctNormalizer(lang=lang) if normalize else None

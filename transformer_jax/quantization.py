@@ -32,7 +32,7 @@ class QuantizedParams:
 
   def dequantize(self) -> Any:
     """The float32 parameter tree (`qwix.dequantize` of each QArray), shapes as before quantisation."""
-    import qwix  # pylint: disable=g-import-not-at-top (0.6 s CPU of every decoding program's start otherwise)
+    import qwix  # pylint: disable=g-import-not-at-top (start-up cost: docs/performance.md)
     return jax.tree_util.tree_map(lambda x: qwix.dequantize(x) if isinstance(x, qwix.QArray) else x, self.tree,
                                   is_leaf=lambda x: isinstance(x, qwix.QArray))
 
@@ -62,7 +62,7 @@ def quantize_params(params: Any, mode: str) -> Any:
     raise ValueError(f"--quantize={mode!r}; expected one of {', '.join(repr(m) for m in MODES)}")
   if not mode:
     return params
-  import qwix  # pylint: disable=g-import-not-at-top (0.6 s CPU of every decoding program's start otherwise)
+  import qwix  # pylint: disable=g-import-not-at-top (start-up cost: docs/performance.md)
 
   def quantize(path, leaf):
     array = jnp.asarray(leaf)

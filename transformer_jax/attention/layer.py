@@ -154,8 +154,8 @@ class MultiHeadAttention(nn.Module):
   def _fused_self_projections(self, x: Array) -> tuple[Array, Array, Array]:
     """W^Q, W^K and W^V of self-attention as one dot: x `[batch, 1, d_model]` -> three `[batch, 1, heads,
     head_dim]`, the values of the three `HeadProjection`s (decoding only, where the parameters exist). One
-    `[rows, d_model] x [d_model, 3 d_model]` product instead of three: in the base beam-4 profile (128 rows)
-    1.1 ms a layer against 3 x 0.7 ms, small dots running below the matmul kernel's rate."""
+    `[rows, d_model] x [d_model, 3 d_model]` product instead of three: small dots run below the matmul kernel's
+    rate (docs/performance.md, "Start-up and the smaller choices")."""
     params = nn.unbox(self.variables["params"])
     names = ("query", "key", "value")
     kernel = jnp.concatenate([params[n]["kernel"] for n in names], axis=1)  # [d_model, 3 heads, head_dim]

@@ -115,7 +115,7 @@ def check_split(directory: str, split: str, source_lang: str, target_lang: str, 
 def fingerprint(directory: str, splits: list[str], langs: tuple[str, str]) -> str:
   """16 hex digits of SHA-256 over the split files' names and bytes: the same text gives the same name wherever
   the directory is and whenever it was written (a copied, moved or remounted corpus is reused), and an edited
-  file gives a new one (0.08 s per 100 MiB on a 2-core host, measured: the only full read of a prepared corpus)."""
+  file gives a new one (the only full read of a prepared corpus; its cost: docs/performance.md)."""
   digest = hashlib.sha256()
   for split in splits:
     for lang in langs:

@@ -16,7 +16,7 @@ are ordered per epoch by grain's index shuffle with seed `seed + epoch` (`EpochO
 element, nothing materialised), process `p` takes every `n`-th place of each epoch's order (a disjoint share, the
 shares' union is every kept pair once), reads its records `READ_CHUNK` at a time (`RecordReader`), packs them
 first-fit into `rows_per_batch // n` rows of `row_length` slots (`FirstFitBatches`: the batches of grain's
-`FirstFitPackIterDataset`, ~7x faster; across epoch boundaries); grain's prefetch thread keeps batches ready
+`FirstFitPackIterDataset`, faster: docs/performance.md; across epoch boundaries); grain's prefetch thread keeps batches ready
 (`grain.experimental.ThreadPrefetchIterDataset`). Per-pair state in memory: the kept positions (4 bytes), the
 lengths (8) and ArrayRecord's record index (~11). The iterator state (one integer: the stream index of the next
 batch's first pair) is the data position saved in every checkpoint; restoring it replays exactly the batches an
@@ -249,9 +249,9 @@ class EpochOrder:
 
 class RecordReader:
   """Random reads of records across ArrayRecord shards, one record at a time: `seek` and `read` of a reader
-  opened with `max_parallelism:0` (no thread pool). Per record ~5 us on a 2-core host, where a batched
-  `ArrayRecordDataSource.__getitems__` costs ~20 us as soon as a batch spans several shards (each reader's
-  pooled `read(indices)` has a fixed cost of ~0.4 ms a call); measured in `docs/performance.md`.
+  opened with `max_parallelism:0` (no thread pool), cheaper per record than a batched
+  `ArrayRecordDataSource.__getitems__` as soon as a batch spans several shards (each reader's pooled
+  `read(indices)` has a fixed cost a call); measured in `docs/performance.md`.
 
   Readers open on first use, each holding its shard's record index; calls from several threads take turns (a
   reader's position is shared state)."""

@@ -5,7 +5,7 @@
 
 Our own builders (`NumberWords`, `ParallelText`) write their splits as ArrayRecord files and read them back
 with tfds' random-access `as_data_source`: neither imports TensorFlow, whose import (TFRecord writing, tf.data
-reading) cost every training program 5-9 s of its start on 2 cores. Data prepared before in tfds' default
+reading) was seconds of every training program's start (docs/performance.md). Data prepared before in tfds' default
 TFRecord format, and tfds' own datasets (WMT) as tfds prepares them, are read as they were written, through
 tf.data (tfds cannot reopen TFRecord data as ArrayRecord). Both paths give the same pairs in the same order.
 A `data_dir` on Cloud Storage (`gs://`, e.g. a workdir's `tfds/` there) gets TFRecord files: ArrayRecord's
