@@ -54,7 +54,7 @@ def test_early_stopping_words_the_table_direction():
     (("validation/loss", 0, 0.0), "must be () or (metric, patience >= 1"),
     (("validation/loss", 2, -0.1), "must be () or (metric, patience >= 1"),
     (("test/loss", 2, 0.0), "split 'test' is not evaluated during training"),
-    (("validation/bleu", 2, 0.0), "'bleu' is not logged during training; set evals.bleu.every_steps > 0"),
+    (("validation/bleu", 2, 0.0), "'bleu' is computed by the bleu evaluator, which is off"),
     (("validation/exact_match", 2, 0.0), "'exact_match' is not logged during training; one of accuracy"),
 ])
 def test_config_validation_refuses_a_rule_that_cannot_work_in_one_line(rule, message):

@@ -5,7 +5,7 @@
 
 As t5x's `EarlyStoppingAction`, fairseq's `--patience` and Hugging Face's `EarlyStoppingCallback`: an
 evaluation improves on the best value so far when it is better by more than `min_delta` (lower for a metric
-`metrics.METRIC_DIRECTIONS` says to minimise, higher for one to maximise; the first evaluation sets the best);
+`metrics.METRICS` says to minimise, higher for one to maximise; the first evaluation sets the best);
 the run stops at the evaluation that makes `patience` in a row without improvement.
 
 The value of every evaluation is saved in `<workdir>/early_stopping.json` (process 0, atomically), and the

@@ -8,8 +8,8 @@
 Each is built with exactly what it needs (the model config, the eval splits, the compiled eval step and mesh,
 the tokenizer), frozen, and called with the parameters to score: it returns what it found (`Evaluation`: the
 metrics and, for BLEU, sample translations) and keeps nothing. `config.evals` lists them (`loss`, `attention`,
-`bleu`), each with its own `every_steps` (0 = off). `logged_eval_metrics` and `check_best_metric` say which
-`<split>/<metric>` names they produce, for the trackers' HParams and for `checkpoint_best_metric`.
+`bleu`), each with its own `every_steps` (0 = off). `logged_eval_metrics` says which `<split>/<metric>` names
+they produce (from `metrics.METRICS`), for the trackers' HParams.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from transformer_jax import diagnostics, metrics as metrics_lib, sharding
 from transformer_jax.config import ModelConfig
 from transformer_jax.data import batching, datasets as datasets_lib
 from transformer_jax.decoding import inference
-from transformer_jax.experiment_config import METRIC_EVALUATORS, ExperimentConfig
+from transformer_jax.experiment_config import ExperimentConfig
 from transformer_jax.training import steps
 
 
@@ -199,27 +199,8 @@ def make_evaluators(config: ExperimentConfig, *, model_config: ModelConfig, toke
 
 
 def logged_eval_metrics(config: ExperimentConfig) -> list[str]:
-  """The `<split>/<metric>` tags the evaluators of `config` log (the HParams tab's metrics)."""
-  names = (["loss", "nll", "perplexity", "accuracy"] if config.evals.loss.every_steps else []) + (
-      ["bleu", "chrf"] if config.evals.bleu.every_steps else [])
+  """The `<split>/<metric>` tags the evaluators of `config` log (the HParams tab's metrics), `metrics.METRICS`'s
+  order."""
+  names = [name for name, metric in metrics_lib.METRICS.items()
+           if metric.evaluator and getattr(config.evals, metric.evaluator).every_steps]
   return [f"{split}/{name}" for split in config.data.eval_splits for name in names]
-
-
-def check_best_metric(config: ExperimentConfig) -> None:
-  """Raises ValueError (one line) unless `checkpoint_best_metric` ('' or '<split>/<metric>') is computed by
-  this run: the split is one of `data.eval_splits`, the metric has a known direction (`metrics.METRIC_DIRECTIONS`)
-  and its evaluator is on (`evals.<evaluator>.every_steps > 0`)."""
-  name = config.checkpoint_best_metric
-  if not name:
-    return
-  split, metric = name.split("/", 1)
-  flag = f"--config.checkpoint_best_metric={name!r}"
-  if split not in config.data.eval_splits:
-    raise ValueError(f"{flag}: split {split!r} is not evaluated (data.eval_splits={tuple(config.data.eval_splits)})")
-  if metric not in METRIC_EVALUATORS:
-    raise ValueError(f"{flag}: no evaluator computes {metric!r} with a known direction; one of "
-                     f"{', '.join(sorted(METRIC_EVALUATORS))}")
-  evaluator = METRIC_EVALUATORS[metric]
-  if not getattr(config.evals, evaluator).every_steps:
-    raise ValueError(f"{flag}: computed by the {evaluator} evaluator, which is off "
-                     f"(evals.{evaluator}.every_steps=0); set evals.{evaluator}.every_steps > 0")

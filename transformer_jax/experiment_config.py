@@ -296,12 +296,12 @@ def _profile_steps(value):
 def _early_stopping(value):
   ok = value in ((), []) or (
       isinstance(value, (tuple, list)) and len(value) == 3 and isinstance(value[0], str)
-      and value[0].count("/") == 1 and value[0].split("/")[1] in metrics_lib.METRIC_DIRECTIONS
+      and value[0].count("/") == 1 and value[0].split("/")[1] in metrics_lib.METRICS
       and isinstance(value[1], int) and not isinstance(value[1], bool) and value[1] >= 1
       and isinstance(value[2], (int, float)) and not isinstance(value[2], bool) and math.isfinite(value[2])
       and value[2] >= 0)
   return ok, ("() or (metric, patience >= 1, min_delta >= 0) with metric '<eval split>/<name>', name one of "
-              f"{', '.join(sorted(metrics_lib.METRIC_DIRECTIONS))}, e.g. \"('validation/loss', 3, 0.0)\"")
+              f"{', '.join(sorted(metrics_lib.METRICS))}, e.g. \"('validation/loss', 3, 0.0)\"")
 
 
 RULES: dict[str, Callable[[Any], tuple[bool, str]]] = {
@@ -385,7 +385,7 @@ def validate(config: ExperimentConfig) -> None:
   Each key against its rule (`RULES`), then the relations between keys: the batch by `data.tokens_per_batch >=
   data.max_len` (at least one packed row per batch), subword sampling and lowercasing by `data.tokenizer ==
   'sentencepiece'`, `data.subword_from_epoch` by `data.subword_alpha > 0`, the cool-down and dropout stages by
-  the schedule, early stopping by the evaluators, MBR decoding by `decode.beam_size >= 2` (its n-best list).
+  the schedule, early stopping and the best checkpoint's metric by the evaluators, MBR decoding by `decode.beam_size >= 2` (its n-best list).
   `config.model` was checked when it was built (`ModelConfig`'s own range checks).
   """
   for key in RULES:
@@ -395,7 +395,7 @@ def validate(config: ExperimentConfig) -> None:
     check_value(key, value)
   _check_data(config.data)
   _check_schedule(config)
-  _check_early_stopping(config)
+  check_logged_metrics(config)
   try:
     trackers.check_trackers(config.trackers)
   except trackers.TrackerError as error:
@@ -437,23 +437,25 @@ def _check_schedule(config: ExperimentConfig) -> None:
     raise ConfigError(f"--config.dropout_schedule={config.dropout_schedule!r}: {error}") from None
 
 
-# The evaluator (its `every_steps` key) that logs each metric the early-stopping rule may watch.
-# The evaluator (a `config.evals` section) that computes each metric of `metrics.METRIC_DIRECTIONS`.
-METRIC_EVALUATORS = {"loss": "loss", "nll": "loss", "perplexity": "loss", "accuracy": "loss", "bleu": "bleu",
-                     "chrf": "bleu"}
+def check_logged_metrics(config: ExperimentConfig) -> None:
+  """The metrics the run selects by (`checkpoint_best_metric`, `early_stopping`) must be logged during training:
+  their split evaluated (`data.eval_splits`) and their evaluator on (`metrics.METRICS`); ConfigError otherwise."""
+  if config.checkpoint_best_metric:
+    _check_logged(config, f"--config.checkpoint_best_metric={config.checkpoint_best_metric!r}",
+                  config.checkpoint_best_metric)
+  if config.early_stopping:
+    _check_logged(config, f"--config.early_stopping={tuple(config.early_stopping)!r}", config.early_stopping[0])
 
 
-def _check_early_stopping(config: ExperimentConfig) -> None:
-  """The early-stopping metric must be logged during training: its split evaluated, its evaluator on."""
-  if not config.early_stopping:
-    return
-  metric = config.early_stopping[0]
+def _check_logged(config: ExperimentConfig, flag: str, metric: str) -> None:
   split, name = metric.split("/")
-  evaluator = METRIC_EVALUATORS.get(name)
   if split not in config.data.eval_splits:
-    raise ConfigError(f"--config.early_stopping={tuple(config.early_stopping)!r}: split {split!r} is not "
-                      f"evaluated during training (data.eval_splits={tuple(config.data.eval_splits)!r})")
-  if evaluator is None or not getattr(config.evals, evaluator).every_steps:
-    raise ConfigError(f"--config.early_stopping={tuple(config.early_stopping)!r}: {name!r} is not logged during "
-                      f"training" + (f"; set evals.{evaluator}.every_steps > 0" if evaluator else
-                                     f"; one of {', '.join(sorted(METRIC_EVALUATORS))}"))
+    raise ConfigError(f"{flag}: split {split!r} is not evaluated during training "
+                      f"(data.eval_splits={tuple(config.data.eval_splits)!r})")
+  logged = sorted(k for k, m in metrics_lib.METRICS.items() if m.evaluator)
+  if name not in logged:
+    raise ConfigError(f"{flag}: {name!r} is not logged during training; one of {', '.join(logged)}")
+  evaluator = metrics_lib.METRICS[name].evaluator
+  if not getattr(config.evals, evaluator).every_steps:
+    raise ConfigError(f"{flag}: {name!r} is computed by the {evaluator} evaluator, which is off "
+                      f"(evals.{evaluator}.every_steps=0); set evals.{evaluator}.every_steps > 0")

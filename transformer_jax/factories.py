@@ -113,7 +113,7 @@ def inference_params(config: ExperimentConfig, state: steps.TrainState) -> Any:
 
 def checkpointer(config: ExperimentConfig, directory: str | os.PathLike) -> checkpoint_lib.Checkpointer:
   """The run's checkpoint manager over `directory` (a workdir's `checkpoints/`): the `checkpoint_keep` newest
-  steps and the best by `checkpoint_best_metric` in the metric's own direction (`metrics.METRIC_DIRECTIONS`),
+  steps and the best by `checkpoint_best_metric` in the metric's own direction (`metrics.METRICS`),
   asynchronous writes with `async_checkpointing`. Close it (or use `with`) when done."""
   best_metric = config.checkpoint_best_metric or None
   higher = best_metric is not None and metrics_lib.higher_is_better(best_metric)

@@ -12,6 +12,7 @@ are sacreBLEU's own.
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from typing import Sequence
 
@@ -21,30 +22,39 @@ from transformer_jax.data.normalize import normalize
 
 _COMPOUND = re.compile(r"(\S)-(\S)")
 
-# Which way each evaluator metric improves (True: higher is better), the one table that checkpoint selection
-# (`checkpoint_best_metric`) and early stopping read; a metric not listed has no direction and cannot be a target.
-METRIC_DIRECTIONS = {
-    "loss": False,        # label-smoothed cross-entropy per target token (LossEvaluator)
-    "nll": False,         # negative log-likelihood per target token
-    "perplexity": False,  # exp(nll)
-    "accuracy": True,     # teacher-forced next-token accuracy
-    "bleu": True,         # sacreBLEU (BleuEvaluator)
-    "chrf": True,         # chrF
-    "exact_match": True,  # share of outputs equal to their reference
+@dataclasses.dataclass(frozen=True)
+class Metric:
+  """What the run knows of an evaluation metric: which way it improves, and the evaluator (the `config.evals`
+  section) that logs it during training ("": computed by the final evaluation only)."""
+  higher_is_better: bool
+  evaluator: str
+
+
+# The one table of evaluation metrics, read by checkpoint selection (`checkpoint_best_metric`), early stopping,
+# the config's checks (`experiment_config.check_logged_metric`) and the trackers' HParams metrics
+# (`evaluators.logged_eval_metrics`); a metric not listed has no direction and cannot be a target.
+METRICS = {
+    "loss": Metric(False, "loss"),        # label-smoothed cross-entropy per target token (LossEvaluator)
+    "nll": Metric(False, "loss"),         # negative log-likelihood per target token
+    "perplexity": Metric(False, "loss"),  # exp(nll)
+    "accuracy": Metric(True, "loss"),     # teacher-forced next-token accuracy
+    "bleu": Metric(True, "bleu"),         # sacreBLEU (BleuEvaluator)
+    "chrf": Metric(True, "bleu"),         # chrF (BleuEvaluator)
+    "exact_match": Metric(True, ""),      # share of outputs equal to their reference (the final evaluation)
 }
 
 
 def higher_is_better(name: str) -> bool:
   """Whether metric `name` (`"bleu"`, or `"<split>/<metric>"` as logged, e.g. `"validation/perplexity"`)
-  improves upwards, from `METRIC_DIRECTIONS`, never from the spelling of the name.
+  improves upwards, from `METRICS`, never from the spelling of the name.
 
   Raises:
     ValueError: a metric with no known direction (one line naming the known ones).
   """
   metric = name.rsplit("/", 1)[-1]
-  if metric not in METRIC_DIRECTIONS:
-    raise ValueError(f"metric {name!r} has no known direction; known: {', '.join(sorted(METRIC_DIRECTIONS))}")
-  return METRIC_DIRECTIONS[metric]
+  if metric not in METRICS:
+    raise ValueError(f"metric {name!r} has no known direction; known: {', '.join(sorted(METRICS))}")
+  return METRICS[metric].higher_is_better
 
 
 def metric_direction(name: str) -> str:

@@ -37,7 +37,7 @@ from transformer_jax import evaluators as evaluators_lib
 from transformer_jax import factories, imported_workdir, multihost, plan, profiling, sharding
 from transformer_jax.config import ModelConfig
 from transformer_jax.data import datasets as datasets_lib, tokenizer as tokenizer_lib
-from transformer_jax.experiment_config import ExperimentConfig
+from transformer_jax.experiment_config import ExperimentConfig, check_logged_metrics
 from transformer_jax.owner_lock import OwnerLock
 from transformer_jax.run_checks import (check_backend_dtype, check_batch_in_tables, check_batch_rows,
                                         check_position_table)
@@ -154,7 +154,7 @@ def prepare(config: ExperimentConfig, workdir: str) -> Run:
                            else DATA_KEYS, defaults=DATA_DEFAULTS)
   check_position_table(config)
   check_backend_dtype(config.model)
-  evaluators_lib.check_best_metric(config)
+  check_logged_metrics(config)  # a config built without `from_config_dict` has not been validated
   mesh = sharding.mesh_from_config(config.mesh)
   check_batch_rows(config.data, mesh)
   plan.check_run_fits(config, mesh)  # on an accelerator: a train step that cannot fit is refused here
