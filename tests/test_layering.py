@@ -17,7 +17,8 @@ PACKAGE = pathlib.Path(__file__).resolve().parents[1] / "transformer_jax"
 # Rank of each module (or package prefix); a module may import only modules of a strictly lower rank, or
 # siblings inside its own package (`data.*`, `training.*`, `interop.*`) of the same rank (the package's own).
 RANKS = {
-    "transformer_jax.config": 0, "transformer_jax.workdir": 0, "transformer_jax.metrics": 1,
+    "transformer_jax.config": 0, "transformer_jax.workdir": 0.5,  # the workdir's reuse keys name the model's fields
+    "transformer_jax.metrics": 1,
     "transformer_jax.dropout": 0, "transformer_jax.data.normalize": 0,  # text normalisation: a leaf
     "transformer_jax.data.config": 0,  # DataConfig, the schema's data section: a leaf the data package reads
     # attention: the math, below the decoding caches (typed entries + the decoder's accessors), below the layer

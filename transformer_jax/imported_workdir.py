@@ -7,8 +7,8 @@ checkpoint of parameters. Training there fine-tunes that model:
 - `config_for_workdir`: the model's architecture and tokenizer come from the workdir, whatever the recipe says;
   a flag the user set that contradicts them is refused (its run-time fields, e.g. dropout, stay the user's);
 - `check_adopted`: a config that did not go through `config_for_workdir` is refused;
-- the first fine-tune may choose its dataset and the model's run-time fields: only `IMPORT_DATA_KEYS` and
-  `IMPORT_MODEL_KEYS` of the saved config must match (any other workdir: all of the data and model);
+- the first fine-tune may choose its dataset and the model's run-time fields: only `workdir.IMPORTED_DATA_KEYS`
+  and `workdir.IMPORTED_MODEL_KEYS` of the saved config must match (any other workdir: all of the data and model);
 - `restore_import`: the imported parameters with a fresh optimizer state, at the imported step;
 - `with_provenance`: the import's `imported_from` is kept in `config.json` through its fine-tunes.
 
@@ -30,11 +30,6 @@ from transformer_jax.data.marian_vocab import TOKENIZER_NAME as MARIAN_TOKENIZER
 from transformer_jax.experiment_config import ExperimentConfig
 from transformer_jax.training import steps
 from transformer_jax.workdir import IMPORTED_DATASET, Workdir, config_diff, to_jsonable
-
-# In a workdir that holds an imported model no run has trained yet, the first fine-tune may choose its
-# dataset and the model's run-time fields (`config.RUNTIME_FIELDS`, e.g. dropout); these must match.
-IMPORT_DATA_KEYS = ("data.vocab_size", "data.tokenizer")
-IMPORT_MODEL_KEYS = tuple(f"model.{f.name}" for f in dataclasses.fields(ModelConfig) if f.name not in RUNTIME_FIELDS)
 
 
 def holds_imported_model(saved: Mapping | None) -> bool:

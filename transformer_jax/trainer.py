@@ -46,13 +46,9 @@ from transformer_jax.trackers import MetricWriter
 from transformer_jax.train_log import TrainLog
 from transformer_jax import budget as budget_lib
 from transformer_jax.training import steps
-from transformer_jax.workdir import DATA_KEYS, Workdir, to_jsonable, write_json_atomically
+from transformer_jax import workdir as workdir_lib
+from transformer_jax.workdir import Workdir, to_jsonable
 
-# Keys of the saved config that must match to reuse a workdir: the data and vocabulary first (DATA_KEYS, before the
-# datasets are built), then the model (once the vocabulary fixes its size); an untrained import checks fewer
-# (`imported_workdir.IMPORT_*_KEYS`). A config saved before `data.tokenizer` existed used SentencePiece.
-DATA_DEFAULTS = {"data": {"tokenizer": "sentencepiece", "lowercase": False}}
-MODEL_KEYS = ("model",)
 
 
 def itstime(step: int, every_steps: int, total_steps: int, *, last: bool = True) -> bool:
@@ -150,8 +146,8 @@ def prepare(config: ExperimentConfig, workdir: str) -> Run:
   imported_workdir.check_adopted(config, saved, run_dir.root)
   untrained_import = imported_workdir.is_untrained_import(saved)
   # Before anything in the workdir is touched:
-  run_dir.check_compatible(to_jsonable(config), keys=imported_workdir.IMPORT_DATA_KEYS if untrained_import
-                           else DATA_KEYS, defaults=DATA_DEFAULTS)
+  run_dir.check_compatible(to_jsonable(config), defaults=workdir_lib.DATA_DEFAULTS,
+                           keys=workdir_lib.IMPORTED_DATA_KEYS if untrained_import else workdir_lib.DATA_KEYS)
   check_position_table(config)
   check_backend_dtype(config.model)
   check_logged_metrics(config)  # a config built without `from_config_dict` has not been validated
@@ -179,8 +175,8 @@ def _prepare_run(config: ExperimentConfig, run_dir: Workdir, saved: dict | None,
   resolved = to_jsonable(config)
   resolved["model"] = to_jsonable(model_config)
   resolved = imported_workdir.with_provenance(resolved, saved)
-  run_dir.check_compatible(resolved, keys=imported_workdir.IMPORT_MODEL_KEYS if untrained_import else MODEL_KEYS,
-                           defaults={"model": ModelConfig()})
+  run_dir.check_compatible(resolved, defaults={"model": ModelConfig()},
+                           keys=workdir_lib.IMPORTED_MODEL_KEYS if untrained_import else workdir_lib.MODEL_KEYS)
   rules = sharding.validate_model_for_mesh(model_config, mesh)
   logging.info("Model: %s", model_config)
   return Run(config=config, workdir=run_dir, resolved_config=resolved, model_config=model_config, data=data,
@@ -190,7 +186,7 @@ def _prepare_run(config: ExperimentConfig, run_dir: Workdir, saved: dict | None,
 def write_run_config(run: Run, resolved_config: Mapping) -> None:
   """Writes `config.json` (process 0): the resolved config of the run that now owns the workdir."""
   if run.is_chief:
-    write_json_atomically(run.workdir.config_json, resolved_config)
+    run.workdir.write_config(resolved_config)
 
 
 def init_or_restore(run: Run, checkpointer: checkpoint_lib.Checkpointer) -> Start:

@@ -47,15 +47,27 @@ from typing import Any, BinaryIO, Iterator, Mapping, Sequence
 import numpy as np
 from etils import epath
 
+from transformer_jax.config import RUNTIME_FIELDS, ModelConfig
+
 PathLike = str | os.PathLike
 
 # `data.dataset` of a workdir that holds an imported model no training run has used yet (its config.json and
 # the config item of its checkpoint say so): a fine-tune may choose any dataset and starts a fresh optimizer.
 IMPORTED_DATASET = "marian_import"
 
-# Keys of a run's config that fix its vocabulary: a workdir is reused (`trainer`), and a checkpoint is
-# translated with another workdir's tokenizer (`trained.check_checkpoint_vocabulary`), only where they match.
+# Keys of a run's saved config that must match to reuse its workdir (`Workdir.check_compatible`), the one home of
+# that rule. The data keys fix the vocabulary: a workdir is reused (`trainer`, checked before the datasets are
+# built), and a checkpoint is translated with another workdir's tokenizer (`trained.check_checkpoint_vocabulary`),
+# only where they match; a config saved before `data.tokenizer` existed used SentencePiece (`DATA_DEFAULTS`).
+# The model keys are checked once the vocabulary fixes the model's size.
 DATA_KEYS = ("data.vocab_size", "data.dataset", "data.tokenizer", "data.lowercase")
+DATA_DEFAULTS = {"data": {"tokenizer": "sentencepiece", "lowercase": False}}
+MODEL_KEYS = ("model",)
+# In a workdir holding an imported model no run has trained yet (`imported_workdir`), the first fine-tune may
+# choose its dataset and the model's run-time fields (`config.RUNTIME_FIELDS`, e.g. dropout); these must match.
+IMPORTED_DATA_KEYS = ("data.vocab_size", "data.tokenizer")
+IMPORTED_MODEL_KEYS = tuple(f"model.{f.name}" for f in dataclasses.fields(ModelConfig)
+                            if f.name not in RUNTIME_FIELDS)
 
 TRAIN_LOCK = "train.lock"  # the training owner's lock file (`owner_lock`), also an object name on gs://
 
