@@ -1,6 +1,6 @@
 r"""The Multi30k recipe end to end: train, average the weights, score test2016, write docs/results.md.
 
-    python -m experiments.multi30k --workdir=runs/multi30k --data_dir=../shared/data/multi30k \
+    python -m experiments.multi30k --workdir=runs/multi30k [--config.data.dir=../shared/data/multi30k] \
         [--config.num_train_steps=...]
 
 Scores: the published-style BLEU (hypotheses lowercased, punctuation-normalised, Moses-tokenised, against
@@ -34,7 +34,6 @@ from transformer_jax.workdir import Workdir, read_json, write_json_atomically
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("workdir", None, "Run directory.")
-flags.DEFINE_string("data_dir", None, "The Multi30k directory (overrides config.data.dir).")
 flags.DEFINE_string("results", "docs/results.md", "Markdown file for the results table.")
 flags.DEFINE_string("curve", "docs/multi30k_learning_curve.png", "Learning-curve PNG.")
 flags.DEFINE_bool("score_last_checkpoint", False,
@@ -93,8 +92,6 @@ def _read_test(data_dir: str, max_examples: int) -> tuple[list[str], list[str], 
 
 @common.program
 def main():
-  if FLAGS.data_dir:
-    FLAGS.config.data.dir = FLAGS.data_dir
   config = ExperimentConfig.from_config_dict(FLAGS.config)
   test_src, test_ref, test_lc = _read_test(config.data.dir, config.final_eval.max_examples)
   run_dir = Workdir(FLAGS.workdir)

@@ -62,7 +62,7 @@ def test_shortened_recipe_end_to_end(multi30k_dir, tmp_path, ema_decay):
   env = dict(os.environ, PYTHONPATH=REPO)
   env.pop("XLA_FLAGS", None)  # compiled as a user's run (-O2): this test's time is training (conftest.py)
   proc = subprocess.run([sys.executable, "-m", "experiments.multi30k", f"--workdir={workdir}",
-                         f"--data_dir={multi30k_dir}", f"--results={results}", f"--curve={curve}", *shortened],
+                         f"--config.data.dir={multi30k_dir}", f"--results={results}", f"--curve={curve}", *shortened],
                         cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
   assert proc.returncode == 0, proc.stderr[-3000:]
   assert "Dropout 0.2 from step 16 (config.dropout_schedule)" in proc.stderr  # the step was recompiled there
@@ -107,7 +107,7 @@ def test_shortened_recipe_end_to_end(multi30k_dir, tmp_path, ema_decay):
 
   # Run again in the finished workdir with --score_last_checkpoint: nothing is trained, both are scored.
   again = subprocess.run([sys.executable, "-m", "experiments.multi30k", f"--workdir={workdir}",
-                          f"--data_dir={multi30k_dir}", f"--results={results}", f"--curve={curve}",
+                          f"--config.data.dir={multi30k_dir}", f"--results={results}", f"--curve={curve}",
                           "--score_last_checkpoint", *shortened],
                          cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
   assert again.returncode == 0, again.stderr[-3000:]
