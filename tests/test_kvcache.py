@@ -5,15 +5,19 @@ never-reordered cache, sampling, the toolkit's compiled decoding); per-row cache
 entry is refused before beam search could leave it behind its beam.
 """
 
+import itertools
+import typing
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from test_decode import CFG, L, PARAMS, SRC
+from test_decode import CFG, L, PARAMS, SRC, make_params, small
 import helpers
 from transformer_jax import decoding
 from transformer_jax import model as model_lib
+from transformer_jax import config as config_lib
 from transformer_jax.attention import MultiHeadAttention, kvcache
 from transformer_jax.decoding import inference
 from transformer_jax.decoding.generate import DecodeOptions
@@ -157,3 +161,46 @@ def test_beam_cross_attention_cache_equals_attention_over_tiled_memory():
   np.testing.assert_allclose(np.asarray(out), np.asarray(want), rtol=1e-5, atol=1e-6)
   np.testing.assert_allclose(np.asarray(weights), np.asarray(want_weights), rtol=1e-5, atol=1e-7)
   assert not np.asarray(weights)[~np.repeat(valid, beams, axis=0)[:, None, None, :].repeat(heads, 1)].any()
+
+
+# Every decoder self-attention scheme `ModelConfig` can express: the position kinds, relative positions, a window.
+def _expressible(changes: dict) -> bool:
+  try:
+    small(**changes)
+  except ValueError:  # e.g. position_embedding='none' without relative positions
+    return False
+  return True
+
+
+SCHEMES = [changes for kind, relative, window in itertools.product(typing.get_args(config_lib.PositionKind), (0, 4),
+                                                                   (0, 3))
+           if _expressible(changes := dict(position_embedding=kind, max_relative_position=relative,
+                                           attention_window=window))]
+
+
+@pytest.mark.parametrize("changes", SCHEMES, ids=lambda c: "-".join(f"{k[:3]}{v}" for k, v in c.items()))
+def test_the_beam_form_serves_exactly_the_schemes_it_is_proven_equal_on(changes, monkeypatch):
+  """The allow-list: each scheme in `BEAM_FORM_SCHEMES` decodes beam 4 as the gathered cache does (the same
+  tokens; scores to float32 rounding, the two forms sum the attention in another order); a
+  scheme outside it is decoded with the gathered cache. A new scheme lands in this enumeration (it reads
+  `ModelConfig`'s position kinds) and stays on the gathered cache until it is listed."""
+  config = small(**changes)
+  params = make_params(config, seed=0)
+  scheme = kvcache.self_attention_scheme(config)
+  assert kvcache.beam_form_applies(config, 4) == (scheme in kvcache.BEAM_FORM_SCHEMES)
+  if scheme not in kvcache.BEAM_FORM_SCHEMES:
+    return
+  beam_form = decoding.beam_search(params, config, SRC, 4, 0.6, L, full_output=True)
+  monkeypatch.setattr(kvcache, "beam_form_applies", lambda config, beams: False)
+  jax.clear_caches()  # the search is traced again, now with the gathered cache
+  gathered = decoding.beam_search(params, config, SRC, 4, 0.6, L, full_output=True)
+  for have, want in zip(jax.tree_util.tree_leaves(beam_form), jax.tree_util.tree_leaves(gathered), strict=True):
+    if jnp.issubdtype(have.dtype, jnp.floating):
+      np.testing.assert_allclose(have, want, rtol=1e-5, atol=1e-5)
+    else:
+      np.testing.assert_array_equal(have, want)
+
+
+def test_every_listed_scheme_is_one_the_enumeration_proves():
+  assert len(SCHEMES) == 10  # 3 position kinds x relative or not x window or not, less 'none' without relative
+  assert kvcache.BEAM_FORM_SCHEMES <= {kvcache.self_attention_scheme(small(**c)) for c in SCHEMES}

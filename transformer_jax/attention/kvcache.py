@@ -283,11 +283,27 @@ def merge(constant: dict, changing: dict) -> dict:
   return traverse_util.unflatten_dict({**constant, **changing})
 
 
+# The decoder self-attention schemes (`self_attention_scheme`) that the beam form computes exactly: an allow-list.
+# `BeamSelfAttentionCache.attend` reads keys by slot under the causal mask and nothing else, which is the whole of
+# attention where positions are added to the embeddings below the first layer and every earlier position is in
+# reach. Relative positions (the query-key offsets) and an attention window (a ring buffer of slots) are not
+# listed, nor is any scheme added later until tests/test_kvcache.py, which enumerates every scheme of
+# `ModelConfig`, proves it equal: those decode with the gathered cache (`search.gather_beams`).
+BEAM_FORM_SCHEMES = frozenset({("sinusoidal", "full"), ("learned", "full")})
+
+
+def self_attention_scheme(config: ModelConfig) -> tuple[str, str]:
+  """(positions, reach) of the decoder's self-attention: positions 'relative' where `max_relative_position` > 0,
+  else `position_embedding` ('sinusoidal' | 'learned' | 'none'); reach 'window' where `attention_window` > 0,
+  else 'full'."""
+  return ("relative" if config.max_relative_position else config.position_embedding,
+          "window" if config.attention_window else "full")
+
+
 def beam_form_applies(config: ModelConfig, beams: int) -> bool:
-  """Whether `to_beams` may serve beam search: more than one beam, and a plain position-indexed cache (not
-  the ring buffer of an attention window, nor the positions that relative attention reads: those caches are
-  reordered per beam by gathering their rows instead)."""
-  return beams > 1 and not config.attention_window and not config.max_relative_position
+  """Whether `to_beams` serves beam search: more than one beam, and a scheme of `BEAM_FORM_SCHEMES`; otherwise
+  the caches are reordered per beam by gathering their rows."""
+  return beams > 1 and self_attention_scheme(config) in BEAM_FORM_SCHEMES
 
 
 def to_beams(changing: dict, batch: int, beams: int) -> dict:
