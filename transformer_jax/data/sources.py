@@ -47,8 +47,8 @@ def _tfds_translation_builder(data_config: DataConfig, data_dir: str) -> tuple[t
   if data_config.download:
     builder.download_and_prepare()
   elif not builder.is_prepared():
-    raise ValueError(f"{name} is not prepared in {data_dir}: prepare it there first (see README, "
-                     f"'Reproducing the paper') or pass --config.data.download=True on a machine with network")
+    raise ValueError(f"{name} is not prepared in {data_dir}: prepare it there first (docs/reproducing.md) "
+                     f"or pass --config.data.download=True on a machine with network")
   return builder, source, target
 
 
