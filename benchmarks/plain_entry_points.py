@@ -17,6 +17,10 @@ Runners (each timed call after an untimed one of the same runner; medians over `
   translate_greedy / _beam4  `decoding.inference.translate_ids` (length buckets, per-row limits
                            `src_len + extra_len = --out_len`)
   ct2_greedy / ct2_beam4   `translate_batch` with every output exactly `--out_len` pieces (min = max length)
+  gemm_greedy / gemm_beam4 the decoder step's dense matmuls alone (`_gemm_floor`: the same weight shapes and
+                           rows, `--out_len` steps in one jitted loop, no attention and no search): what XLA's
+                           matrix products alone take here, the floor of ours
+Each runner's model GFLOP/s (the step's matmul FLOPs, `_step_flops`, over its time) is printed beside it.
 Output lengths are printed: a random model may end a hypothesis early, which shortens that runner's work.
 """
 
@@ -32,6 +36,7 @@ import time
 sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from absl import app, flags  # noqa: E402
 
@@ -86,6 +91,40 @@ def _ours(cfg, params, inputs, sources):
           "translate_beam4": translate(4)}
 
 
+def _step_flops(cfg, rows: int) -> float:
+  """The matmul FLOPs of one decoder step over `rows` rows: per layer the self-attention q/k/v and output
+  projections, the cross-attention query and output projections (its K/V are projected once a batch), the
+  feed-forward, then the tied output projection; attention itself (`rows x (t + src_len) x d`) is left out."""
+  d, f = cfg.d_model, cfg.d_ff
+  return 2.0 * rows * (cfg.num_decoder_layers * (4 * d * d + 2 * d * d + 2 * d * f) + d * cfg.vocab_size)
+
+
+def _gemm_floor(cfg, rows: int):
+  """() -> (None, seconds): `_step_flops`' matrix products alone, `--out_len` dependent steps of `rows` rows."""
+  d, f = cfg.d_model, cfg.d_ff
+  keys = iter(jax.random.split(jax.random.PRNGKey(1), 8 * cfg.num_decoder_layers + 2))
+  weight = lambda *shape: jax.random.normal(next(keys), shape, jnp.float32) * 0.02  # noqa: E731
+  layers = [(weight(d, 3 * d), weight(d, d), weight(d, d), weight(d, d), weight(d, f), weight(f, d))
+            for _ in range(cfg.num_decoder_layers)]
+  embedding, x0 = weight(cfg.vocab_size, d), weight(rows, d)
+
+  @jax.jit
+  def run(layers, embedding, x):
+    def step(_, x):
+      for qkv, out, cross_q, cross_out, wi, wo in layers:
+        x = x + (x @ qkv)[:, :d] @ out
+        x = x + (x @ cross_q) @ cross_out
+        x = x + jax.nn.relu(x @ wi) @ wo
+      return x + (x @ embedding.T)[:, :d] * 1e-3  # the logits feed the next step, as a chosen token does
+    return jax.lax.fori_loop(0, FLAGS.out_len, step, x)
+
+  def timed():
+    start = time.perf_counter()
+    jax.block_until_ready(run(layers, embedding, x0))
+    return [], time.perf_counter() - start
+  return timed
+
+
 def _ct2(model_dir: str, pieces: list):
   def runner(beam):
     if FLAGS.ct2_process == "own":
@@ -107,7 +146,8 @@ def main(argv):
   pieces = [Tokenizer(corpus.tokenizer_path).pieces(s[:-1]) for s in sources]
   with tempfile.TemporaryDirectory() as tmp:
     model_dir = ct2.export_ctranslate2(params, cfg, os.path.join(tmp, "ct2"), tokenizer_path=corpus.tokenizer_path)
-    runners = {**_ours(cfg, params, inputs, sources), **_ct2(model_dir, pieces)}
+    runners = {**_ours(cfg, params, inputs, sources), **_ct2(model_dir, pieces),
+               "gemm_greedy": _gemm_floor(cfg, FLAGS.sources), "gemm_beam4": _gemm_floor(cfg, 4 * FLAGS.sources)}
     times, lengths = {k: [] for k in runners}, {k: set() for k in runners}
     for r in range(FLAGS.rounds):
       for name, fn in runners.items():
@@ -121,9 +161,12 @@ def main(argv):
             "sources": FLAGS.sources, "src_len": FLAGS.src_len, "out_len": FLAGS.out_len,
             "median_s": {k: float(np.median(v)) for k, v in times.items()},
             "output_lengths": {k: sorted(v) for k, v in lengths.items()}}
-  for search in ("greedy", "beam4"):
+  for search, beam in (("greedy", 1), ("beam4", 4)):
     for ours in ("jit", "translate"):
       result[f"{ours}_{search}_vs_ct2"] = result["median_s"][f"ct2_{search}"] / result["median_s"][f"{ours}_{search}"]
+    flops = _step_flops(cfg, beam * FLAGS.sources) * FLAGS.out_len
+    for name in (f"jit_{search}", f"translate_{search}", f"ct2_{search}", f"gemm_{search}"):
+      result.setdefault("model_gflops_per_s", {})[name] = flops / result["median_s"][name] / 1e9
   print(json.dumps(result, indent=1))
   if FLAGS.out:
     common.dump_json(result, FLAGS.out)

@@ -49,7 +49,21 @@ AREAS = (("Dropout", "dropout"), ("layer_norm", "layer norm"), ("attend", "tied 
          ("/value/", "attention q/k/v/out projections"), ("/out/", "attention q/k/v/out projections"),
          ("attention", "attention scores, mask, softmax"), ("ffn", "feed-forward"), ("embed", "embedding"),
          ("positions", "positions"))
-SKIP = ("ThunkExecutor", "ThreadpoolListener", "end:", "while", "call", "conditional")
+# A decoding batch's areas: the first entry whose substrings all occur in an op's source (`op_name`) names it.
+DECODE_AREAS = ((("Transformer.encode",), "encoder and cross-attention K/V (once a batch)"),
+                (("_cached_memory",), "encoder and cross-attention K/V (once a batch)"),
+                (("log_softmax",), "output projection + log-softmax [rows, vocab]"),
+                (("attend",), "output projection + log-softmax [rows, vocab]"),
+                (("_fused_self_projections",), "attention q/k/v/out projections"),
+                (("/query/",), "attention q/k/v/out projections"), (("/out/",), "attention q/k/v/out projections"),
+                (("self_attention", "dynamic_update_slice"), "self-attention cache write"),
+                (("self_attention",), "self-attention over the cache (scores, mask, softmax, sum)"),
+                (("cross_attention",), "cross-attention over the source"), (("ffn",), "feed-forward"),
+                (("layer_norm",), "layer norm"), (("Transformer.decode",), "embedding, positions, rest of the step"),
+                (("while/body",), "beam choice: top-k over beam x vocab, finished list, ancestry reorder"),
+                (("while/cond",), "beam choice: top-k over beam x vocab, finished list, ancestry reorder"))
+# A conditional's event spans the events of the branch it runs (counted themselves): `cond.*` is skipped.
+SKIP = ("ThunkExecutor", "ThreadpoolListener", "end:", "while", "call", "conditional", "cond.")
 
 
 def hlo_instructions(hlo_text: str) -> dict:
@@ -70,6 +84,14 @@ def area(op_name: str) -> str:
   if "optax" in op_name or "adam" in op_name.lower() or op_name.startswith("jit(train_step)/mul"):
     return "optimizer / other"
   return f"loss and the rest ({where})"
+
+
+def decode_area(op_name: str) -> str:
+  """A decoding op's area (`DECODE_AREAS`); ops without metadata (copies XLA added, thread-pool waits) apart."""
+  if not op_name:
+    return "no source (layout copies XLA added, thread-pool waits)"
+  return next((label for keys, label in DECODE_AREAS if all(k in op_name for k in keys)),
+              "outside the loop (setup, results)")
 
 
 def op_events(trace_dir: str):
@@ -207,7 +229,8 @@ def _report(args, compiled, run_once, steps_per_run: int, title: str, flops: flo
   by_kind, by_area = collections.Counter(), collections.Counter()
   for name, t in per_op.items():
     by_kind[re.sub(r"[.\d]+$", "", name)] += t
-    by_area[area(instructions.get(name, ("", "", ""))[2])] += t
+    op_name = instructions.get(name, ("", "", ""))[2]
+    by_area[area(op_name) if args.search == "train" else decode_area(op_name)] += t
   for title_, counter in (("by op kind", by_kind), ("by model area", by_area)):
     print(f"\n{title_} (share of op time)")
     for key, t in counter.most_common(args.top):

@@ -156,11 +156,16 @@ def out_of_memory(error: BaseException) -> str | None:
 
 def fail(message: str) -> None:
   """Prints `error: <message>` on one line to stderr and exits with status 1 (the garbage of the failed work
-  collected first, so that its unraisable exceptions come before the line or not at all: `_quiet_unraisable`)."""
+  collected first, so that its unraisable exceptions come before the line or not at all: `_quiet_unraisable`).
+  A process of a multi-host run exits at once (`os._exit`, after the program's cleanup has run)."""
   global _failed
   gc.collect()
   _failed = True
   print("error: " + " ".join(str(message).split()), file=sys.stderr)
+  if jax.distributed.is_initialized():  # peers' collectives and orbax's barriers would hold the exit for
+    sys.stdout.flush()                  # their timeouts (20 minutes) in threads Python waits for: exit now
+    sys.stderr.flush()
+    os._exit(1)
   sys.exit(1)
 
 

@@ -1,6 +1,8 @@
 """Helpers several test files share: a tiny number-words config, a poisoned train step, waiting on a process,
-a tiny trained workdir made by the program, and a free local port."""
+a tiny trained workdir made by the program, many command lines of one program at the cost of one start, and a
+free local port."""
 
+import json
 import os
 import socket
 import subprocess
@@ -88,3 +90,14 @@ def free_port() -> int:
 def cache_entries(cache, kind: type) -> dict:
   """`{path: entry}` of the entries of type `kind` (e.g. `kvcache.SelfAttentionCache`) in a `cache` collection."""
   return {path: x for path, x in traverse_util.flatten_dict(nn.unbox(cache)).items() if isinstance(x, kind)}
+
+
+def run_cases(program: str, cases: list) -> list:
+  """`subprocess.CompletedProcess`-like results of `python -m program *args` for each args list of `cases`: the
+  real program in a fork of one process that imported what it imports (`tests/program_cases.py`), so a case
+  costs milliseconds, not a Python and JAX start. For refusals at parse time and before training starts."""
+  driver = subprocess.run([sys.executable, os.path.join(REPO, "tests", "program_cases.py"), program], cwd=REPO,
+                          env=program_env(), input=json.dumps(cases), capture_output=True, text=True,
+                          timeout=120 + 30 * len(cases), check=True)
+  return [subprocess.CompletedProcess(args, r["returncode"], r["stdout"], r["stderr"])
+          for args, r in zip(cases, json.loads(driver.stdout))]

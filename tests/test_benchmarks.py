@@ -17,6 +17,7 @@ import optax
 import pytest
 
 from benchmarks import ablations, common, flax_peer
+from benchmarks import profile as profile_bench
 from experiments.configs import default, number_words
 from transformer_jax import factories, sharding, trainer
 from transformer_jax.experiment_config import ExperimentConfig
@@ -223,3 +224,22 @@ def test_the_suite_starts_each_section_with_its_flags():
   defined = set(subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True,
                                timeout=300, env=dict(os.environ, PYTHONPATH=REPO)).stdout.split())
   assert names <= defined, names - defined
+
+
+@pytest.mark.parametrize("op_name, area", [
+    ("jit(run)/while/body/jit(log_softmax)/reduce_max", "output projection + log-softmax [rows, vocab]"),
+    ("jit(run)/while/body/Transformer.decode/decoder/layer_1/self_attention_block/self_attention/cond/"
+     "dynamic_update_slice", "self-attention cache write"),
+    ("jit(run)/while/body/Transformer.decode/decoder/layer_1/self_attention_block/self_attention/cond/exp",
+     "self-attention over the cache (scores, mask, softmax, sum)"),
+    ("jit(run)/while/body/Transformer.decode/decoder/layer_0/ffn_block/ffn/wi/dot_general", "feed-forward"),
+    ("jit(run)/while/body/top_k", "beam choice: top-k over beam x vocab, finished list, ancestry reorder"),
+    ("jit(run)/Transformer.encode/encoder/layer_0/ffn_block/ffn/wi/dot_general",
+     "encoder and cross-attention K/V (once a batch)"),
+    ("", "no source (layout copies XLA added, thread-pool waits)"),
+])
+def test_profile_names_each_decoding_op_by_what_it_does_for_the_search(op_name, area):
+  """The profile's decoding areas (docs/performance.md's beam-4 table); a conditional's own event, which spans
+  the branch's op events, is not counted beside them."""
+  assert profile_bench.decode_area(op_name) == area
+  assert any("cond.431.clone".startswith(skip) for skip in profile_bench.SKIP)

@@ -6,7 +6,9 @@ processes and a restart end bit-identical to an uninterrupted run."""
 
 import dataclasses
 import json
+import os
 import signal
+import time
 
 import numpy as np
 import pytest
@@ -139,3 +141,51 @@ def test_every_process_meets_the_same_barriers_whatever_it_finds_on_disk(prepare
                             barrier=met[process_index].append)
   assert (tmp_path / "work" / "vocab").exists()
   assert met[0] == met[1] == ["vocabulary", "token ids"]
+
+
+_PROGRAM = """
+    import os, runpy
+    os.environ["TRANSFORMER_JAX_HUGE_PAGES"] = "0"  # this worker is the program: no restart
+    sys.argv = ["experiments/train.py", *sys.argv[3:], "--config.distributed=True"]  # joined by the preamble
+    runpy.run_module("experiments.train", run_name="__main__", alter_sys=True)
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("full", [(0, 1), (1,)], ids=["both disks", "process 1's disk"])
+def test_a_failed_background_save_stops_both_processes_in_one_line_each(prepared, tmp_path, full):
+  """Issue 67: a checkpoint save that fails in orbax's background write (the disk 'fills' once step 8 is saved:
+  RLIMIT_FSIZE of 40 kB on the processes `full`, as in test_edges' one-process test) stops the two processes of
+  `experiments.train` joined by `jax.distributed` with one error line each, not a hang in the next collective."""
+  import resource
+  workdir = tmp_path / "w"
+  flags = (f"--workdir={workdir}", "--config.data.builder_config=tiny", "--config.data.vocab_size=128",
+           f"--config.data.tfds_data_dir={prepared / 'tfds'}", "--config.data.max_len=32",
+           "--config.data.tokens_per_batch=512", "--config.model.d_model=32", "--config.model.d_ff=64",
+           "--config.model.num_heads=2", "--config.model.num_encoder_layers=1", "--config.model.num_decoder_layers=1",
+           "--config.num_train_steps=100000", "--config.warmup_steps=4", "--config.checkpoint_every_steps=8",
+           "--config.checkpoint_every_minutes=0", "--config.evals.loss.every_steps=0",
+           "--config.evals.attention.every_steps=0", "--config.final_eval.split=")
+  procs = distributed_workers.start_workers(_PROGRAM, tmp_path, args=flags, log_to=tmp_path)
+  try:
+    deadline = time.time() + 300
+    while not _checkpointed(workdir, 8) and time.time() < deadline and all(p.poll() is None for p in procs):
+      time.sleep(0.01)
+    assert _checkpointed(workdir, 8), [(tmp_path / f"{i}.log").read_text()[-3000:] for i in range(2)]
+    for i in full:
+      resource.prlimit(procs[i].pid, resource.RLIMIT_FSIZE, (40_000, 40_000))
+    for proc in procs:
+      proc.wait(timeout=300)  # a hang fails here
+  finally:
+    for proc in procs:
+      if proc.poll() is None:
+        proc.kill()
+  for i, proc in enumerate(procs):
+    log = (tmp_path / f"{i}.log").read_text()
+    lines = [line for line in log.strip().splitlines() if line.startswith("error: ")]
+    assert proc.returncode == 1 and "Traceback" not in log, log[-3000:]
+    assert len(lines) == 1 and log.strip().splitlines()[-1] == lines[0], log[-3000:]
+    assert "could not be written" in lines[0], lines[0]
+    assert "the last complete checkpoint is step 8" in lines[0], lines[0]
+    assert (i in full) or "another process could not write its share" in lines[0], lines[0]
+  assert [d for d in os.listdir(workdir / "checkpoints") if d.isdigit()] == ["8"]

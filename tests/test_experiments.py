@@ -1,5 +1,6 @@
 """The absl programs end to end: train -> translate / evaluate / average / attention map, and bad input."""
 
+import dataclasses
 import json
 import os
 import shutil
@@ -11,6 +12,7 @@ import pytest
 import sacrebleu
 
 import helpers
+from transformer_jax.experiment_config import ExperimentConfig
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -301,7 +303,7 @@ def test_bad_program_flags_are_one_line_errors(workdir, program, flags, needle):
   assert _tree_snapshot(workdir) == before
 
 
-@pytest.mark.parametrize("flags, needle", [
+BAD_CONFIG = [  # (flags, what the one error line says)
     (["--config.no_such_key=3"], "--config.no_such_key=3: the config has no such key"),
     (["--config.model.no_such_key=3"], "--config.model.no_such_key=3: the config has no such key"),
     (["--config=experiments/configs/nope.py"], "--config=experiments/configs/nope.py: no such file"),
@@ -335,24 +337,68 @@ def test_bad_program_flags_are_one_line_errors(workdir, program, flags, needle):
     (["--config.num_cpu_devices=2", "--config.data.max_len=64", "--config.data.tokens_per_batch=192"],
      "--config.data.tokens_per_batch=192 packs 3 rows of data.max_len=64 slots, which do not split over the 2 "
      "devices of the mesh {'data': 2, 'fsdp': 1, 'tensor': 1}: use a multiple of 128 tokens"),
-])
-def test_bad_config_values_are_refused_before_anything_is_written(tmp_path, flags, needle):
-  result = _run(["experiments.train", f"--workdir={tmp_path}/w", *flags], check=False)
-  _one_line_error(result, needle)
-  assert not os.path.exists(tmp_path / "w")
+    # issue 67's sweep: a model key's type and range (num_heads=0 was a ZeroDivisionError traceback, a d_model
+    # past int32 or a NaN layer_norm_epsilon were accepted), ids the search cannot tell apart, the tuple keys' numbers
+    (["--config.model.num_heads=0"], "--config.model: num_heads=0 must be an integer in [1, 2147483647]"),
+    (["--config.model.eos_id=0"], "--config.model: eos_id=0 must differ from pad_id=0 and bos_id=2"),
+    (["--config.model.eos_id=40000"], "--config.model: eos_id=40000 must be < vocab_size=37000"),
+    (["--config.profile_steps=(1, 2147483648)"], "--config.profile_steps=(1, 2147483648): must be () or (start, "
+     "stop) steps with 1 <= start <= stop <= 2147483647"),
+    (["--config.early_stopping=('validation/loss', 2147483648, 0.0)"], "patience in [1, 2147483647]"),
+    (["--config.early_stopping=('validation/loss', 3, 1e39)"], "min_delta a finite number >= 0 (float32)"),
+    (["--config.dropout_schedule=((2147483648, 0.2),)"], "--config.dropout_schedule=((2147483648, 0.2),): must be "
+     "a tuple of (step, rate) pairs"),
+    (["--config.dropout_schedule=((5, 1.0),)"], "dropout stage (5, 1.0) must be (step, rate) with integer steps "
+     "increasing from 1 and a rate in [0, 1)"),
+    (["--config.cooldown_knots=((2147483648, 0.5),)"], "--config.cooldown_knots=((2147483648, 0.5),): must be a "
+     "tuple of (step, progress) pairs"),
+]
 
-
-@pytest.mark.parametrize("text, needle", [
+BAD_CONFIG_FILES = [  # (the file's text, what the one error line says after --config=<dir>/)
     ("x = (\n", "bad.py:1: '(' was never closed (a config file is Python defining get_config())"),
     ("def get_config():\n  return 1 / 0\n", "bad.py:2: loading it raised ZeroDivisionError: division by zero"),
     ("import no_such_module_here\n", "bad.py:1: loading it raised ModuleNotFoundError: No module named"),
     ("x = 1\n", "bad.py: the file defines no get_config() returning the config"),
-])
-def test_a_config_file_that_cannot_load_is_a_one_line_error_naming_it(tmp_path, text, needle):
-  (tmp_path / "bad.py").write_text(text)
-  result = _run(["experiments.train", f"--workdir={tmp_path}/w", f"--config={tmp_path}/bad.py"], check=False)
-  _one_line_error(result, f"--config={tmp_path}/{needle}")
-  assert "Traceback" not in result.stderr and not os.path.exists(tmp_path / "w")
+]
+
+
+def _number_key_edges() -> list:
+  """(flags, needle) for every number key of the schema, `model` included, at the edges of its type: an integer
+  past int32 either way; a float NaN, +-inf, past float32 (1e39) and negative (no float key allows < 0)."""
+  cases = []
+
+  def walk(section, prefix):
+    for field in dataclasses.fields(section):
+      value, key = getattr(section, field.name), prefix + field.name
+      if dataclasses.is_dataclass(value):
+        walk(value, key + ".")
+      elif isinstance(value, (int, float)) and not isinstance(value, bool):
+        edges = (2**31, -2**31 - 1) if isinstance(value, int) else ("nan", "inf", "-inf", "1e39", "-1.0")
+        named = f"--config.model: {field.name}=" if prefix == "model." else f"--config.{key}="
+        cases.extend(([f"--config.{key}={edge}"], named) for edge in edges)
+
+  walk(ExperimentConfig(), "")
+  return cases
+
+
+def test_bad_config_values_are_refused_before_anything_is_written(tmp_path):
+  """Every case through the real `experiments.train`, batched (`helpers.run_cases`: one start for ~250 cases)."""
+  for i, (text, _) in enumerate(BAD_CONFIG_FILES):
+    (tmp_path / f"file{i}").mkdir()
+    (tmp_path / f"file{i}" / "bad.py").write_text(text)
+  cases = ([(flags, needle) for flags, needle in BAD_CONFIG] + _number_key_edges()
+           + [([f"--config={tmp_path}/file{i}/bad.py"], f"--config={tmp_path}/file{i}/{needle}")
+              for i, (_, needle) in enumerate(BAD_CONFIG_FILES)])
+  results = helpers.run_cases("experiments.train",
+                              [[f"--workdir={tmp_path}/w{i}", *flags] for i, (flags, _) in enumerate(cases)])
+  failures = []
+  for i, ((flags, needle), result) in enumerate(zip(cases, results)):
+    try:
+      _one_line_error(result, needle)
+      assert not os.path.exists(tmp_path / f"w{i}"), "the workdir was created"
+    except AssertionError as error:
+      failures.append(f"{' '.join(flags)}: {' '.join(str(error).split())[:300]}")
+  assert not failures, f"{len(failures)} of {len(cases)} cases:\n" + "\n".join(failures)
 
 
 # -- text normalisation: text that looks the same translates the same ------------------------------------

@@ -37,6 +37,7 @@ import orbax.checkpoint as ocp
 from etils import epath
 from orbax.checkpoint import checkpoint_managers as ocp_policies
 
+from transformer_jax import multihost
 from transformer_jax.config import ModelConfig
 from transformer_jax.sharding import path_name
 from transformer_jax.training.optimizer import EMA_KEY
@@ -261,12 +262,24 @@ def _handler_registry(state_handler: str = "standard") -> ocp.handlers.DefaultCh
 
 
 class _Manager(ocp.CheckpointManager):
-  """`CheckpointManager` whose per-step metrics reads tolerate a damaged metrics file.
+  """`CheckpointManager` whose per-step metrics reads tolerate a damaged metrics file, and which keeps the error
+  of a failed background write where the training thread can see it.
 
   Orbax reads every step's metrics when the manager is created and only tolerates a missing file, so one
   truncated `<step>/metrics/metrics` would make the whole directory unusable. Here such a step counts as
-  having no metrics (it is kept or deleted like any step without them).
+  having no metrics (it is kept or deleted like any step without them). A background write that fails is
+  raised in orbax's finalize thread, which then waits at a barrier for the other processes (whose own writes
+  wait for this one's): `background_error` holds it meanwhile (`Checkpointer.check_background_save`).
   """
+
+  background_error: BaseException | None = None
+
+  def _wait_for_checkpointers(self):  # orbax's finalize thread: waits for this process's writes
+    try:
+      super()._wait_for_checkpointers()
+    except BaseException as error:  # pylint: disable=broad-except (re-raised: orbax's own handling goes on)
+      self.background_error = error
+      raise
 
   def metrics(self, step: int) -> PyTree | None:
     try:
@@ -327,6 +340,7 @@ class Checkpointer:
     self._manager = _Manager(self.directory, options=options,
                              handler_registry=_handler_registry())
     self._pending_step: int | None = None  # the asynchronous save under way (`check_background_save`)
+    self._abandoned = False  # a multi-host save that failed on some host: never waited for
 
   @property
   def manager(self) -> ocp.CheckpointManager:
@@ -364,6 +378,8 @@ class Checkpointer:
     """Block until pending asynchronous saves (and the deletions they trigger) are finished; raises
     CheckpointWriteError (one line) if a save failed in the background."""
     step, self._pending_step = self._pending_step, None
+    if self._abandoned:  # a save another host could not write: its threads wait on that host forever
+      return
     try:
       self._manager.wait_until_finished()
     except Exception as error:  # pylint: disable=broad-except (orbax / tensorstore raise whatever the I/O did)
@@ -371,10 +387,21 @@ class Checkpointer:
 
   def check_background_save(self) -> None:
     """Raises CheckpointWriteError (one line) as soon as an asynchronous save has failed (a full disk, a lost
-    bucket), instead of at the next save; cheap while the save runs (no waiting)."""
-    if self._pending_step is None or self._manager.is_saving_in_progress():
+    bucket), instead of at the next save; cheap while the save runs (no waiting). With several processes, a
+    write that failed on one stops every one (`multihost.any_host`, one int32 allgather a step while a save is
+    pending): the others' background save would wait for that process's share at orbax's barrier, for 20 minutes.
+    The failed save is then abandoned (`wait` no longer waits for it)."""
+    if self._pending_step is None:
       return
     step = self._pending_step
+    if jax.process_count() > 1:
+      error, self._manager.background_error = self._manager.background_error, None  # this process's share
+      if multihost.any_host(error is not None):
+        self._abandoned, self._pending_step = True, None
+        elsewhere = RuntimeError("another process could not write its share; its error line says why")
+        raise CheckpointWriteError(self._failed_save_message(error or elsewhere, step))
+    if self._manager.is_saving_in_progress():
+      return
     self.wait()
     if step not in self._manager.all_steps():
       raise CheckpointWriteError(self._failed_save_message(None, step))
@@ -387,7 +414,8 @@ class Checkpointer:
             f"{f'step {max(complete)}' if complete else 'none'}")
 
   def close(self) -> None:
-    self._manager.close()
+    if not self._abandoned:
+      self._manager.close()
 
   def __enter__(self) -> "Checkpointer":
     return self

@@ -9,6 +9,8 @@
 from __future__ import annotations
 
 import dataclasses
+import math
+import numbers
 from typing import Any, Literal, Mapping
 
 import jax
@@ -26,6 +28,14 @@ PAD_ID = 0
 UNK_ID = 1
 BOS_ID = 2
 EOS_ID = 3
+
+INT32_MAX = 2**31 - 1  # counts, sizes and ids reach JAX as int32 (shapes, indices, step counters)
+FLOAT32_MAX = 3.4028234663852886e38  # rates, epsilons and exponents reach JAX as float32
+
+# Integer fields and their smallest value (the largest is INT32_MAX); ids are also checked against vocab_size.
+_INTEGER_FIELDS = (("vocab_size", 1), ("num_encoder_layers", 1), ("num_decoder_layers", 1), ("d_model", 1),
+                   ("d_ff", 1), ("num_heads", 1), ("max_len", 1), ("max_relative_position", 0),
+                   ("attention_window", 0), ("query_chunk_size", 0), ("pad_id", 0), ("bos_id", 0), ("eos_id", 0))
 
 
 # ModelConfig fields that change how the model runs (regularisation, precision, memory, kernels), not its
@@ -106,6 +116,7 @@ class ModelConfig:
       raise ValueError(f"ffn_glu={self.ffn_glu!r} must be True or False")
     if self.position_layout not in ("interleaved", "halves"):
       raise ValueError(f"position_layout={self.position_layout!r}; expected 'interleaved' or 'halves'")
+    self._validate_numbers()
     if self.d_model % self.num_heads:
       raise ValueError(
           f"d_model={self.d_model} is not divisible by num_heads={self.num_heads}")
@@ -116,20 +127,33 @@ class ModelConfig:
       raise ValueError(f"attention_impl={self.attention_impl!r}; expected 'xla' or 'cudnn'")
     if self.dtype not in ("float32", "bfloat16", "float16", "auto"):
       raise ValueError(f"dtype={self.dtype!r}; expected 'float32', 'bfloat16', 'float16' or 'auto'")
-    for name in ("vocab_size", "num_encoder_layers", "num_decoder_layers", "d_model", "d_ff", "max_len"):
-      if getattr(self, name) <= 0:
-        raise ValueError(f"{name}={getattr(self, name)} must be positive")
+    self._validate_long_input_options()
+
+  def _validate_numbers(self):
+    """One-line errors for a number field outside its range or its type's (int32 sizes and ids, float32
+    rates), or of another type: before any arithmetic on it (num_heads=0 was a ZeroDivisionError)."""
+    for name, low in _INTEGER_FIELDS:
+      value = getattr(self, name)
+      if isinstance(value, bool) or not isinstance(value, numbers.Integral) or not low <= value <= INT32_MAX:
+        off = " (0 = off)" if name in ("max_relative_position", "attention_window", "query_chunk_size") else ""
+        raise ValueError(f"{name}={value!r} must be an integer in [{low}, {INT32_MAX}]{off}")
+    for name in ("pad_id", "bos_id", "eos_id"):
+      if getattr(self, name) >= self.vocab_size:
+        raise ValueError(f"{name}={getattr(self, name)} must be < vocab_size={self.vocab_size}")
+    if self.eos_id in (self.pad_id, self.bos_id):  # BOS may equal pad (Marian starts decoding from <pad>)
+      raise ValueError(f"eos_id={self.eos_id} must differ from pad_id={self.pad_id} and bos_id={self.bos_id}")
+    for name in ("dropout_rate", "attention_dropout_rate", "relu_dropout_rate", "layer_norm_epsilon"):
+      value = getattr(self, name)
+      if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
+        raise ValueError(f"{name}={value!r} must be a finite number")
     for name in ("dropout_rate", "attention_dropout_rate", "relu_dropout_rate"):
       if not 0.0 <= getattr(self, name) < 1.0:
         raise ValueError(f"{name}={getattr(self, name)} must be in [0, 1)")
-    self._validate_long_input_options()
+    if not 0.0 < self.layer_norm_epsilon <= FLOAT32_MAX:
+      raise ValueError(f"layer_norm_epsilon={self.layer_norm_epsilon} must be in (0, {FLOAT32_MAX:g}] (float32)")
 
   def _validate_long_input_options(self):
     """One-line errors for max_relative_position, attention_window and query_chunk_size."""
-    for name in ("max_relative_position", "attention_window", "query_chunk_size"):
-      value = getattr(self, name)
-      if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ValueError(f"{name}={value!r} must be an integer >= 0 (0 = off)")
     if self.position_embedding == "none" and not self.max_relative_position:
       raise ValueError("position_embedding='none' needs max_relative_position > 0 (no position signal at all)")
     # Dropout on the attention weights needs them whole: relative positions have it (one exact block), the

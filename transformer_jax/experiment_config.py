@@ -24,7 +24,7 @@ import ml_collections
 
 from transformer_jax import metrics as metrics_lib
 from transformer_jax import trackers
-from transformer_jax.config import ModelConfig
+from transformer_jax.config import FLOAT32_MAX, INT32_MAX, ModelConfig
 from transformer_jax.data.config import DataConfig
 from transformer_jax.decoding import mbr
 from transformer_jax.sharding import MeshConfig
@@ -223,8 +223,6 @@ class ConfigError(ValueError):
   """A config value or flag outside what its key allows; the message is one line naming key and rule."""
 
 
-INT32_MAX = 2**31 - 1  # counts, steps and sizes reach JAX as int32 (shapes, indices, step counters)
-FLOAT32_MAX = 3.4028234663852886e38  # rates and exponents reach JAX as float32
 
 
 def _integer(low: int | None = None):
@@ -256,9 +254,20 @@ def _text(nonempty: bool = True):
                         "a non-empty string" if nonempty else "a string")
 
 
+def _is_int(value, low: int = 0) -> bool:
+  """An int (not bool) in [low, INT32_MAX]: what a JAX shape, index or step counter holds."""
+  return isinstance(value, int) and not isinstance(value, bool) and low <= value <= INT32_MAX
+
+
+def _is_float(value, low: float = 0.0) -> bool:
+  """A finite number (not bool) in [low, FLOAT32_MAX]: what a float32 holds."""
+  return (isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+          and low <= value <= FLOAT32_MAX)
+
+
 def _mesh_axis(value):
-  ok = isinstance(value, int) and not isinstance(value, bool) and (value >= 1 or value == -1)
-  return ok, "a positive integer, or -1 for the remaining devices"
+  ok = (isinstance(value, int) and not isinstance(value, bool) and value == -1) or _is_int(value, 1)
+  return ok, f"an integer in [1, {INT32_MAX}], or -1 for the remaining devices"
 
 
 def _splits(value):
@@ -270,9 +279,10 @@ def _step_pairs(second: str, example: str):
   """A tuple of (integer step, number) pairs, e.g. cool-down knots or dropout stages."""
   def check(value):
     ok = isinstance(value, (tuple, list)) and all(
-        isinstance(k, (tuple, list)) and len(k) == 2 and isinstance(k[0], int) and not isinstance(k[0], bool)
-        and isinstance(k[1], (int, float)) and not isinstance(k[1], bool) for k in value)
-    return ok, f"a tuple of (step, {second}) pairs, e.g. '{example}', or ()"
+        isinstance(k, (tuple, list)) and len(k) == 2 and _is_int(k[0]) and _is_float(k[1], -FLOAT32_MAX)
+        for k in value)
+    return ok, (f"a tuple of (step, {second}) pairs, e.g. '{example}', or () (steps integers in [0, "
+                f"{INT32_MAX}], {second} finite)")
   return check
 
 
@@ -289,18 +299,17 @@ def _trackers(value):
 
 def _profile_steps(value):
   ok = value in ((), []) or (isinstance(value, (tuple, list)) and len(value) == 2 and all(
-      isinstance(v, int) and not isinstance(v, bool) for v in value) and 1 <= value[0] <= value[1])
-  return ok, "() or (start, stop) steps with 1 <= start <= stop, e.g. '(5, 8)'"
+      _is_int(v, 1) for v in value) and value[0] <= value[1])
+  return ok, f"() or (start, stop) steps with 1 <= start <= stop <= {INT32_MAX}, e.g. '(5, 8)'"
 
 
 def _early_stopping(value):
   ok = value in ((), []) or (
       isinstance(value, (tuple, list)) and len(value) == 3 and isinstance(value[0], str)
       and value[0].count("/") == 1 and value[0].split("/")[1] in metrics_lib.METRICS
-      and isinstance(value[1], int) and not isinstance(value[1], bool) and value[1] >= 1
-      and isinstance(value[2], (int, float)) and not isinstance(value[2], bool) and math.isfinite(value[2])
-      and value[2] >= 0)
-  return ok, ("() or (metric, patience >= 1, min_delta >= 0) with metric '<eval split>/<name>', name one of "
+      and _is_int(value[1], 1) and _is_float(value[2]))
+  return ok, (f"() or (metric, patience in [1, {INT32_MAX}], min_delta a finite number >= 0 (float32)) with "
+              "metric '<eval split>/<name>', name one of "
               f"{', '.join(sorted(metrics_lib.METRICS))}, e.g. \"('validation/loss', 3, 0.0)\"")
 
 

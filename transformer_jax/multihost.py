@@ -65,6 +65,14 @@ def agree_on_ints(*values: int) -> tuple[int, ...]:
   return tuple(int(v) for v in multihost_utils.broadcast_one_to_all(np.asarray(values, np.int32)))
 
 
+def any_host(flag: bool) -> bool:
+  """True on every process when `flag` is true on any (a no-op on one host): a failure one host sees locally
+  (its share of a checkpoint could not be written) that every host must act on. One int32 allgather."""
+  if jax.process_count() == 1:
+    return bool(flag)
+  return bool(np.any(multihost_utils.process_allgather(np.asarray(bool(flag), np.int32))))
+
+
 def sync_processes(name: str) -> None:
   """Waits until every process reached the point `name` (a no-op on one host): e.g. the vocabulary that
   process 0 trains is on disk before the others read it."""

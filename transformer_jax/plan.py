@@ -258,13 +258,15 @@ def check_run_fits(config: ExperimentConfig, mesh: jax.sharding.Mesh) -> Optiona
   """Refuses (DoesNotFitError, one line) a run whose compiled train step needs more memory per device than the
   mesh's first device holds (`memory_stats()['bytes_limit']`: TPUs and GPUs); does nothing (None) on devices
   that report no limit (CPUs). The model's vocabulary is `data.vocab_size` (the size the tokenizer is trained
-  to), else `model.vocab_size`. Costs one compile of the train step: the trainer calls it before it writes."""
-  stats = mesh.devices.flat[0].memory_stats() or {}
+  to), else `model.vocab_size`. Costs one compile of the train step: the trainer calls it before it writes.
+  Each process reads one of its own devices (another host's is not addressable: memory_stats() raises)."""
+  local = next(d for d in mesh.devices.flat if d.process_index == jax.process_index())
+  stats = local.memory_stats() or {}
   capacity = stats.get("bytes_limit")
   if not capacity:
     return None
   model_config = factories.model_config_from(config, config.data.vocab_size or config.model.vocab_size,
-                                             mesh.devices.flat[0].platform)
+                                             local.platform)
   report = compile_report(build_programs(config, model_config, mesh, decode_rows=0).train)
   check_fits(report, capacity)
   return report

@@ -20,12 +20,11 @@ import jax.numpy as jnp
 from transformer_jax.decoding import alignment, ensemble, prefix, search
 from transformer_jax.decoding import constraints as constraints_lib
 from transformer_jax.decoding import step as step_lib
-from transformer_jax.config import ModelConfig
+from transformer_jax.config import FLOAT32_MAX, ModelConfig  # noqa: F401 (FLOAT32_MAX: the temperature's cap)
 
 Array = jax.Array
 
 SAMPLINGS = ("greedy", "beam", "sample")
-FLOAT32_MAX = 3.4028234663852886e38  # the temperature divides float32 log-probs: beyond this it would be inf
 
 
 @dataclasses.dataclass(frozen=True)
