@@ -89,7 +89,10 @@ def _timed(commands: list[list[str]]) -> float:
     _, err = proc.communicate()
     if proc.returncode:
       raise RuntimeError(err[-2000:])
-  return time.perf_counter() - start
+  seconds = time.perf_counter() - start
+  output = [a for a in commands[0] if a.startswith("--output")]
+  print(f"{seconds:.1f} s: {len(commands)} x {commands[0][2]} {' '.join(output)}", file=sys.stderr, flush=True)
+  return seconds
 
 
 def _free_port() -> int:
