@@ -36,6 +36,7 @@ from transformer_jax.data import parallel_text
 from transformer_jax.data.marian_vocab import TARGET_SPM
 from transformer_jax.decoding import inference
 from transformer_jax.interop import ctranslate2 as ct2
+from transformer_jax.interop import marian
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("workdir", None, "A trained workdir.")
@@ -159,7 +160,10 @@ def ctranslate2_section(lines: list[str], tmp: str) -> dict:
   """The same lines and beam through the model exported to CTranslate2 (float32), in this process: wall seconds
   from loading the exported model to detokenised text (the export itself not timed)."""
   model_config, params, tokenizer = trained.load(FLAGS.workdir)
-  model_dir = ct2.export_ctranslate2(params, model_config, f"{tmp}/ct2", tokenizer_path=tokenizer.path)
+  try:
+    model_dir = ct2.export_ctranslate2(params, model_config, f"{tmp}/ct2", tokenizer_path=tokenizer.path)
+  except marian.UnsupportedModelError as error:  # e.g. relative keys beside absolute positions
+    return {"error": str(error)}
   start = time.perf_counter()
   translator = ct2.translator(model_dir, compute_type="float32", threads=FLAGS.ct2_threads)
   pieces = ct2.translate_pieces(translator, ct2.source_pieces(model_dir, lines), beam_size=FLAGS.beam_size,
@@ -238,7 +242,7 @@ def main(argv):
         results["corpus"] = corpus_section(lines, tmp)
       elif section == "ctranslate2":
         results["ctranslate2"] = ctranslate2_section(lines, tmp)
-        if "corpus" in results:
+        if "corpus" in results and "error" not in results["ctranslate2"]:
           results["ctranslate2"]["corpus_1_process_over_ctranslate2"] = (
               results["ctranslate2"]["ctranslate2_fp32_s"] / results["corpus"]["corpus_1_process_s"])
       elif section == "server":
