@@ -1,12 +1,14 @@
 r"""After-training tools side by side: int8 vs float32, corpus translation vs `experiments.translate`, the server.
 
     python -m benchmarks.translation_tools --workdir=DIR --input=SOURCES [--reference=REFS]
-        [--sections=int8,corpus,server] [--output=results.json]
+        [--sections=int8,corpus,ctranslate2,server] [--kill_restart] [--output=results.json]
 
 int8: parameter bytes, exact match (with --reference) and lines/s of greedy decoding in this process, float32
 and `--quantize=int8` weights alternating (`--repeats` timed passes each after one that compiles; medians). corpus: wall seconds and
 lines/s of `experiments.translate` on the file, `experiments.translate_corpus` by 1 process, and by 2
-processes joined by jax.distributed (their own start-up included alike), and whether the outputs are equal.
+processes joined by jax.distributed (their own start-up included alike), and whether the outputs are equal;
+with --kill_restart also 2 processes SIGKILLed part-way and rerun: bytes against the 1-process run.
+ctranslate2: the same lines and beam through the model exported to CTranslate2 float32 (loading included).
 server: `experiments.serve` on 127.0.0.1, N single-text requests at 1 (sequential), 8 and 32 concurrent
 clients: requests/s and p50 / p99 latency, mean batch size. Run it alone (`flock -x /tmp/tj-cpu.lock`):
 the figures are ratios taken side by side on one machine (docs/serving.md).
@@ -17,6 +19,7 @@ from __future__ import annotations
 import concurrent.futures
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -25,11 +28,15 @@ import time
 import urllib.request
 
 import numpy as np
+import sentencepiece
 from absl import app, flags
 
 from transformer_jax import metrics, quantization, trained
 from transformer_jax.data import parallel_text
+from transformer_jax.data.marian_vocab import TARGET_SPM
 from transformer_jax.decoding import inference
+from transformer_jax.interop import ctranslate2 as ct2
+from transformer_jax.interop import marian
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("workdir", None, "A trained workdir.")
@@ -40,6 +47,9 @@ flags.DEFINE_integer("beam_size", 1, "Beam size of every section.")
 flags.DEFINE_integer("server_requests", 96, "Requests per concurrency level.")
 flags.DEFINE_integer("repeats", 3, "Timed passes per mode of the int8 section (after one that compiles).")
 flags.DEFINE_integer("lines_per_shard", 0, "Corpus section's --lines_per_shard (0: an eighth of the input).")
+flags.DEFINE_bool("kill_restart", False, "Corpus section: also run 2 processes, SIGKILL both once process 1 has "
+                  "written its first shard, rerun the command, and compare the bytes with the 1-process run.")
+flags.DEFINE_integer("ct2_threads", 2, "ctranslate2 section: CTranslate2 intra-op threads (this host's cores).")
 flags.DEFINE_string("output", None, "Also write the figures as JSON here.")
 flags.mark_flags_as_required(["workdir", "input"])
 
@@ -80,7 +90,10 @@ def _timed(commands: list[list[str]]) -> float:
     _, err = proc.communicate()
     if proc.returncode:
       raise RuntimeError(err[-2000:])
-  return time.perf_counter() - start
+  seconds = time.perf_counter() - start
+  output = [a for a in commands[0] if a.startswith("--output")]
+  print(f"{seconds:.1f} s: {len(commands)} x {commands[0][2]} {' '.join(output)}", file=sys.stderr, flush=True)
+  return seconds
 
 
 def _free_port() -> int:
@@ -89,24 +102,77 @@ def _free_port() -> int:
     return s.getsockname()[1]
 
 
+def _corpus_command(tmp: str, name: str, shard: int, processes: int = 1, port: int = 0) -> list[list[str]]:
+  command = [sys.executable, "-m", "experiments.translate_corpus", f"--workdir={FLAGS.workdir}",
+             f"--beam_size={FLAGS.beam_size}", f"--input={FLAGS.input}", f"--lines_per_shard={shard}",
+             f"--output_dir={tmp}/{name}", "--parallel_corpus=out"]
+  if processes == 1:
+    return [command]
+  return [command + ["--distributed", f"--coordinator_address=localhost:{port}", f"--num_processes={processes}",
+                     f"--process_id={i}"] for i in range(processes)]
+
+
+def _tree_bytes(root: str) -> dict:
+  return {os.path.relpath(os.path.join(d, f), root): open(os.path.join(d, f), "rb").read()
+          for d, _, names in os.walk(root) for f in names}
+
+
+def _killed_and_restarted(tmp: str, shard: int) -> dict:
+  """2 processes, both SIGKILLed once process 1 wrote its first shard, then the same command again."""
+  start = time.perf_counter()
+  procs = [subprocess.Popen(c, cwd=REPO, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+           for c in _corpus_command(tmp, "killed", shard, 2, _free_port())]
+  first_of_process_1 = os.path.join(tmp, "killed", "shards", "part-00001-of-")
+  while not any(os.path.join(tmp, "killed", "shards", n).startswith(first_of_process_1) and not n.endswith(".tmp")
+                for n in (os.listdir(os.path.join(tmp, "killed", "shards"))
+                          if os.path.isdir(os.path.join(tmp, "killed", "shards")) else [])):
+    if any(p.poll() is not None for p in procs):
+      raise RuntimeError("a corpus process ended before the kill")
+    time.sleep(0.05)
+  for proc in procs:
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+  kept = sorted(n for n in os.listdir(os.path.join(tmp, "killed", "shards")) if not n.endswith(".tmp"))
+  restart = _timed(_corpus_command(tmp, "killed", shard, 2, _free_port()))
+  return {"shards_kept_after_kill": len(kept), "killed_after_s": time.perf_counter() - start - restart,
+          "restart_s": restart, "identical_to_1_process": _tree_bytes(f"{tmp}/killed") == _tree_bytes(f"{tmp}/one")}
+
+
 def corpus_section(lines: list[str], tmp: str) -> dict:
-  beam = f"--beam_size={FLAGS.beam_size}"
-  translate = _timed([[sys.executable, "-m", "experiments.translate", f"--workdir={FLAGS.workdir}", beam,
-                       f"--input={FLAGS.input}", f"--output={tmp}/translate.txt"]])
-  shard = FLAGS.lines_per_shard or max(1, len(lines) // 8)
-  corpus = [sys.executable, "-m", "experiments.translate_corpus", f"--workdir={FLAGS.workdir}", beam,
-            f"--input={FLAGS.input}", f"--lines_per_shard={shard}"]
-  one = _timed([corpus + [f"--output_dir={tmp}/one", "--parallel_corpus=out"]])
-  port = _free_port()
-  two = _timed([corpus + [f"--output_dir={tmp}/two", "--distributed", f"--coordinator_address=localhost:{port}",
-                          "--num_processes=2", f"--process_id={i}"] for i in range(2)])
+  translate = _timed([[sys.executable, "-m", "experiments.translate", f"--workdir={FLAGS.workdir}",
+                       f"--beam_size={FLAGS.beam_size}", f"--input={FLAGS.input}", f"--output={tmp}/translate.txt"]])
+  shard = FLAGS.lines_per_shard or max(1, -(-len(lines) // 8))
+  one = _timed(_corpus_command(tmp, "one", shard))
+  two = _timed(_corpus_command(tmp, "two", shard, 2, _free_port()))
   config = trained.workdir_config(FLAGS.workdir).data
   same = (open(f"{tmp}/translate.txt", "rb").read() == open(f"{tmp}/one/out.{config.target_lang}", "rb").read())
-  rows = {"lines": len(lines), "lines_per_shard": shard, "translate_s": translate, "corpus_1_process_s": one, "corpus_2_processes_s": two,
-          "identical_to_translate": same}
+  rows = {"lines": len(lines), "lines_per_shard": shard, "translate_s": translate, "corpus_1_process_s": one,
+          "corpus_2_processes_s": two}
   rows.update({k.replace("_s", "_lines_per_s"): len(lines) / v for k, v in list(rows.items()) if k.endswith("_s")})
-  rows["corpus_1_over_translate"] = translate / one
+  rows.update(identical_to_translate=same, two_identical_to_one=_tree_bytes(f"{tmp}/two") == _tree_bytes(f"{tmp}/one"),
+              corpus_1_over_translate=translate / one)
+  if FLAGS.kill_restart:
+    rows["kill_restart"] = _killed_and_restarted(tmp, shard)
   return rows
+
+
+def ctranslate2_section(lines: list[str], tmp: str) -> dict:
+  """The same lines and beam through the model exported to CTranslate2 (float32), in this process: wall seconds
+  from loading the exported model to detokenised text (the export itself not timed)."""
+  model_config, params, tokenizer = trained.load(FLAGS.workdir)
+  try:
+    model_dir = ct2.export_ctranslate2(params, model_config, f"{tmp}/ct2", tokenizer_path=tokenizer.path)
+  except marian.UnsupportedModelError as error:  # e.g. relative keys beside absolute positions
+    return {"error": str(error)}
+  start = time.perf_counter()
+  translator = ct2.translator(model_dir, compute_type="float32", threads=FLAGS.ct2_threads)
+  pieces = ct2.translate_pieces(translator, ct2.source_pieces(model_dir, lines), beam_size=FLAGS.beam_size,
+                                length_penalty=0.0, max_len=model_config.max_len, min_decoding_length=0)
+  target_spm = sentencepiece.SentencePieceProcessor(model_file=os.path.join(model_dir, TARGET_SPM))
+  outputs = [target_spm.decode_pieces(p) for p in pieces]
+  seconds = time.perf_counter() - start
+  return {"lines": len(outputs), "ctranslate2_fp32_s": seconds, "ctranslate2_fp32_lines_per_s": len(lines) / seconds,
+          "threads": FLAGS.ct2_threads}
 
 
 def _post(port: int, text: str) -> float:
@@ -174,6 +240,11 @@ def main(argv):
         results["int8"] = int8_section(lines, references)
       elif section == "corpus":
         results["corpus"] = corpus_section(lines, tmp)
+      elif section == "ctranslate2":
+        results["ctranslate2"] = ctranslate2_section(lines, tmp)
+        if "corpus" in results and "error" not in results["ctranslate2"]:
+          results["ctranslate2"]["corpus_1_process_over_ctranslate2"] = (
+              results["ctranslate2"]["ctranslate2_fp32_s"] / results["corpus"]["corpus_1_process_s"])
       elif section == "server":
         results["server"] = server_section(lines)
       print(json.dumps({section: results[section]}, indent=1), flush=True)
