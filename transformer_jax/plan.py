@@ -130,6 +130,7 @@ class CompiledReport:
   optimal_seconds: Optional[float]  # the compiler's own estimate of the step's time (None if absent)
   collectives: dict = dataclasses.field(default_factory=dict)  # kind -> {"count", "bytes"} (bytes per device)
   custom_calls: dict = dataclasses.field(default_factory=dict)  # custom_call_target -> count (optimised HLO)
+  top_ops: list = dataclasses.field(default_factory=list)  # [[share of estimated cycles, source op], ...] (TPU)
 
   def to_json(self) -> dict:
     return dataclasses.asdict(self)
@@ -194,7 +195,7 @@ def analyse(lowered: jax.stages.Lowered) -> CompiledReport:
       temp_bytes=int(memory.temp_size_in_bytes), peak_bytes=int(peak), flops=float(cost.get("flops", 0.0)),
       bytes_accessed=float(cost.get("bytes accessed", 0.0)),
       optimal_seconds=None if optimal is None else float(optimal), collectives=collectives(hlo),
-      custom_calls=custom_calls(hlo))
+      custom_calls=custom_calls(hlo), top_ops=top_ops(hlo))
   return report
 
 
@@ -220,6 +221,26 @@ def custom_calls(hlo_text: str) -> dict:
   prices at -1 s each (`uncovered_ops`): in the train steps planned here, only `ConcatBitcast`, the bitcast
   that joins a buffer's asynchronously prefetched slices (no data moved, so 0 s is their right price)."""
   return dict(collections.Counter(_CUSTOM_CALL.findall(hlo_text)))
+
+
+_CYCLES = re.compile(r'"estimated_cycles":"(\d+)"')
+_OP_NAME = re.compile(r'op_name="([^"]*)"')
+
+
+def top_ops(hlo_text: str, count: int = 10) -> list:
+  """[[share, source op], ...]: the TPU cost model's `estimated_cycles` of each op of the optimised HLO (its
+  backend_config; fusions are priced whole and named by their root's source op), summed per source op with
+  the layer index dropped (`layer_*`), the `count` largest shares of the total first. [] where the backend
+  gives no per-op estimate (CPU, GPU)."""
+  cycles: collections.Counter = collections.Counter()
+  for line in hlo_text.splitlines():
+    found = _CYCLES.search(line)
+    if found:
+      name = _OP_NAME.search(line)
+      op = re.sub(r"layer_\d+", "layer_*", name.group(1) if name else "(unnamed)").replace("jit(train_step)/", "")
+      cycles[op] += int(found.group(1))
+  total = sum(cycles.values())
+  return [[round(c / total, 4), op] for op, c in cycles.most_common(count)] if total else []
 
 
 def _shape_bytes(result_type: str, async_start: bool) -> int:
