@@ -217,9 +217,10 @@ _CUSTOM_CALL = re.compile(r'custom-call\(.*custom_call_target="([^"]+)"')
 
 
 def custom_calls(hlo_text: str) -> dict:
-  """{custom_call_target: count} of an optimised HLO module's text. On TPU these are the ops the cost model
-  prices at -1 s each (`uncovered_ops`): in the train steps planned here, only `ConcatBitcast`, the bitcast
-  that joins a buffer's asynchronously prefetched slices (no data moved, so 0 s is their right price)."""
+  """{custom_call_target: count} of an optimised HLO module's text. On TPU some are ops the cost model prices
+  at -1 s each (`uncovered_ops`): in the train steps planned here `ConcatBitcast`, the bitcast that joins a
+  buffer's asynchronously prefetched slices (no data moved, so 0 s is their right price), and `X64Combine`
+  where 64-bit values are split (unsafe_rbg keys); gather helpers (`AssumeGatherIndicesInBound`) are priced."""
   return dict(collections.Counter(_CUSTOM_CALL.findall(hlo_text)))
 
 
@@ -347,8 +348,8 @@ def uncovered_ops(report: CompiledReport) -> int:
   """How many ops the TPU compiler's cost model left out of `optimal_seconds`: it adds -1 s for each op it has
   no estimate for, so a negative total is `known - n` with n a whole number (e.g. -643.97 = 0.0275 s known
   for 644 ops left out; docs/performance.md, "Compiled for the accelerators we target"). 0 when positive.
-  The n ops are the program's custom calls (`CompiledReport.custom_calls`: base's train step on one v5e device
-  holds 509, all `ConcatBitcast`, and n = 509)."""
+  The n ops are custom calls (`CompiledReport.custom_calls`): base's train step on one v5e device holds 509
+  `ConcatBitcast` and n = 509; in every step checked n = ConcatBitcast + X64Combine."""
   if report.optimal_seconds is None or report.optimal_seconds >= 0:
     return 0
   return -math.floor(report.optimal_seconds)
