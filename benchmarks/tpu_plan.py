@@ -17,7 +17,8 @@ Per program: peak bytes per device against the device's HBM, argument and tempor
 against the analytic count (`benchmarks.common.model_flops`, all devices), the step's estimated seconds (the
 compiler's `optimal_seconds`, or a roofline `max(FLOPs / peak, bytes / HBM bandwidth)` where the compiler gives
 none or a negative one, labelled), target tokens/s per chip, MFU against the chip's bf16 peak, the projected
-hours of `num_train_steps`, the collectives in the optimised HLO (count, bytes per device) and compile seconds.
+hours of `num_train_steps`, the collectives in the optimised HLO (count, bytes per device), compile seconds,
+and the source ops with the largest shares of the TPU cost model's cycles (`plan.top_ops`).
 A train step whose peak exceeds the device's HBM is refused in one line (exit 1, nothing written); `--fit=auto`
 instead tries FSDP, tensor splits, then gradient accumulation (`plan.fit_candidates`) and plans the first that
 fits, saying which. JAX's persistent compilation cache cannot serve compile-only devices (it writes entries a
@@ -169,6 +170,10 @@ def main() -> None:
   result = run_plan(config, topology, FLAGS.fit, tuple(FLAGS.programs))
   result.update(config_file=FLAGS["config"].config_filename, dtype=dtype_note)
   print(f"planned: {result['split']}\n" + table(result["rows"]))
+  for row in result["rows"]:
+    if row.get("top_ops"):  # the TPU cost model's cycles per source op (plan.top_ops)
+      print(f"{row['program']}: largest shares of the estimate: "
+            + "; ".join(f"{share:.1%} {op[-80:]}" for share, op in row["top_ops"][:5]))
   slices = f"_x{FLAGS.num_slices}" if FLAGS.num_slices > 1 else ""
   output = FLAGS.output or str(common.REPO / "runs" / "tpu_plan" / (
       f"{Path(FLAGS['config'].config_filename).stem}_{FLAGS.topology.replace(':', '-')}{slices}.json"))

@@ -79,6 +79,24 @@ def test_collectives_are_read_from_the_optimised_hlo():
                                    "all-gather": {"count": 1, "bytes": 256 * 128 * 2}}
 
 
+def test_custom_calls_are_counted_by_target():
+  hlo = ('%c1 = f32[512,8,64]{0,2,1} custom-call(%a, %b), custom_call_target="ConcatBitcast", backend_config={}\n'
+         '%c2 = f32[512,8,64]{0,2,1} custom-call(%c, %d), custom_call_target="ConcatBitcast"\n'
+         '%f = f32[8]{0} fusion(%x), kind=kLoop, calls=%fused\n')
+  assert plan.custom_calls(hlo) == {"ConcatBitcast": 2}
+
+
+def test_top_ops_sum_the_cost_models_cycles_per_source_op_across_layers():
+  hlo = ('%f1 = f32[8]{0} fusion(%x), metadata={op_name="jit(train_step)/decoder/layer_0/ffn/dot_general"}, '
+         'backend_config={"estimated_cycles":"300"}\n'
+         '%f2 = f32[8]{0} fusion(%x), metadata={op_name="jit(train_step)/decoder/layer_1/ffn/dot_general"}, '
+         'backend_config={"estimated_cycles":"300"}\n'
+         '%f3 = f32[8]{0} fusion(%y), metadata={op_name="jit(train_step)/attend/dot_general"}, '
+         'backend_config={"estimated_cycles":"400"}\n%p = f32[8]{0} parameter(0)\n')
+  assert plan.top_ops(hlo) == [[0.6, "decoder/layer_*/ffn/dot_general"], [0.4, "attend/dot_general"]]
+  assert plan.top_ops("%p = f32[8]{0} parameter(0)") == []
+
+
 def test_fit_candidates_go_from_the_config_to_fsdp_tensor_then_accumulation():
   config = dataclasses.replace(CONFIG, data=dataclasses.replace(CONFIG.data, tokens_per_batch=32 * 16))
   splits = [plan.describe_split(c) for c in plan.fit_candidates(config, 4, max_accum=4)]

@@ -180,6 +180,8 @@ class BackendChoices:
 # Beam search's never-reordered cache (`kvcache.BeamSelfAttentionCache`) is no entry: it is the faster form on
 # XLA:CPU (measured) and by the TPU compiler's estimate (1.29x per position, docs/performance.md), so it is used
 # on every platform.
+# Nor are bfloat16 logits (1.4% of base's TPU step) or the TPU's dropout generator (no gain): docs/performance.md,
+# "Which ops dominate base's estimate on v5e".
 BACKEND_CHOICES = {
     "cpu": BackendChoices(compute_dtype="float32"),  # bf16 is emulated on XLA:CPU
     "gpu": BackendChoices(compute_dtype="bfloat16"),
