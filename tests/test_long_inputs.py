@@ -303,8 +303,8 @@ def test_sown_weights_with_options_are_normalised_and_windowed():
 
 
 @pytest.mark.parametrize("changes, message", [
-    (dict(attention_window=-1), "attention_window=-1 must be an integer >= 0"),
-    (dict(query_chunk_size=2.5), "query_chunk_size=2.5 must be an integer >= 0"),
+    (dict(attention_window=-1), r"attention_window=-1 must be an integer in \[0, 2147483647\] \(0 = off\)"),
+    (dict(query_chunk_size=2.5), r"query_chunk_size=2.5 must be an integer in \[0, 2147483647\] \(0 = off\)"),
     (dict(max_relative_position=True), "max_relative_position=True must be an integer"),
     (dict(position_embedding="none"), "position_embedding='none' needs max_relative_position > 0"),
     (dict(query_chunk_size=8, attention_dropout_rate=0.1), "attention_dropout_rate=0.1 is not supported with"),
