@@ -394,7 +394,8 @@ def validate(config: ExperimentConfig) -> None:
   Each key against its rule (`RULES`), then the relations between keys: the batch by `data.tokens_per_batch >=
   data.max_len` (at least one packed row per batch), subword sampling and lowercasing by `data.tokenizer ==
   'sentencepiece'`, `data.subword_from_epoch` by `data.subword_alpha > 0`, the cool-down and dropout stages by
-  the schedule, early stopping and the best checkpoint's metric by the evaluators, MBR decoding by `decode.beam_size >= 2` (its n-best list).
+  the schedule, early stopping and the best checkpoint's metric by the evaluators, MBR decoding by
+  `decode.beam_size >= 2` (its n-best list).
   `config.model` was checked when it was built (`ModelConfig`'s own range checks).
   """
   for key in RULES:

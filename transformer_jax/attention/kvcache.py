@@ -111,8 +111,8 @@ class SelfAttentionCache:
   `key`, `value` `[batch, heads, cache_len, head_dim]`, heads-major: the attention dots contract over head_dim
   with heads as a batch dimension, so in this layout the `swapaxes` of `write` cancels against the dot's own
   transpose and a step writes one position instead of relaying out the whole cache (faster cached greedy and
-  beam search: docs/performance.md, "Start-up and the smaller choices"). Position t goes to slot t % cache_len; slot s then holds position
-  t - ((t - s) mod cache_len), valid when >= 0. Without a window cache_len = max_decode_len (slot = position);
+  beam search: docs/performance.md, "Start-up and the smaller choices"). Position t goes to slot t % cache_len;
+  slot s then holds position t - ((t - s) mod cache_len), valid when >= 0. Without a window cache_len = max_decode_len (slot = position);
   with a window w it is min(w, max_decode_len), a ring buffer of the last w positions, exactly those the
   window lets t see. (Fields in this order keep the leaf order of the decoding loop's state.)
   """

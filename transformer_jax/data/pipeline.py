@@ -16,8 +16,8 @@ are ordered per epoch by grain's index shuffle with seed `seed + epoch` (`EpochO
 element, nothing materialised), process `p` takes every `n`-th place of each epoch's order (a disjoint share, the
 shares' union is every kept pair once), reads its records `READ_CHUNK` at a time (`RecordReader`), packs them
 first-fit into `rows_per_batch // n` rows of `row_length` slots (`FirstFitBatches`: the batches of grain's
-`FirstFitPackIterDataset`, faster: docs/performance.md; across epoch boundaries); grain's prefetch thread keeps batches ready
-(`grain.experimental.ThreadPrefetchIterDataset`). Per-pair state in memory: the kept positions (4 bytes), the
+`FirstFitPackIterDataset`, faster: docs/performance.md; across epoch boundaries); grain's prefetch thread keeps
+batches ready (`grain.experimental.ThreadPrefetchIterDataset`). Per-pair state in memory: the kept positions (4 bytes), the
 lengths (8) and ArrayRecord's record index (~11). The iterator state (one integer: the stream index of the next
 batch's first pair) is the data position saved in every checkpoint; restoring it replays exactly the batches an
 uninterrupted run would see.

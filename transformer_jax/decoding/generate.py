@@ -20,7 +20,7 @@ import jax.numpy as jnp
 from transformer_jax.decoding import alignment, ensemble, prefix, search
 from transformer_jax.decoding import constraints as constraints_lib
 from transformer_jax.decoding import step as step_lib
-from transformer_jax.config import FLOAT32_MAX, ModelConfig  # noqa: F401 (FLOAT32_MAX: the temperature's cap)
+from transformer_jax.config import FLOAT32_MAX, ModelConfig
 
 Array = jax.Array
 
