@@ -33,7 +33,7 @@ import jax.numpy as jnp
 
 from benchmarks import common
 from transformer_jax import model as model_lib
-from transformer_jax.experiment_config import ExperimentConfig
+from transformer_jax.run.experiment_config import ExperimentConfig
 from transformer_jax.training import steps
 
 VARIANTS = ("baseline", "flax_dropout", "autodiff_logits", "autodiff_loss", "unoptimized", "no_dropout")

@@ -54,11 +54,12 @@ from experiments import launch
 from benchmarks import common
 from experiments.configs import number_words
 from transformer_jax import accelerators
-from transformer_jax import checkpoint as checkpoint_lib
-from transformer_jax import plan as tpu_plan_lib
-from transformer_jax import sharding, trainer
+from transformer_jax import sharding
 from transformer_jax.decoding import inference
-from transformer_jax.experiment_config import ExperimentConfig
+from transformer_jax.run import checkpoint as checkpoint_lib
+from transformer_jax.run import plan as tpu_plan_lib
+from transformer_jax.run import trainer
+from transformer_jax.run.experiment_config import ExperimentConfig
 from transformer_jax.training.steps import init_params
 
 SECTIONS = ("devices", "matmul", "train", "attention", "decode", "number_words", "checkpoint")

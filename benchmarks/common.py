@@ -22,13 +22,14 @@ import numpy as np
 from absl import flags
 
 from transformer_jax import config as presets
-from transformer_jax import decoding, factories, sharding
+from transformer_jax import decoding, sharding
 from transformer_jax.config import ModelConfig
 from transformer_jax.data import number_words as nw
 from transformer_jax.data import pipeline
 from transformer_jax.data import tokenizer as tok_lib
 from transformer_jax.data.batching import filter_by_length
-from transformer_jax.experiment_config import DataConfig, ExperimentConfig
+from transformer_jax.run import factories
+from transformer_jax.run.experiment_config import DataConfig, ExperimentConfig
 from transformer_jax.training import steps
 
 PRESETS = {"tiny": presets.tiny, "base": presets.base, "big": presets.big}

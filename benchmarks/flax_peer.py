@@ -40,8 +40,8 @@ from flax.training import train_state
 from benchmarks import common
 from experiments import common as program_common
 from experiments import launch
-from transformer_jax import factories
 from transformer_jax.config import ModelConfig
+from transformer_jax.run import factories
 
 MODELS_MEMBER = "examples/wmt/models.py"
 PACKING_KEYS = {"inputs_position": "inputs_positions", "targets_position": "targets_positions",

@@ -18,7 +18,7 @@ layout copies, other fusions = elementwise/reduce passes), its output shape and 
 from (`op_name` metadata: the flax module path and the jnp op). Printed: op time per step (summed over the
 worker threads), how much of the step had 0, 1 or 2+ ops running, and the shares by kind, by model area
 and by op. `--trace_dir` keeps the raw trace for TensorBoard / Perfetto. A training run's own trace
-(`config.profile_steps`, `<workdir>/profile`, `transformer_jax.profiling`) is the same format: `op_events`
+(`config.profile_steps`, `<workdir>/profile`, `transformer_jax.run.profiling`) is the same format: `op_events`
 reads it too (tests/test_trackers.py does).
 """
 

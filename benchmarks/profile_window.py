@@ -23,8 +23,8 @@ from benchmarks import common
 from experiments import common as program_common
 from experiments import launch
 from experiments.configs import number_words
-from transformer_jax import trainer
-from transformer_jax.experiment_config import ExperimentConfig
+from transformer_jax.run import trainer
+from transformer_jax.run.experiment_config import ExperimentConfig
 from transformer_jax.workdir import Workdir
 
 

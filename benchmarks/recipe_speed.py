@@ -37,9 +37,10 @@ from absl import flags
 from experiments import common as program_common
 from experiments import launch
 from benchmarks import common
-from transformer_jax import run_checks, sharding
+from transformer_jax import sharding
 from transformer_jax.data import pipeline
-from transformer_jax.experiment_config import ExperimentConfig
+from transformer_jax.run import run_checks
+from transformer_jax.run.experiment_config import ExperimentConfig
 from transformer_jax.workdir import Workdir
 
 

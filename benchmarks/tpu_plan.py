@@ -8,7 +8,7 @@ compiler's step-time estimate. A table and a JSON file.
 It builds what `experiments.train` would run for the config (the trainer's mesh from `config.mesh`, its abstract
 train state, its partitioned train and eval steps, and the recipe's beam search at `decode.beam_size` over
 `--decode_rows` sources of `--decode_src_len` tokens, one device, as evaluation decodes) and compiles them with
-libtpu for the topology's devices (`transformer_jax.plan`, `accelerators.tpu_topology`). Multi-slice
+libtpu for the topology's devices (`transformer_jax.run.plan`, `accelerators.tpu_topology`). Multi-slice
 (`--num_slices`) puts `mesh.data` across the slices over DCN, everything else within a slice on ICI
 (`sharding.make_mesh`). The model computes in the TPU rule's dtype (`accelerators.backend_choices('tpu')`:
 bfloat16) unless `--config.model.dtype` is given.
@@ -41,8 +41,9 @@ from ml_collections import config_flags
 from benchmarks import common
 from experiments import common as program_common
 from experiments import launch
-from transformer_jax import accelerators, factories, plan, run_checks, sharding
-from transformer_jax.experiment_config import ExperimentConfig
+from transformer_jax import accelerators, sharding
+from transformer_jax.run import factories, plan, run_checks
+from transformer_jax.run.experiment_config import ExperimentConfig
 
 FLAGS = flags.FLAGS
 PROGRAMS = ("train", "eval", "decode")

@@ -31,12 +31,13 @@ import numpy as np
 import sentencepiece
 from absl import app, flags
 
-from transformer_jax import metrics, quantization, trained
 from transformer_jax.data import parallel_text
 from transformer_jax.data.marian_vocab import TARGET_SPM
-from transformer_jax.decoding import inference
+from transformer_jax.decoding import inference, quantization
+from transformer_jax.evaluation import metrics
 from transformer_jax.interop import ctranslate2 as ct2
 from transformer_jax.interop import marian
+from transformer_jax.run import trained
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("workdir", None, "A trained workdir.")

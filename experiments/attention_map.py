@@ -4,15 +4,15 @@ r"""Draw attention heatmaps (encoder self, decoder self, cross; every layer and 
         --output=attention.png
 
 Without --target the model's own greedy translation is used. Also prints, per layer and head, the mean
-entropy of the attention distribution and which heads are near-uniform (`transformer_jax.diagnostics`).
+entropy of the attention distribution and which heads are near-uniform (`transformer_jax.evaluation.diagnostics`).
 """
 
 import jax.numpy as jnp
 from absl import flags
 
 from experiments import common, launch
-from transformer_jax import diagnostics, visualize
 from transformer_jax.decoding import inference
+from transformer_jax.evaluation import diagnostics, visualize
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("workdir", None, "The training run's --workdir.")

@@ -13,7 +13,7 @@ from absl import flags
 from etils import epath
 
 from experiments import common, launch
-from transformer_jax import checkpoint as checkpoint_lib
+from transformer_jax.run import checkpoint as checkpoint_lib
 from transformer_jax.workdir import Workdir, absolute
 
 FLAGS = flags.FLAGS

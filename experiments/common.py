@@ -19,12 +19,13 @@ import tensorflow_datasets as tfds
 from absl import app
 from absl import logging as absl_logging
 
-from transformer_jax import factories, metrics, trained, trainer
 from transformer_jax.data import parallel_text, sources
 from transformer_jax.data.tokenizer import VocabularyError
 from transformer_jax.decoding import inference
-from transformer_jax.experiment_config import ExperimentConfig
-from transformer_jax.train_log import NonFiniteLossError
+from transformer_jax.evaluation import metrics
+from transformer_jax.run import factories, trained, trainer
+from transformer_jax.run.experiment_config import ExperimentConfig
+from transformer_jax.run.train_log import NonFiniteLossError
 from transformer_jax.workdir import Workdir, write_json_atomically
 
 # Exceptions that mean "bad input or state": printed as one line, exit status 1, no traceback.
@@ -184,7 +185,7 @@ def load_workdir_config(workdir: str) -> ExperimentConfig:
 
 def load_for_inference(workdir: str, checkpoint: str | None = None,
                        ema: bool | None = None) -> trained.TrainedModel:
-  """(model_config, params, tokenizer) of a trained workdir: `transformer_jax.trained.load` (see there for
+  """(model_config, params, tokenizer) of a trained workdir: `transformer_jax.run.trained.load` (see there for
   `checkpoint`, `ema` and the errors raised)."""
   return trained.load(workdir, checkpoint, ema)
 

@@ -12,8 +12,7 @@ from absl import flags
 from etils import epath
 
 from experiments import common
-from transformer_jax import quantization
-from transformer_jax.decoding import generate, inference
+from transformer_jax.decoding import generate, inference, quantization
 
 FLAGS = flags.FLAGS
 
@@ -33,7 +32,7 @@ def define_flags(*, nbest: bool) -> None:
                     "steps of --workdir, checkpoint directories, or other workdirs of the same architecture and "
                     "vocabulary. With --ensemble, --checkpoint is the first model.")
   flags.DEFINE_enum("quantize", "", quantization.MODES, "'' = float weights; int8 = weight-only int8 through qwix "
-                    "(transformer_jax/quantization.py; docs/serving.md has its bytes, quality and speed).")
+                    "(transformer_jax/decoding/quantization.py; docs/serving.md has its bytes, quality and speed).")
   if nbest:
     flags.DEFINE_integer("nbest", 1, "Hypotheses per input line (<= --beam_size; beam search only).")
 

@@ -19,8 +19,8 @@ from etils import epath
 from tqdm import tqdm
 
 from experiments import common, decoding, launch
-from transformer_jax import metrics
 from transformer_jax.decoding import inference
+from transformer_jax.evaluation import metrics
 from transformer_jax.workdir import Workdir
 
 FLAGS = flags.FLAGS

@@ -20,7 +20,7 @@ from etils import epath
 from ml_collections import config_flags
 
 from experiments import huge_pages
-from transformer_jax import experiment_config
+from transformer_jax.run import experiment_config
 
 
 def _one_line(error: BaseException) -> str:
@@ -59,7 +59,7 @@ def _config_error_message(error: BaseException) -> str:
     key = _one_line(error).strip("\"'")
     given = [a for a in sys.argv[1:] if a.startswith("--config.") and key in a.split("=", 1)[0].split(".")]
     return (f"{given[0] if given else '--config.' + key}: the config has no such key; the keys are those of "
-            "transformer_jax/experiment_config.py")
+            "transformer_jax/run/experiment_config.py")
   if isinstance(error, SyntaxError):  # the --config file is not Python
     return f"--config={error.filename}:{error.lineno}: {error.msg} (a config file is Python defining get_config())"
   if isinstance(error, OSError) and "No such file or directory" in str(error):

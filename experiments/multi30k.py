@@ -25,11 +25,12 @@ from absl import flags
 from etils import epath
 
 from experiments import common, docblock, launch
-from transformer_jax import checkpoint as checkpoint_lib
-from transformer_jax import factories, metrics, trainer, visualize
-from transformer_jax.decoding import inference
-from transformer_jax.experiment_config import ExperimentConfig
 from transformer_jax.data.parallel_text import read_lines
+from transformer_jax.decoding import inference
+from transformer_jax.evaluation import metrics, visualize
+from transformer_jax.run import checkpoint as checkpoint_lib
+from transformer_jax.run import factories, trainer
+from transformer_jax.run.experiment_config import ExperimentConfig
 from transformer_jax.workdir import Workdir, read_json, write_json_atomically
 
 FLAGS = flags.FLAGS

@@ -15,7 +15,7 @@ import uvicorn
 from absl import flags
 
 from experiments import common, launch
-from transformer_jax import quantization
+from transformer_jax.decoding import quantization
 from transformer_jax.serving import batching, http
 
 FLAGS = flags.FLAGS

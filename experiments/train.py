@@ -13,8 +13,8 @@ from absl import flags
 from ml_collections import config_flags
 
 from experiments import common, launch
-from transformer_jax import imported_workdir, trainer
-from transformer_jax.experiment_config import ExperimentConfig
+from transformer_jax.run import imported_workdir, trainer
+from transformer_jax.run.experiment_config import ExperimentConfig
 
 _DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs", "number_words.py")
 

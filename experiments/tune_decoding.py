@@ -24,10 +24,10 @@ import time
 from absl import flags
 
 from experiments import common, launch
-from transformer_jax import experiment_config
-from transformer_jax import checkpoint as checkpoint_lib
-from transformer_jax import metrics
 from transformer_jax.decoding import generate, inference, mbr
+from transformer_jax.evaluation import metrics
+from transformer_jax.run import checkpoint as checkpoint_lib
+from transformer_jax.run import experiment_config
 from transformer_jax.workdir import Workdir, write_json_atomically
 
 FLAGS = flags.FLAGS

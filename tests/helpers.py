@@ -14,7 +14,7 @@ from flax import linen as nn
 from flax import traverse_util
 
 from experiments.configs import number_words
-from transformer_jax import factories
+from transformer_jax.run import factories
 
 
 def tiny_number_words_config(tmp_path):

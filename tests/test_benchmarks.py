@@ -19,8 +19,9 @@ import pytest
 from benchmarks import ablations, common, flax_peer
 from benchmarks import profile as profile_bench
 from experiments.configs import default, number_words
-from transformer_jax import factories, sharding, trainer
-from transformer_jax.experiment_config import ExperimentConfig
+from transformer_jax import sharding
+from transformer_jax.run import factories, trainer
+from transformer_jax.run.experiment_config import ExperimentConfig
 
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

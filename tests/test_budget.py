@@ -1,4 +1,4 @@
-"""A run fitted to a wall-clock budget: the decisions (transformer_jax/budget.py) and the trainer that
+"""A run fitted to a wall-clock budget: the decisions (transformer_jax/run/budget.py) and the trainer that
 applies them (`trainer.apply_budget`)."""
 
 import dataclasses
@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 
 from experiments.configs import default, number_words
-from transformer_jax import factories, trainer
-from transformer_jax.experiment_config import ExperimentConfig
-from transformer_jax import budget as budget_lib
+from transformer_jax.run import budget as budget_lib
+from transformer_jax.run import factories, trainer
+from transformer_jax.run.experiment_config import ExperimentConfig
 from transformer_jax.training import schedule as schedule_lib
 from transformer_jax.workdir import Workdir
 

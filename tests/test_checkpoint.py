@@ -1,4 +1,4 @@
-"""Tests of `transformer_jax.checkpoint` (tiny model, CPU, a few seconds)."""
+"""Tests of `transformer_jax.run.checkpoint` (tiny model, CPU, a few seconds)."""
 
 import logging
 import os
@@ -9,10 +9,10 @@ import numpy as np
 import optax
 import pytest
 
-from transformer_jax import checkpoint as ck
 from transformer_jax.config import tiny
-from transformer_jax.training.state import create_train_state
+from transformer_jax.run import checkpoint as ck
 from transformer_jax.training.optimizer import ema_params, param_ema
+from transformer_jax.training.state import create_train_state
 from transformer_jax.workdir import to_jsonable
 
 # Restoring a damaged step makes Orbax abandon its other in-flight reads; their coroutines later fail with
@@ -163,12 +163,12 @@ def test_damaged_newest_step_falls_back_to_previous(tmp_path, state, caplog):
   _truncate_array_files(os.path.join(tmp_path, "2"))
 
   ckpt = ck.Checkpointer(tmp_path)
-  with caplog.at_level(logging.WARNING, logger="transformer_jax.checkpoint"):
+  with caplog.at_level(logging.WARNING, logger="transformer_jax.run.checkpoint"):
     restored = ckpt.restore_latest_complete(abstract_of(state))
   assert restored.step == 1
   assert restored.data_state == {"index": 1}
   assert_trees_equal(restored.state.params, state.params)
-  warnings = [r.getMessage() for r in caplog.records if r.name == "transformer_jax.checkpoint"]
+  warnings = [r.getMessage() for r in caplog.records if r.name == "transformer_jax.run.checkpoint"]
   assert any("step 2" in message and "Error" in message for message in warnings), warnings
   # Nothing was deleted.
   assert os.path.isdir(os.path.join(tmp_path, "2"))

@@ -22,7 +22,7 @@ _DATA = """
     import dataclasses
     from experiments.configs import number_words
     from transformer_jax.data import datasets, pipeline
-    from transformer_jax.experiment_config import ExperimentConfig
+    from transformer_jax.run.experiment_config import ExperimentConfig
     pipeline.SHARD_PAIRS = 500  # 4 shards of the tiny split: each process writes two
     cfg = dataclasses.replace(ExperimentConfig.from_config_dict(number_words.get_config()).data, builder_config="tiny",
                               vocab_size=128, tfds_data_dir=sys.argv[3] + "/tfds", max_len=32, tokens_per_batch=16 * 32)
@@ -70,8 +70,8 @@ def test_two_processes_read_disjoint_halves_of_every_epoch(prepared, tmp_path):
 
 _TRAIN = """
     import helpers
-    from transformer_jax import trainer
-    from transformer_jax.experiment_config import ExperimentConfig
+    from transformer_jax.run import trainer
+    from transformer_jax.run.experiment_config import ExperimentConfig
     from pathlib import Path
     tmp, steps = Path(sys.argv[3]), int(sys.argv[4])
     config = helpers.tiny_number_words_config(tmp)
@@ -132,7 +132,7 @@ def test_every_process_meets_the_same_barriers_whatever_it_finds_on_disk(prepare
   process's next barrier under a different name: jax's `sync_global_devices` name mismatch)."""
   from experiments.configs import number_words
   from transformer_jax.data import datasets
-  from transformer_jax.experiment_config import ExperimentConfig
+  from transformer_jax.run.experiment_config import ExperimentConfig
   cfg = dataclasses.replace(ExperimentConfig.from_config_dict(number_words.get_config()).data, builder_config="tiny",
                             vocab_size=128, tfds_data_dir=str(prepared / "tfds"), max_len=32, tokens_per_batch=16 * 32)
   met = {0: [], 1: []}

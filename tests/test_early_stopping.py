@@ -14,8 +14,9 @@ import numpy as np
 import pytest
 
 from experiments.configs import default
-from transformer_jax import early_stopping, metrics
-from transformer_jax.experiment_config import ConfigError, ExperimentConfig
+from transformer_jax.evaluation import metrics
+from transformer_jax.run import early_stopping
+from transformer_jax.run.experiment_config import ConfigError, ExperimentConfig
 from transformer_jax.workdir import Workdir
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -21,10 +21,11 @@ import sacrebleu
 import helpers
 from tests.test_experiments import REPO, TINY_OVERRIDES, _env, _one_line_error, _run, _tree
 from transformer_jax import config as config_lib
-from transformer_jax import evaluators, metrics, run_checks, trainer
-from transformer_jax.experiment_config import ExperimentConfig
-from transformer_jax.train_log import NonFiniteLossError
-from transformer_jax.owner_lock import LOCK_FILENAME, OwnerLock, WorkdirInUseError
+from transformer_jax.evaluation import metrics
+from transformer_jax.run import evaluators, run_checks, trainer
+from transformer_jax.run.experiment_config import ExperimentConfig
+from transformer_jax.run.owner_lock import LOCK_FILENAME, OwnerLock, WorkdirInUseError
+from transformer_jax.run.train_log import NonFiniteLossError
 
 QUICK = [*TINY_OVERRIDES, "--config.num_train_steps=10", "--config.final_eval.split="]
 
@@ -200,7 +201,7 @@ def test_averaging_into_an_output_holding_that_step_is_an_error_and_keeps_it(run
 
 
 def test_a_save_orbax_refuses_raises(tmp_path):
-  from transformer_jax import checkpoint
+  from transformer_jax.run import checkpoint
   with pytest.raises(checkpoint.CheckpointWriteError, match="step 7 was not written"):
     checkpoint.require_saved(False, tmp_path, 7)
   checkpoint.require_saved(True, tmp_path, 7)
@@ -334,7 +335,7 @@ def _pieces_and_scores(workdir):
 def test_crlf_bom_and_blank_lines_train_the_same_vocabulary_and_parameters(tmp_path):
   """400 pairs; the same with CRLF, a BOM, 3 blank pairs and 2 one-side-blank pairs: the 5 are skipped, and the
   vocabulary (trained on the pairs training keeps) and the parameters after 12 steps are bit-identical."""
-  from transformer_jax import trained
+  from transformer_jax.run import trained
   from transformer_jax.data import number_words
   numbers = [n * 7919 % 1_000_000 for n in range(400)]
   en, de = [number_words.english(n) for n in numbers], [number_words.german(n) for n in numbers]
@@ -466,7 +467,7 @@ def test_a_failed_background_save_stops_the_run_in_one_line_keeping_the_last_goo
   process writes may then hold 40 kB (RLIMIT_FSIZE, set from outside; Python ignores SIGXFSZ, so a write
   fails with EFBIG as on a full disk), which the checkpoint's array files exceed and the logs do not."""
   import resource
-  from transformer_jax import trained
+  from transformer_jax.run import trained
   workdir = tmp_path / "w"
   trainer_process = subprocess.Popen(
       [sys.executable, "-m", "experiments.train", f"--workdir={workdir}", *QUICK, "--config.num_train_steps=100000",

@@ -8,7 +8,7 @@ import ml_collections
 import pytest
 
 from transformer_jax.config import ModelConfig
-from transformer_jax.experiment_config import RULES, ConfigError, DataConfig, ExperimentConfig, check_value
+from transformer_jax.run.experiment_config import RULES, ConfigError, DataConfig, ExperimentConfig, check_value
 from transformer_jax.sharding import MeshConfig
 from transformer_jax.workdir import to_jsonable
 

@@ -12,7 +12,7 @@ import pytest
 import sacrebleu
 
 import helpers
-from transformer_jax.experiment_config import ExperimentConfig
+from transformer_jax.run.experiment_config import ExperimentConfig
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -184,9 +184,9 @@ def test_missing_workdir_is_a_one_line_error(tmp_path):
 def test_nan_loss_stops_with_the_step(monkeypatch, tmp_path):
   """A NaN loss raises NonFiniteLossError naming the step (train_step patched to produce one)."""
   from experiments.configs import number_words
-  from transformer_jax import trainer
-  from transformer_jax.train_log import NonFiniteLossError
-  from transformer_jax.experiment_config import ExperimentConfig
+  from transformer_jax.run import trainer
+  from transformer_jax.run.train_log import NonFiniteLossError
+  from transformer_jax.run.experiment_config import ExperimentConfig
 
   helpers.poison_train_step(monkeypatch, 7, loss=float("nan"))
   config = number_words.get_config()

@@ -26,7 +26,7 @@ import numpy as np
 import pytest
 import sacrebleu
 
-from transformer_jax import checkpoint as checkpoint_lib
+from transformer_jax.run import checkpoint as checkpoint_lib
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SOURCES = ["twenty-one", "three hundred forty-five", "one hundred one thousand one", "seven", "ninety"]
@@ -220,7 +220,7 @@ def test_a_live_lock_on_gs_refuses_a_second_trainer_in_one_line_and_writes_nothi
 
 _LOCK_SCRIPT = """
 import json, sys
-from transformer_jax.owner_lock import OwnerLock, WorkdirInUseError
+from transformer_jax.run.owner_lock import OwnerLock, WorkdirInUseError
 root = sys.argv[1]
 with OwnerLock(root) as first:
   try:

@@ -44,7 +44,7 @@ def test_the_restart_comes_before_the_program_imports_jax():
   before, after = proc.stderr.split(NOTICE)
   imported = lambda text, module: any(line.rsplit("|", 1)[-1].strip() == module for line in text.splitlines())
   assert imported(before, "experiments.huge_pages") and not imported(before, "jax")
-  assert imported(after, "jax") and imported(after, "transformer_jax.trainer")
+  assert imported(after, "jax") and imported(after, "transformer_jax.run.trainer")
 
 
 def test_program_does_not_restart_when_opted_out_or_already_set():

@@ -1,10 +1,10 @@
-"""The library's layers: no module imports one above it; project imports sit at the top of the file.
+"""The library's floors: no package imports one on its floor or above, no module circle inside a package, and
+project imports sit at the top of the file.
 
-    trainer / interop -> trained -> factories / imported_workdir -> checkpoint -> evaluators / run_checks -> data
-      -> decoding (inference -> generate -> ensemble / prefix / constraints / alignment -> step -> search)
-      / training -> experiment_config -> model -> early_stopping -> attention (layer -> kvcache -> core)
-      / trackers / owner_lock / sharding / metrics / train_log -> dropout / config / workdir / profiling / multihost
-      / stop_signal
+The floors, lowest first (README's "Where things live" and docs/layout.md draw the same chain):
+
+    accelerators / dropout / multihost -> config -> workdir / sharding -> data / attention -> model
+      -> evaluation -> decoding / training -> corpus / serving -> run -> interop -> transformer_jax (the API)
 """
 
 import ast
@@ -14,67 +14,35 @@ import pytest
 
 PACKAGE = pathlib.Path(__file__).resolve().parents[1] / "transformer_jax"
 
-# Rank of each module (or package prefix); a module may import only modules of a strictly lower rank, or
-# siblings inside its own package (`data.*`, `training.*`, `interop.*`) of the same rank (the package's own).
-RANKS = {
-    "transformer_jax.config": 0, "transformer_jax.workdir": 0.5,  # the workdir's reuse keys name the model's fields
-    "transformer_jax.metrics": 1,
-    "transformer_jax.dropout": 0, "transformer_jax.data.normalize": 0,  # text normalisation: a leaf
-    "transformer_jax.data.config": 0,  # DataConfig, the schema's data section: a leaf the data package reads
-    # attention: the math, below the decoding caches (typed entries + the decoder's accessors), below the layer
-    "transformer_jax.attention.core": 1, "transformer_jax.attention.kvcache": 1.2,
-    "transformer_jax.attention.layer": 1.4, "transformer_jax.attention": 1.5,
-    "transformer_jax.profiling": 0,  # jax.profiler around chosen steps: a leaf
-    "transformer_jax.multihost": 0,  # the host collectives (process 0 decides, every host agrees): jax only
-    "transformer_jax.accelerators": -1,  # chips' facts, TPU topologies, the backend rule: jax only
-    "transformer_jax.stop_signal": 0.5,  # SIGTERM/SIGINT and the preemption notice (multihost)
-    "transformer_jax.train_log": 1,  # the training scalars between logging steps (NonFiniteLossError)
-    "transformer_jax.trackers": 1,   # metrics.jsonl, TensorBoard, W&B: writers that know only the workdir
-    "transformer_jax.owner_lock": 1,  # train.lock: one trainer per workdir, local or gs://
-    "transformer_jax.sharding": 1,  # mesh, logical rules, placement, THE jit wrapper: knows only ModelConfig
-    "transformer_jax.early_stopping": 2,  # the rule over a metric's values (metrics' direction table)
-    "transformer_jax.model": 2,
-    "transformer_jax.training.schedule": 0.5,  # learning-rate schedule, cool-down, dropout stages: jax/optax only
-    "transformer_jax.decoding.mbr": 1.5,  # n-best selection by a sentence metric (metrics' BLEU), no model code
-    # the experiment schema: every key, its default, meaning and rule (ModelConfig, MeshConfig, the schedule's,
-    # trackers' and MBR's names nested); below everything that reads a typed config
-    "transformer_jax.experiment_config": 2.5,
-    "transformer_jax.budget": 2.7,  # the time budget: pure decisions over the typed config and the schedule
-    "transformer_jax.training": 3, "transformer_jax.visualize": 3, "transformer_jax.diagnostics": 3,
-    # decoding, above the model: the model-agnostic searches, the Transformer's step, the toolkit's wrappers
-    # over the step seam, the one compiled decoding that combines them, host-side inference on top
-    "transformer_jax.decoding.search": 3, "transformer_jax.decoding.scoring": 3,  # scoring: the model only
-    "transformer_jax.decoding.step": 3.2,
-    "transformer_jax.decoding.ensemble": 3.5, "transformer_jax.decoding.prefix": 3.5,
-    "transformer_jax.decoding.alignment": 3.5, "transformer_jax.decoding.constraints": 3.5,
-    "transformer_jax.decoding.generate": 3.7, "transformer_jax.decoding.inference": 3.9,
-    "transformer_jax.decoding": 3.95,  # __init__: the searches' public names
-    "transformer_jax.data": 4,
-    "transformer_jax.evaluators": 4.5,  # loss / attention / BLEU evaluators: eval step, decoding, metrics
-    "transformer_jax.run_checks": 4.5,  # a run's refusals: config vs tables and mesh, batch vs tables
-    "transformer_jax.checkpoint": 5,
-    # config -> model config, optimizer, train state, compiled steps, checkpointer (trainer and benchmarks)
-    "transformer_jax.factories": 5.2,
-    "transformer_jax.imported_workdir": 5.2,  # what a run does in a workdir holding an imported model
-    # the run's steps compiled on abstract arrays (a TPU topology too): memory, cost, collectives, fit refusal
-    "transformer_jax.plan": 5.3,
-    "transformer_jax.trained": 5.5,  # a trained workdir loaded for inference: checkpoint + tokenizer + config
-    "transformer_jax.corpus": 4.6,  # a corpus translated in shards across hosts: decoding, data, multihost
-    "transformer_jax.serving.batching": 4.7,  # dynamic batching onto compiled shapes: decoding only
-    "transformer_jax.serving.http": 4.8,  # the Starlette API over the batcher (the serve extra)
-    "transformer_jax.serving": 4.9,
-    "transformer_jax.quantization": 0.5,  # weight-only int8 parameters (qwix): jax only
-    "transformer_jax.trainer": 6, "transformer_jax.interop": 6,
-    "transformer_jax": 7,  # __init__: the public API, imports anything
+# Each unit (a root module or a subpackage) and its floor; a unit imports only units on lower floors. Inside a
+# subpackage, modules import each other freely as long as they form no circle (test below).
+FLOORS = {
+    "accelerators": 0,  # chips' facts, TPU topologies, the backend rule: jax only
+    "dropout": 0,       # fusable dropout masks
+    "multihost": 0,     # the host collectives (process 0 decides, every host agrees)
+    "config": 1,        # ModelConfig and presets
+    "workdir": 2,       # the run directory's files and reuse keys (they name ModelConfig's fields)
+    "sharding": 2,      # mesh, logical rules, placement, the one jit wrapper: knows only ModelConfig
+    "data": 3,          # sources, tokenizer, normalisation, the streaming pipeline (DataConfig is its own leaf)
+    "attention": 3,     # the math, the decoding caches, the layer
+    "model": 4,
+    "evaluation": 5,    # metrics (sacreBLEU, chrF), attention diagnostics, plots
+    "decoding": 6,      # searches, the Transformer's step, the toolkit, host-side inference, int8 weights
+    "training": 6,      # loss, optimizer and schedule, train state, the partitioned steps
+    "corpus": 7,        # a corpus translated in shards across hosts
+    "serving": 7,       # dynamic batching onto compiled shapes, the HTTP API
+    "run": 8,           # the schema and the run's orchestration: factories, evaluators, checkpoints, the loop
+    "interop": 9,       # conversions to and from other ecosystems
+    "__init__": 10,     # the public API
 }
 
 
-def _rank(module: str) -> int:
+def _unit(module: str) -> str:
+  """`transformer_jax.run.trainer` -> `run`; `transformer_jax` -> `__init__`."""
   parts = module.split(".")
-  for n in range(len(parts), 0, -1):
-    if ".".join(parts[:n]) in RANKS:
-      return RANKS[".".join(parts[:n])]
-  raise AssertionError(f"{module} has no rank in tests/test_layering.py: add it")
+  unit = parts[1] if len(parts) > 1 else "__init__"
+  assert unit in FLOORS, f"{module} has no floor in tests/test_layering.py: add its package or module"
+  return unit
 
 
 def _modules():
@@ -105,21 +73,79 @@ def _project_imports(tree: ast.Module):
 
 
 @pytest.mark.parametrize("module, path", list(_modules()), ids=lambda x: str(x).split("/")[-1])
-def test_no_module_imports_one_above_it(module, path):
+def test_no_module_imports_one_on_its_floor_or_above(module, path):
   tree = ast.parse(path.read_text())
   for imported, line, at_top in _project_imports(tree):
     assert at_top, f"{path.name}:{line} imports {imported} inside a function: project imports go at the top"
-    if module == "transformer_jax" or imported.startswith(module + "."):
-      continue  # a package's __init__ re-exporting its own modules
-    same_package = module.rsplit(".", 1)[0] == imported.rsplit(".", 1)[0] and module.count(".") > 1
-    if same_package and _rank(imported) == _rank(module):
-      continue
-    assert _rank(imported) < _rank(module), (
-        f"{path.name}:{line}: {module} (layer {_rank(module)}) imports {imported} (layer {_rank(imported)})")
+    if _unit(imported) == _unit(module):
+      continue  # inside one package: the circle test below
+    assert FLOORS[_unit(imported)] < FLOORS[_unit(module)], (
+        f"{path.name}:{line}: {module} (floor {FLOORS[_unit(module)]}) imports {imported} "
+        f"(floor {FLOORS[_unit(imported)]})")
+
+
+def _package_graph(package: str) -> dict[str, set[str]]:
+  """module -> the modules of the same package it imports (a package's __init__ left out: it re-exports)."""
+  graph = {}
+  for module, path in _modules():
+    if module.startswith(f"transformer_jax.{package}.") and path.name != "__init__.py":
+      graph[module] = {m for m, _, _ in _project_imports(ast.parse(path.read_text()))
+                       if m.startswith(f"transformer_jax.{package}.") and m != module}
+  return graph
+
+
+def _circle(graph: dict[str, set[str]]) -> list[str]:
+  """One import circle of `graph` (a list of modules, first == last), or [] when there is none."""
+  state = {}
+
+  def visit(node, trail):
+    state[node] = "open"
+    for nxt in sorted(graph.get(node, ())):
+      if state.get(nxt) == "open":
+        return trail[trail.index(nxt):] + [nxt]
+      if nxt not in state and (found := visit(nxt, trail + [nxt])):
+        return found
+    state[node] = "done"
+    return []
+
+  for node in sorted(graph):
+    if node not in state and (found := visit(node, [node])):
+      return found
+  return []
+
+
+@pytest.mark.parametrize("package", sorted(u for u in FLOORS if (PACKAGE / u).is_dir()))
+def test_no_import_circle_inside_a_package(package):
+  assert not _circle(_package_graph(package)), " -> ".join(_circle(_package_graph(package)))
+
+
+def test_every_module_has_a_floor():
+  assert {_unit(module) for module, _ in _modules()} == set(FLOORS)
+
+
+def test_the_floors_are_few_and_the_root_is_small():
+  assert len(FLOORS) <= 17
+  root_modules = [p.stem for p in PACKAGE.glob("*.py") if p.stem != "__init__"]
+  assert len(root_modules) <= 12, root_modules
+
+
+def test_a_planted_import_up_a_floor_fails(tmp_path, monkeypatch):
+  """The floor check catches the import that data/config.py exists to prevent (data reading the run's schema)."""
+  planted = tmp_path / "transformer_jax" / "data"
+  planted.mkdir(parents=True)
+  (planted / "planted.py").write_text("from transformer_jax.run.experiment_config import ExperimentConfig\n")
+  with pytest.raises(AssertionError, match="floor 3.*imports transformer_jax.run.experiment_config.*floor 8"):
+    test_no_module_imports_one_on_its_floor_or_above("transformer_jax.data.planted", planted / "planted.py")
+
+
+def test_the_circle_check_finds_a_planted_circle():
+  graph = {"a.x": {"a.y"}, "a.y": {"a.z"}, "a.z": {"a.x"}, "a.w": set()}
+  assert _circle(graph) == ["a.x", "a.y", "a.z", "a.x"]
+  assert _circle({"a.x": {"a.y"}, "a.y": set()}) == []
 
 
 def test_library_reads_config_attributes_not_defaults():
-  """Every config key lives in the schema (transformer_jax/experiment_config.py); the library never guesses one."""
+  """Every config key lives in the schema (transformer_jax/run/experiment_config.py); the library never guesses one."""
   offenders = [f"{p.name}:{i}" for p in PACKAGE.rglob("*.py")
                for i, line in enumerate(p.read_text().splitlines(), 1) if "config.get(" in line]
   offenders += [f"{p.name}:{node.lineno}" for p in PACKAGE.rglob("*.py") for node in ast.walk(ast.parse(p.read_text()))
@@ -171,7 +197,7 @@ def test_the_untyped_config_check_finds_what_it_names(tmp_path):
 
 
 def _trainer_uses(tree: ast.Module):
-  """(name, line) of each `trainer.<name>` in a file that imports `transformer_jax.trainer`."""
+  """(name, line) of each `trainer.<name>` in a file that imports `transformer_jax.run.trainer`."""
   if not any(isinstance(node, ast.ImportFrom) and node.module == "transformer_jax"
              and any(a.name == "trainer" for a in node.names) for node in ast.walk(tree)):
     return

@@ -13,12 +13,13 @@ import pytest
 
 from test_model import _batch, _ids, cached_decode_logits, logits_fn, params_for, small
 import helpers
+from transformer_jax import decoding
+from transformer_jax import dropout as dropout_lib
 from transformer_jax.attention import (AttentionMask, RelativePositions, blocked_attention,
                                        dot_product_attention, full_attention_weights)
-from transformer_jax import decoding, diagnostics
 from transformer_jax.attention import kvcache
-from transformer_jax import dropout as dropout_lib
 from transformer_jax.config import ModelConfig
+from transformer_jax.evaluation import diagnostics
 from transformer_jax.model import Transformer
 
 TOL = dict(rtol=1e-5, atol=1e-5)

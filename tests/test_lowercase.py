@@ -11,10 +11,11 @@ import json
 import pytest
 
 from experiments.configs import default
-from transformer_jax import evaluators, metrics, trainer
-from transformer_jax.decoding import inference
 from transformer_jax.data import datasets, normalize, tokenizer as tok_lib
-from transformer_jax.experiment_config import ConfigError, ExperimentConfig
+from transformer_jax.decoding import inference
+from transformer_jax.evaluation import metrics
+from transformer_jax.run import evaluators, trainer
+from transformer_jax.run.experiment_config import ConfigError, ExperimentConfig
 
 GERMAN = ["Die Straße ist größer", "Fünf Äpfel für Müller", "Ein Café am Fluss", "ZWÖLF Öfen über Nacht"]
 ENGLISH = ["The street is bigger", "Five apples for Miller", "A café by the river", "TWELVE ovens overnight"]

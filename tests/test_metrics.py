@@ -5,7 +5,7 @@ import os
 
 import pytest
 
-from transformer_jax import metrics
+from transformer_jax.evaluation import metrics
 
 MULTI30K = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "data", "multi30k")
 

@@ -14,9 +14,9 @@ import sacrebleu
 import sentencepiece as spm
 
 from transformer_jax import config as C
-from transformer_jax import metrics
 from transformer_jax.data import datasets, normalize, parallel_text, pipeline, token_cache, tokenizer as tok_lib
-from transformer_jax.experiment_config import DataConfig
+from transformer_jax.evaluation import metrics
+from transformer_jax.run.experiment_config import DataConfig
 
 GERMAN = ["fünf Äpfel für Müller", "die Straße ist größer", "ein Café am Fluss", "zwölf Öfen über Nacht",
           "déjà vu im Büro", "naïve Ideen, schöne Grüße"]

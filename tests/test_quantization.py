@@ -1,4 +1,4 @@
-"""Weight-only int8 (`transformer_jax.quantization`, qwix): bytes, round trip, and the search run on int8 weights."""
+"""Weight-only int8 (`transformer_jax.decoding.quantization`, qwix): bytes, round trip, and the search run on int8 weights."""
 
 import flax.linen as nn
 import jax
@@ -6,9 +6,8 @@ import numpy as np
 import pytest
 import qwix
 
-from transformer_jax import quantization
 from transformer_jax.config import ModelConfig
-from transformer_jax.decoding import generate, inference
+from transformer_jax.decoding import generate, inference, quantization
 from transformer_jax.training.steps import init_params
 
 

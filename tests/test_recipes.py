@@ -18,12 +18,12 @@ import numpy as np
 import pytest
 import tensorflow_datasets as tfds
 
-from transformer_jax import checkpoint as checkpoint_lib
 from transformer_jax.decoding import inference
-from transformer_jax import factories, trainer
-from transformer_jax.experiment_config import ExperimentConfig
-from transformer_jax.workdir import Workdir
+from transformer_jax.run import checkpoint as checkpoint_lib
+from transformer_jax.run import factories, trainer
+from transformer_jax.run.experiment_config import ExperimentConfig
 from transformer_jax.training import schedule as schedule_lib
+from transformer_jax.workdir import Workdir
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RECIPES = ("wmt14_ende_base", "wmt14_ende_big", "wmt14_enfr_big")

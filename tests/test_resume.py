@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 import helpers
-from transformer_jax import checkpoint as checkpoint_lib
+from transformer_jax.run import checkpoint as checkpoint_lib
 from transformer_jax.workdir import Workdir
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -21,8 +21,8 @@ from jax.sharding import PartitionSpec as P
 
 import distributed_workers
 from transformer_jax import decoding, sharding
-from transformer_jax.decoding import constraints, generate
 from transformer_jax.config import tiny
+from transformer_jax.decoding import constraints, generate
 from transformer_jax.training.optimizer import adam, adam_with_schedule, ema_params, param_ema
 from transformer_jax.training.partitioned import jit_eval_step, jit_train_step
 from transformer_jax.training.schedule import rsqrt_schedule
@@ -448,7 +448,7 @@ def _assert_leaves_equal(state, expected):
 
 
 def test_checkpoint_restores_across_device_counts(reference, tmp_path):
-  from transformer_jax import checkpoint as checkpoint_lib
+  from transformer_jax.run import checkpoint as checkpoint_lib
   single = jax.device_put(reference["initial"], jax.devices()[0])
   with checkpoint_lib.Checkpointer(tmp_path / "one", enable_async_checkpointing=False) as ckpt:
     ckpt.save(1, single, jax.random.key(3), {"epoch": 0, "index": 1, "seed": 0}, {"model": {}})

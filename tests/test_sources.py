@@ -11,7 +11,7 @@ import tensorflow_datasets as tfds
 
 from transformer_jax import config as C
 from transformer_jax.data import datasets, parallel_text, records, sources, tokenizer as tok_lib
-from transformer_jax.experiment_config import DataConfig
+from transformer_jax.run.experiment_config import DataConfig
 
 
 def _write(path, lines, raw=None):

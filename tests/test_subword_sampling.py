@@ -8,7 +8,7 @@ import pytest
 from experiments.configs import default
 from transformer_jax.data import datasets, pipeline, subword_sampling
 from transformer_jax.data import tokenizer as tok_lib
-from transformer_jax.experiment_config import ConfigError, DataConfig, ExperimentConfig
+from transformer_jax.run.experiment_config import ConfigError, DataConfig, ExperimentConfig
 
 EN = [f"the {a} {b} walks past {c} houses near the river" for a in ("young", "old", "tall", "small")
       for b in ("man", "woman", "dog", "child") for c in ("three", "seven", "many")]

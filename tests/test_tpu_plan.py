@@ -1,6 +1,6 @@
 """The run's own train step compiled for TPU topologies on this host (libtpu, no TPU): the collectives each
 mesh implies, memory within the chip, the compiler's FLOPs against the analytic count, and the refusal of a run
-that cannot fit (`transformer_jax.plan`, `benchmarks.tpu_plan`). Skipped only where libtpu (the `tpu` extra)
+that cannot fit (`transformer_jax.run.plan`, `benchmarks.tpu_plan`). Skipped only where libtpu (the `tpu` extra)
 is absent."""
 
 import dataclasses
@@ -10,9 +10,10 @@ import sys
 import pytest
 
 from benchmarks import common
-from transformer_jax import accelerators, plan, sharding
+from transformer_jax import accelerators, sharding
 from transformer_jax.config import ModelConfig
-from transformer_jax.experiment_config import DataConfig, ExperimentConfig
+from transformer_jax.run import plan
+from transformer_jax.run.experiment_config import DataConfig, ExperimentConfig
 
 needs_libtpu = pytest.mark.skipif(not accelerators.libtpu_available(),
                                 reason="libtpu is not installed (pip install -e '.[tpu]'; make test installs it)")

@@ -20,9 +20,9 @@ from tensorboard.util import tensor_util
 
 import helpers
 from benchmarks import profile as profile_bench
-from transformer_jax import evaluators, trackers, trainer
 from transformer_jax.data import sources
-from transformer_jax.experiment_config import ConfigError, ExperimentConfig
+from transformer_jax.run import evaluators, trackers, trainer
+from transformer_jax.run.experiment_config import ConfigError, ExperimentConfig
 from transformer_jax.workdir import Workdir
 
 wandb_pb2 = pytest.importorskip("wandb.proto.wandb_internal_pb2", reason="the wandb extra: pip install -e '.[wandb]'")
@@ -192,7 +192,7 @@ def test_the_train_program_refuses_an_unknown_tracker_in_one_line(tmp_path):
 def test_tensorboard_events_are_written_without_importing_tensorflow(tmp_path):
   """The event file of a local workdir is written with TensorBoard's record writer and local file I/O: opening
   it once imported TensorFlow (`tf.io.gfile`), 5 s of every training run's start; TensorBoard reads it back."""
-  code = ("import sys; from transformer_jax import trackers; from transformer_jax.workdir import Workdir\n"
+  code = ("import sys; from transformer_jax.run import trackers; from transformer_jax.workdir import Workdir\n"
           f"writer = trackers.MetricWriter.open({{'tensorboard': {{}}}}, Workdir({str(tmp_path / 'run')!r}))\n"
           "writer.start({'model': {'d_model': 32}}, ['validation/loss'])\n"
           "writer.write(3, {'train/loss': 2.5, 'validation/loss': 2.75})\n"

@@ -1,4 +1,4 @@
-"""The training run (transformer_jax/trainer.py) and its pieces: periodic decisions, evaluators, factories, the
+"""The training run (transformer_jax/run/trainer.py) and its pieces: periodic decisions, evaluators, factories, the
 typed result."""
 
 import copy
@@ -14,9 +14,10 @@ from tensorboard.util import tensor_util
 import helpers
 from experiments import common
 from experiments.configs import number_words
-from transformer_jax import checkpoint as checkpoint_lib
-from transformer_jax import evaluators, factories, sharding, trainer
-from transformer_jax.experiment_config import ExperimentConfig
+from transformer_jax import sharding
+from transformer_jax.run import checkpoint as checkpoint_lib
+from transformer_jax.run import evaluators, factories, trainer
+from transformer_jax.run.experiment_config import ExperimentConfig
 from transformer_jax.workdir import Workdir
 
 

@@ -3,7 +3,7 @@
     <workdir>/
       config.json             the resolved experiment config (written by process 0 before training starts)
       train_budget.json       the run length a time budget set (`budget.py`), when one was given
-      checkpoints/<step>/     orbax checkpoints (`transformer_jax.checkpoint`)
+      checkpoints/<step>/     orbax checkpoints (`transformer_jax.run.checkpoint`)
       vocab/spm.model         the SentencePiece vocabulary (unless `data.vocab_path` names another), and
       vocab/spm.normalization.json  the text normalisation it was trained with (`data.tokenizer.stamp_path`);
       vocab/source.spm, target.spm, vocab.json  instead, for an imported Marian model (`data.tokenizer` "marian")

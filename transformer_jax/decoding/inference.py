@@ -20,9 +20,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from transformer_jax.config import ModelConfig
 from transformer_jax.decoding import constraints as constraints_lib
 from transformer_jax.decoding import generate, mbr, scoring
-from transformer_jax.config import ModelConfig
 
 # Largest sampling seed: `jax.random.PRNGKey` keeps a seed's low 32 bits (without jax_enable_x64), so larger
 # seeds would repeat smaller ones.
@@ -90,7 +90,7 @@ def _search_fn(config: ModelConfig, options: generate.DecodeOptions, max_decode_
 def search_program(config: ModelConfig, options: generate.DecodeOptions, max_decode_len: int) -> Callable:
   """The jitted search `decode_ids` dispatches a batch to (one model, no prefixes or constraints):
   `(params_tuple, inputs [rows, src_len] int32, max_lengths [rows], indices [rows], seed int32 scalar,
-  prefix_tokens [rows, 0], prefix_lengths [rows]) -> generate.Hypotheses`; `transformer_jax.plan` lowers it for
+  prefix_tokens [rows, 0], prefix_lengths [rows]) -> generate.Hypotheses`; `transformer_jax.run.plan` lowers it for
   a TPU topology."""
   return _search_fn(config, options, max_decode_len)
 

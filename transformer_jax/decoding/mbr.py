@@ -18,7 +18,7 @@ from typing import Callable, Sequence
 import numpy as np
 import sacrebleu
 
-from transformer_jax import metrics
+from transformer_jax.evaluation import metrics
 
 UTILITIES = ("chrf", "bleu")
 

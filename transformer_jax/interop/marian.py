@@ -42,13 +42,13 @@ import torch
 import transformers
 from safetensors.numpy import load_file, save_file
 
-from transformer_jax import checkpoint as checkpoint_lib
 from transformer_jax.config import ModelConfig
 from transformer_jax.data import spm_export
-from transformer_jax.data.tokenizer import Tokenizer, VocabularyError
 from transformer_jax.data.marian_vocab import (EOS_PIECE, MARIAN_TOKENIZER_FILES, PAD_PIECE, SOURCE_SPM,
                                               TARGET_SPM, TOKENIZER_NAME, VOCAB_JSON, MarianVocabulary)
+from transformer_jax.data.tokenizer import Tokenizer, VocabularyError
 from transformer_jax.model import sinusoid_table
+from transformer_jax.run import checkpoint as checkpoint_lib
 from transformer_jax.training import optimizer, steps
 from transformer_jax.training.steps import init_params
 from transformer_jax.workdir import IMPORTED_DATASET, Workdir

@@ -1,6 +1,6 @@
 """Training's pure pieces: the paper's schedule, optimizer and loss, the train state and the train/eval steps.
 
-Nothing here imports anything above `model` and `sharding`; the orchestration is `transformer_jax.trainer`.
+Nothing here imports anything above `model` and `sharding`; the orchestration is `transformer_jax.run.trainer`.
 The train state is born sharded (`state.create_train_state`) and the steps run partitioned
 (`partitioned.jit_train_step` / `jit_eval_step`) through `sharding.partition`, the one jit road.
 """

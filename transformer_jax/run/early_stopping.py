@@ -21,7 +21,7 @@ import logging
 import os
 from typing import Mapping, Sequence
 
-from transformer_jax import metrics as metrics_lib
+from transformer_jax.evaluation import metrics as metrics_lib
 from transformer_jax.workdir import read_json, write_json_atomically
 
 

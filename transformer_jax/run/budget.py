@@ -30,7 +30,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable, Mapping
 
-from transformer_jax.experiment_config import ExperimentConfig
+from transformer_jax.run.experiment_config import ExperimentConfig
 from transformer_jax.training import schedule as schedule_lib
 
 MIN_MEASURED_STEPS = 20  # steps of this process the rate is measured over, at least

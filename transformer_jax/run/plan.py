@@ -30,10 +30,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from transformer_jax import accelerators, factories, sharding
+from transformer_jax import accelerators, sharding
 from transformer_jax.config import ModelConfig
 from transformer_jax.decoding import generate, inference
-from transformer_jax.experiment_config import ExperimentConfig
+from transformer_jax.run import factories
+from transformer_jax.run.experiment_config import ExperimentConfig
 from transformer_jax.training import steps
 
 COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")

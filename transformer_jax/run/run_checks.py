@@ -17,7 +17,7 @@ import numpy as np
 from transformer_jax import sharding
 from transformer_jax.config import ModelConfig
 from transformer_jax.model import Transformer
-from transformer_jax.experiment_config import DataConfig, ExperimentConfig
+from transformer_jax.run.experiment_config import DataConfig, ExperimentConfig
 
 
 def check_position_table(config: ExperimentConfig) -> None:

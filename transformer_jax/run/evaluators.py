@@ -23,11 +23,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from transformer_jax import diagnostics, metrics as metrics_lib, sharding
+from transformer_jax import sharding
 from transformer_jax.config import ModelConfig
 from transformer_jax.data import batching, datasets as datasets_lib
 from transformer_jax.decoding import inference
-from transformer_jax.experiment_config import ExperimentConfig
+from transformer_jax.evaluation import diagnostics, metrics as metrics_lib
+from transformer_jax.run.experiment_config import ExperimentConfig
 from transformer_jax.training import steps
 
 
@@ -158,7 +159,7 @@ class BleuEvaluator:
 class AttentionEvaluator:
   """Per layer and head, the mean entropy of the attention distributions and the share of near-uniform heads.
 
-  On the first `rows` pairs of each eval split, teacher-forced (`transformer_jax.diagnostics`); logged as
+  On the first `rows` pairs of each eval split, teacher-forced (`transformer_jax.evaluation.diagnostics`); logged as
   `<split>/attention/<kind>/layer_<l>/head_<h>/entropy` and `<split>/attention/<kind>/near_uniform_share`.
   """
 

@@ -7,7 +7,7 @@ steps, checkpoint manager.
     eval_step = factories.make_eval_step(config, model_config, mesh, state.params, rules)
     checkpointer = factories.checkpointer(config, workdir.checkpoints)
 
-What the trainer (`transformer_jax.trainer`) and the benchmarks (`benchmarks/common.py`) both build,
+What the trainer (`transformer_jax.run.trainer`) and the benchmarks (`benchmarks/common.py`) both build,
 so the benchmarks time the program `python -m experiments.train` runs (`tests/test_benchmarks.py` compares the
 two lowered programs). `config` is the run's typed `experiment_config.ExperimentConfig` (frozen: nothing here
 changes it; a program converts its `ConfigDict` once, `ExperimentConfig.from_config_dict`). The pieces are t5x's
@@ -24,11 +24,11 @@ import jax
 import optax
 
 from transformer_jax import accelerators
-from transformer_jax import checkpoint as checkpoint_lib
-from transformer_jax import metrics as metrics_lib
 from transformer_jax import sharding
 from transformer_jax.config import ModelConfig
-from transformer_jax.experiment_config import ExperimentConfig
+from transformer_jax.evaluation import metrics as metrics_lib
+from transformer_jax.run import checkpoint as checkpoint_lib
+from transformer_jax.run.experiment_config import ExperimentConfig
 from transformer_jax.training import optimizer as optimizer_lib
 from transformer_jax.training import partitioned
 from transformer_jax.training import schedule as schedule_lib
@@ -70,7 +70,7 @@ def create_state(config: ExperimentConfig, model_config: ModelConfig, mesh: jax.
 def abstract_state(config: ExperimentConfig, model_config: ModelConfig, mesh: jax.sharding.Mesh, rng: jax.Array,
                    rules=sharding.LOGICAL_AXIS_RULES) -> steps.TrainState:
   """`create_state`'s train state as sharded `jax.ShapeDtypeStruct`s: nothing initialised, so `mesh` may hold
-  compile-only devices (`transformer_jax.plan` compiles the run's steps on it for a TPU topology)."""
+  compile-only devices (`transformer_jax.run.plan` compiles the run's steps on it for a TPU topology)."""
   tx, _ = optimizer(config, model_config.d_model)
   return state_lib.abstract_train_state(model_config, tx, rng, mesh, rules)
 

@@ -23,11 +23,11 @@ from typing import Any, Iterable, Mapping
 import jax
 import numpy as np
 
-from transformer_jax import checkpoint as checkpoint_lib
 from transformer_jax import sharding
 from transformer_jax.config import RUNTIME_FIELDS, ModelConfig
 from transformer_jax.data.marian_vocab import TOKENIZER_NAME as MARIAN_TOKENIZER
-from transformer_jax.experiment_config import ExperimentConfig
+from transformer_jax.run import checkpoint as checkpoint_lib
+from transformer_jax.run.experiment_config import ExperimentConfig
 from transformer_jax.training import steps
 from transformer_jax.workdir import IMPORTED_DATASET, Workdir, config_diff, to_jsonable
 

@@ -22,11 +22,11 @@ from typing import Any, Callable, Mapping
 
 import ml_collections
 
-from transformer_jax import metrics as metrics_lib
-from transformer_jax import trackers
 from transformer_jax.config import FLOAT32_MAX, INT32_MAX, ModelConfig
 from transformer_jax.data.config import DataConfig
 from transformer_jax.decoding import mbr
+from transformer_jax.evaluation import metrics as metrics_lib
+from transformer_jax.run import trackers
 from transformer_jax.sharding import MeshConfig
 from transformer_jax.training.schedule import COOLDOWN_SHAPES, check_cooldown, check_dropout_schedule
 
@@ -129,13 +129,13 @@ class ExperimentConfig:
 
   log_every_steps: int = 100           # training metrics to the log, metrics.jsonl and the trackers
   trackers: tuple[str, ...] = ("tensorboard",)  # where scalars, the config (HParams) and sample translations go,
-                                       # besides metrics.jsonl: tensorboard | wandb (transformer_jax.trackers)
+                                       # besides metrics.jsonl: tensorboard | wandb (transformer_jax.run.trackers)
   wandb: WandbConfig = dataclasses.field(default_factory=WandbConfig)
   profile_steps: tuple = ()            # (start, stop): a jax.profiler trace of these steps (both included)
-                                       # in <workdir>/profile (transformer_jax.profiling; () = off)
+                                       # in <workdir>/profile (transformer_jax.run.profiling; () = off)
   early_stopping: tuple = ()           # (metric, patience, min_delta), e.g. ("validation/loss", 3, 0.0):
                                        # stop after `patience` evaluations of the metric without an
-                                       # improvement > min_delta (transformer_jax.early_stopping; () = off)
+                                       # improvement > min_delta (transformer_jax.run.early_stopping; () = off)
   evals: EvalsConfig = dataclasses.field(default_factory=EvalsConfig)
 
   checkpoint_every_steps: int = 0      # save every N steps (0 = off)
@@ -195,7 +195,7 @@ def _build(cls: type, values: Mapping[str, Any], prefix: str, *, strict: bool) -
   unknown = sorted(set(values) - names)
   if unknown and strict:
     raise ConfigError(f"--config.{prefix}{unknown[0]}: the config has no such key; the keys are those of "
-                      "transformer_jax/experiment_config.py")
+                      "transformer_jax/run/experiment_config.py")
   fields = {}
   for name in names & set(values):
     value, default = values[name], getattr(defaults, name)

@@ -14,11 +14,11 @@ from typing import Any, NamedTuple
 
 from etils import epath
 
-from transformer_jax import checkpoint as checkpoint_lib
 from transformer_jax.config import ModelConfig
 from transformer_jax.data import datasets
 from transformer_jax.data.tokenizer import check_model_ids
-from transformer_jax.experiment_config import ExperimentConfig
+from transformer_jax.run import checkpoint as checkpoint_lib
+from transformer_jax.run.experiment_config import ExperimentConfig
 from transformer_jax.workdir import DATA_KEYS, Workdir, config_diff, to_jsonable
 
 

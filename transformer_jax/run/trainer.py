@@ -31,22 +31,23 @@ from typing import Any, Iterator, Mapping
 import jax
 import numpy as np
 
-from transformer_jax import checkpoint as checkpoint_lib
-from transformer_jax import early_stopping as early_stopping_lib
-from transformer_jax import evaluators as evaluators_lib
-from transformer_jax import factories, imported_workdir, multihost, plan, profiling, sharding
+from transformer_jax import multihost, sharding
+from transformer_jax import workdir as workdir_lib
 from transformer_jax.config import ModelConfig
 from transformer_jax.data import datasets as datasets_lib, tokenizer as tokenizer_lib
-from transformer_jax.experiment_config import ExperimentConfig, check_logged_metrics
-from transformer_jax.owner_lock import OwnerLock
-from transformer_jax.run_checks import (check_backend_dtype, check_batch_in_tables, check_batch_rows,
+from transformer_jax.run import budget as budget_lib
+from transformer_jax.run import checkpoint as checkpoint_lib
+from transformer_jax.run import early_stopping as early_stopping_lib
+from transformer_jax.run import evaluators as evaluators_lib
+from transformer_jax.run import factories, imported_workdir, plan, profiling
+from transformer_jax.run.experiment_config import ExperimentConfig, check_logged_metrics
+from transformer_jax.run.owner_lock import OwnerLock
+from transformer_jax.run.run_checks import (check_backend_dtype, check_batch_in_tables, check_batch_rows,
                                         check_position_table)
-from transformer_jax.stop_signal import StopSignal
-from transformer_jax.trackers import MetricWriter
-from transformer_jax.train_log import TrainLog
-from transformer_jax import budget as budget_lib
+from transformer_jax.run.stop_signal import StopSignal
+from transformer_jax.run.trackers import MetricWriter
+from transformer_jax.run.train_log import TrainLog
 from transformer_jax.training import steps
-from transformer_jax import workdir as workdir_lib
 from transformer_jax.workdir import Workdir, to_jsonable
 
 
