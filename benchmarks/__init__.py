@@ -1,11 +1,9 @@
 """The benchmark programs of transformer_jax: `python -m benchmarks.<program> --flag=...` (absl flags).
 
-As in `experiments/__init__.py`: when Python imports this package to run `python -m benchmarks.<module>`, the
-process first restarts itself once with glibc huge pages (`experiments/huge_pages.py`), before the program's
-own imports, so benchmarks time the step the training programs run. Any other import has no side effect.
+They stand on the library, the launcher (`launch`) and the recipes (`experiments/configs`), never on another
+program. As for `experiments/`, importing this package imports `launch` first: a `python -m benchmarks.<module>`
+restarts there once with glibc huge pages (`launch/huge_pages.py`), so benchmarks time the step the training
+programs run.
 """
 
-from experiments import huge_pages
-
-if huge_pages.starting_as_program():
-  huge_pages.maybe_reexecute()
+import launch  # noqa: F401 (first: a `python -m` program restarts here once with huge pages, launch/__init__.py)

@@ -48,9 +48,7 @@ import jax.numpy as jnp
 import numpy as np
 from absl import flags
 from flax import linen as nn
-
-from experiments import common as program_common
-from experiments import launch
+import launch
 from benchmarks import common
 from experiments.configs import number_words
 from transformer_jax import accelerators
@@ -297,7 +295,7 @@ def number_words_row(plan: Plan) -> Row:
   with tempfile.TemporaryDirectory(prefix="accelerator_check_") as workdir:
     start = time.perf_counter()
     result = trainer.train_and_evaluate(config, workdir)
-    report = program_common.report_final_eval(config, workdir, result)
+    report = launch.report_final_eval(config, workdir, result)
     wall = time.perf_counter() - start
   exact = report["exact_match"]
   passed = plan.tiny or exact >= 0.98
@@ -379,7 +377,7 @@ def define_flags() -> None:
   launch.check_list_choices("skip", SECTIONS)
 
 
-@program_common.program
+@launch.program
 def main() -> int:
   skip = set(FLAGS.skip)
   platform = jax.devices()[0].platform
@@ -390,7 +388,7 @@ def main() -> int:
   print(f"{'section':13s} {'item':50s} {'status':8s} value", flush=True)
   rows = run_check(plan, skip)
   seconds = time.perf_counter() - start
-  common.dump_json({"machine": program_common.machine_info(), "tiny": plan.tiny, "plan": dataclasses.asdict(plan),
+  common.dump_json({"machine": launch.machine_info(), "tiny": plan.tiny, "plan": dataclasses.asdict(plan),
                     "seconds": seconds, "rows": [dataclasses.asdict(r) for r in rows]}, output)
   failed = [r for r in rows if r.status == "failed"]
   print(f"{len(rows)} rows: {sum(r.status == 'ok' for r in rows)} ok, "

@@ -38,8 +38,7 @@ import jax.numpy as jnp
 from flax.training import train_state
 
 from benchmarks import common
-from experiments import common as program_common
-from experiments import launch
+import launch
 from transformer_jax.config import ModelConfig
 from transformer_jax.run import factories
 
@@ -163,7 +162,7 @@ def make_train_step(models: ModuleType, cfg: ModelConfig, config):
   return jax.jit(train_step, donate_argnums=(0,))
 
 
-@program_common.program
+@launch.program
 def main() -> None:
   """Downloads and extracts the example (no flags); ExampleUnavailableError is one line, exit status 1."""
   try:

@@ -33,8 +33,7 @@ import numpy as np  # noqa: E402
 from absl import flags  # noqa: E402
 
 from benchmarks import common  # noqa: E402
-from experiments import common as program_common  # noqa: E402
-from experiments import launch  # noqa: E402
+import launch  # noqa: E402
 from transformer_jax import config as presets  # noqa: E402
 
 MODES = {"full": {}, "windowed": dict(attention_window=256, query_chunk_size=256),
@@ -153,7 +152,7 @@ def define_flags() -> None:
   flags.mark_flags_as_required(["mode", "length", "out"])
 
 
-@program_common.program
+@launch.program
 def main() -> None:
   result = measure(FLAGS.mode, FLAGS.length, FLAGS.steps, FLAGS.vocab, int(FLAGS.limit_gib * GIB), FLAGS.budget_s)
   common.dump_json(result, FLAGS.out)

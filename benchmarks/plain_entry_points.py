@@ -4,7 +4,7 @@ r"""Decoding speed as an importer sees it: the library's documented entry points
     GLIBC_TUNABLES=glibc.malloc.hugetlb=1 python benchmarks/plain_entry_points.py --rounds=3
 
 Not a `python -m` program on purpose: started as a file, Python never imports `experiments`, so the programs'
-restart with glibc huge pages (`experiments/huge_pages.py`) does not happen unless the caller sets the tunable,
+restart with glibc huge pages (`launch/huge_pages.py`) does not happen unless the caller sets the tunable,
 as for any code that imports the library. The shapes are issue 67's independent harness: the base preset,
 vocabulary 8k (`benchmarks.common.load_corpus`'s SentencePiece model), random weights, `--sources` sources of
 `--src_len` random ids (EOS last), outputs of `--out_len` tokens, CTranslate2 fp32 with `--threads` threads on

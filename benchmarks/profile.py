@@ -36,8 +36,7 @@ import numpy as np
 from absl import flags
 
 from benchmarks import common
-from experiments import common as program_common
-from experiments import launch
+import launch
 from transformer_jax import sharding
 from transformer_jax.decoding import inference
 from transformer_jax.decoding.generate import DecodeOptions
@@ -142,7 +141,7 @@ def define_flags() -> None:
   flags.DEFINE_string("trace_dir", "", "keep the raw trace here (default: a temporary directory)")
 
 
-@program_common.program
+@launch.program
 def main() -> None:
   program = _train_program(FLAGS) if FLAGS.search == "train" else _decode_program(FLAGS)
   _report(FLAGS, *program)

@@ -20,8 +20,7 @@ import numpy as np
 from absl import flags
 
 from benchmarks import common
-from experiments import common as program_common
-from experiments import launch
+import launch
 from experiments.configs import number_words
 from transformer_jax.run import trainer
 from transformer_jax.run.experiment_config import ExperimentConfig
@@ -66,7 +65,7 @@ def define_flags() -> None:
       message="--window must be FIRST,LAST with 6 < FIRST <= LAST < --steps - 1 (steps before, inside and after it)")
 
 
-@program_common.program
+@launch.program
 def main() -> None:
   window = tuple(FLAGS.window)
   rows = []

@@ -33,9 +33,7 @@ import jax
 import ml_collections
 import numpy as np
 from absl import flags
-
-from experiments import common as program_common
-from experiments import launch
+import launch
 from benchmarks import common
 from transformer_jax import sharding
 from transformer_jax.data import pipeline
@@ -175,7 +173,7 @@ def _config_file() -> str:
   return os.path.relpath(path, common.REPO) if path.startswith(str(common.REPO) + os.sep) else path
 
 
-@program_common.program
+@launch.program
 def main() -> None:
   launch.set_cpu_devices(os.cpu_count() or 1)  # each variant takes the first num_cpu_devices of them
   compare(FLAGS.workdir, FLAGS.config, _config_file(), FLAGS.variant, FLAGS.rounds, FLAGS.steps_per_round,

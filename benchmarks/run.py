@@ -17,7 +17,7 @@ Sections (each in its own process, so peak memory is per configuration):
                 analytic model FLOP/s vs the matmul rate of the same rounds, and ablations that undo one
                 library speed-up each (benchmarks/ablations.py), plus the host data pipeline's
                 tokens/s on the same config
-  hugepages_off the CPU-preset step again in a process without glibc huge pages (experiments/huge_pages.py)
+  hugepages_off the CPU-preset step again in a process without glibc huge pages (launch/huge_pages.py)
   peers_tiny    ours, the Flax example's model (flax examples/wmt/models.py, downloaded into the bench cache)
   peers_base    and PyTorch `nn.Transformer` (eager), each alone in its own process, on two batch kinds:
                 packed multi30k (as train_*) and plain full rows of random ids (32x64 tiny, 16x256 base:
@@ -50,9 +50,9 @@ from pathlib import Path
 
 from absl import flags
 
-from experiments import common as program_common
-from experiments import docblock, launch
+import launch
 from benchmarks import common, flax_peer
+from launch import docblock
 
 FLAGS = flags.FLAGS
 
@@ -320,7 +320,7 @@ def _render_huge_pages(results: dict) -> list[str]:
   h, tiny = results.get("hugepages_off", {}), results.get("train_tiny", {})
   if "jax" in h and "jax" in tiny:
     off, on = h["jax"]["baseline"], tiny["jax"]["baseline"]
-    lines += [f"Huge pages (glibc.malloc.hugetlb=1, experiments/huge_pages.py): the tiny step in a process "
+    lines += [f"Huge pages (glibc.malloc.hugetlb=1, launch/huge_pages.py): the tiny step in a process "
               f"without them (`hugepages_off`, run right after, {off['steps']} steps): {off['step_s']:.3f}s vs "
               f"{on['step_s']:.3f}s with them: {off['step_s'] / on['step_s']:.2f}x; MFU vs (1) "
               f"{_pct(mfu_vs_machine(results, h))} vs {_pct(mfu_vs_machine(results, tiny))}. (Without huge "
@@ -627,7 +627,7 @@ def measure(sections: list[str], quick: bool) -> dict:
   return results
 
 
-@program_common.program
+@launch.program
 def main() -> int:
   quick = FLAGS.quick
   sections = FLAGS.sections or [s for s in ALL_SECTIONS

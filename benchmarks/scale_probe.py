@@ -35,8 +35,7 @@ import numpy as np
 from absl import flags
 
 from benchmarks import common
-from experiments import common as program_common
-from experiments import launch
+import launch
 from experiments.configs import multi30k as multi30k_config
 from transformer_jax.data import pipeline
 from transformer_jax.data import tokenizer as tok_lib
@@ -243,7 +242,7 @@ def define_flags() -> None:
   common.check_flag("pairs", _sizes)
 
 
-@program_common.program
+@launch.program
 def main() -> None:
   multi30k, root, sizes = Path(FLAGS.multi30k), Path(FLAGS.root), _sizes(FLAGS.pairs)
   if not (multi30k / "train.en").exists():

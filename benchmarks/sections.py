@@ -33,8 +33,7 @@ import numpy as np  # noqa: E402
 from absl import flags  # noqa: E402
 
 from benchmarks import ablations, common, flax_peer  # noqa: E402
-from experiments import common as program_common  # noqa: E402
-from experiments import launch  # noqa: E402
+import launch  # noqa: E402
 from transformer_jax import config as presets  # noqa: E402
 from transformer_jax import sharding  # noqa: E402
 
@@ -54,7 +53,7 @@ def _timed(fn):
 # ----------------------------------------------------------------------------------------------------------
 
 def machine(args) -> dict:
-  out = {"machine": program_common.machine_info(), "matmul": {}}
+  out = {"machine": launch.machine_info(), "matmul": {}}
   for n in (1024, 2048, 4096):
     if n == 4096 and args.quick:
       continue
@@ -652,7 +651,7 @@ def define_flags() -> None:
   flags.mark_flags_as_required(["section", "out"])
 
 
-@program_common.program
+@launch.program
 def main() -> None:
   start = time.perf_counter()
   load_start = os.getloadavg()

@@ -30,8 +30,7 @@ import jax  # noqa: E402
 from absl import flags  # noqa: E402
 
 from benchmarks import common  # noqa: E402
-from experiments import common as program_common  # noqa: E402
-from experiments import launch  # noqa: E402
+import launch  # noqa: E402
 from transformer_jax import config as presets  # noqa: E402
 from transformer_jax import sharding  # noqa: E402
 
@@ -102,7 +101,7 @@ def define_flags() -> None:
   common.check_flag("meshes", lambda texts: [parse_mesh(text) for text in texts])
 
 
-@program_common.program
+@launch.program
 def main() -> None:
   meshes = [parse_mesh(m) for m in FLAGS.meshes]
   model_config = presets.base(vocab_size=FLAGS.vocab_size)

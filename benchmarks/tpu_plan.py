@@ -39,8 +39,7 @@ from absl import flags
 from ml_collections import config_flags
 
 from benchmarks import common
-from experiments import common as program_common
-from experiments import launch
+import launch
 from transformer_jax import accelerators, sharding
 from transformer_jax.run import factories, plan, run_checks
 from transformer_jax.run.experiment_config import ExperimentConfig
@@ -162,7 +161,7 @@ def run_plan(config: ExperimentConfig, topology: accelerators.Topology, fit: str
           "num_train_steps": config.num_train_steps, "rows": rows}
 
 
-@program_common.program
+@launch.program
 def main() -> None:
   config, dtype_note = plan_config(ExperimentConfig.from_config_dict(FLAGS.config),
                                    config_flags.get_override_values(FLAGS["config"]))

@@ -1,11 +1,8 @@
 """The absl programs of transformer_jax: `python -m experiments.<program> --config=... --workdir=...`.
 
-Programs start through `experiments.launch.run(main)`. The one side effect of importing this package: when
-Python imports it to run `python -m experiments.<module>`, the process first restarts itself once with glibc
-huge pages (`experiments/huge_pages.py`), before the program's own imports. Any other import has none.
+Each program is thin (flags -> config -> one library call) and starts through `launch.run(main)`, the launcher
+it shares with `benchmarks/`. Importing this package imports `launch` first: a `python -m experiments.<module>`
+restarts there once with glibc huge pages (`launch/huge_pages.py`), before the program's own imports.
 """
 
-from experiments import huge_pages
-
-if huge_pages.starting_as_program():
-  huge_pages.maybe_reexecute()
+import launch  # noqa: F401 (first: a `python -m` program restarts here once with huge pages, launch/__init__.py)

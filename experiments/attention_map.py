@@ -10,9 +10,10 @@ entropy of the attention distribution and which heads are near-uniform (`transfo
 import jax.numpy as jnp
 from absl import flags
 
-from experiments import common, launch
+import launch
 from transformer_jax.decoding import inference
 from transformer_jax.evaluation import diagnostics, visualize
+from transformer_jax.run import trained
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("workdir", None, "The training run's --workdir.")
@@ -25,7 +26,7 @@ flags.mark_flags_as_required(["workdir", "source"])
 
 
 def _draw() -> None:
-  model_config, params, tokenizer = common.load_for_inference(FLAGS.workdir, FLAGS.checkpoint)
+  model_config, params, tokenizer = trained.load(FLAGS.workdir, FLAGS.checkpoint)
   target = FLAGS.target
   if target is None:
     target = inference.translate_texts(params, model_config, tokenizer, [FLAGS.source])[0]
@@ -38,7 +39,7 @@ def _draw() -> None:
   print(diagnostics.format_table(statistics))
 
 
-main = common.program(_draw)
+main = launch.program(_draw)
 
 
 if __name__ == "__main__":

@@ -12,8 +12,8 @@ import os
 from absl import flags
 from etils import epath
 
-from experiments import common, launch
-from transformer_jax.run import checkpoint as checkpoint_lib
+import launch
+from transformer_jax.run import checkpoint as checkpoint_lib, trained
 from transformer_jax.workdir import Workdir, absolute
 
 FLAGS = flags.FLAGS
@@ -41,7 +41,7 @@ def _steps() -> list[int] | None:
   return steps
 
 
-@common.program
+@launch.program
 def main():
   source = os.fspath(Workdir(FLAGS.workdir).checkpoints)
   output = FLAGS.output or os.fspath(Workdir(FLAGS.workdir).averaged)
@@ -52,7 +52,7 @@ def main():
   if epath.Path(output).exists() and not epath.Path(output).is_dir():
     raise ValueError(f"--output={output} is a file; expected a checkpoint directory (new, or one of averages)")
   steps = _steps()
-  last = FLAGS.last or common.load_workdir_config(FLAGS.workdir).decode.average_last
+  last = FLAGS.last or trained.workdir_config(FLAGS.workdir).decode.average_last
   step = checkpoint_lib.average_checkpoints(source, steps, last_n=None if steps else last,
                                             output_directory=output)
   print(f"wrote the average of {'steps ' + ','.join(map(str, steps)) if steps else f'the last {last} checkpoints'}"

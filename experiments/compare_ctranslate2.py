@@ -29,13 +29,14 @@ import jax.numpy as jnp
 import numpy as np
 from absl import flags
 
-from experiments import common, launch
+import launch
 from transformer_jax.decoding import inference
 from transformer_jax.decoding import length_penalty
 from transformer_jax.interop import ctranslate2 as ct2
 from transformer_jax.interop import marian
 from transformer_jax.interop.ctranslate2 import translate_pieces
 from transformer_jax.model import Transformer
+from transformer_jax.run import trained
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("workdir", None, "A trained (or imported) workdir.")
@@ -111,9 +112,9 @@ def _print(report: dict) -> None:
           f"theirs {d['score_ct2']:.4f}\n    ours:   {d['ours']}\n    theirs: {d['ct2']}")
 
 
-@common.program
+@launch.program
 def main():
-  lines = common.read_lines(FLAGS.input)
+  lines = launch.read_lines(FLAGS.input)
   for flag in ("ct2_dir", "marian_dir"):
     path = FLAGS[flag].value
     if path and os.path.exists(path) and not os.path.isdir(path):
@@ -121,7 +122,7 @@ def main():
   if FLAGS.marian_dir and FLAGS.alpha and any(int(b) > 1 for b in FLAGS.beam_sizes):
     raise ValueError(f"--alpha={FLAGS.alpha} with --marian_dir: generate's length penalty is |Y|^alpha, ours GNMT's; "
                      "compare beam search at --alpha=0")
-  model_config, params, tokenizer = common.load_for_inference(FLAGS.workdir, FLAGS.checkpoint)
+  model_config, params, tokenizer = trained.load(FLAGS.workdir, FLAGS.checkpoint)
   if not (os.path.isdir(FLAGS.ct2_dir) and os.listdir(FLAGS.ct2_dir)):
     ct2.export_ctranslate2(params, model_config, FLAGS.ct2_dir, tokenizer_path=tokenizer.path)
   translator = ct2.translator(FLAGS.ct2_dir, threads=FLAGS.threads)
@@ -131,7 +132,7 @@ def main():
         f"{len(lines) - len(source_diffs)}/{len(lines)} sources have our pieces"
         + (f"; differing lines: {source_diffs[:20]}" if source_diffs else ""))
   if FLAGS.marian_dir and not (os.path.isdir(FLAGS.marian_dir) and os.listdir(FLAGS.marian_dir)):
-    data = common.load_workdir_config(FLAGS.workdir).data
+    data = trained.workdir_config(FLAGS.workdir).data
     marian.save_marian(params, model_config, FLAGS.marian_dir, tokenizer_path=tokenizer.path,
                        source_lang=data.source_lang, target_lang=data.target_lang)
   piece_id = {tokenizer.pieces([i])[0]: i for i in range(model_config.vocab_size)}

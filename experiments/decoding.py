@@ -11,8 +11,9 @@ from __future__ import annotations
 from absl import flags
 from etils import epath
 
-from experiments import common
+import launch
 from transformer_jax.decoding import generate, inference, quantization
+from transformer_jax.run import trained
 
 FLAGS = flags.FLAGS
 
@@ -67,13 +68,13 @@ def load_models(workdir: str, checkpoint: str | None):
   checkpoint directory (read with `workdir`'s config). ValueError when an entry's architecture or vocabulary
   differs from the first model's, naming the entry.
   """
-  model_config, params, tokenizer = common.load_for_inference(workdir, checkpoint)
+  model_config, params, tokenizer = trained.load(workdir, checkpoint)
   params_list = [params]
   for entry in FLAGS.ensemble:
     if (epath.Path(entry) / "config.json").is_file():
-      other_config, other_params, other_tokenizer = common.load_for_inference(entry, None)
+      other_config, other_params, other_tokenizer = trained.load(entry, None)
     else:
-      other_config, other_params, other_tokenizer = common.load_for_inference(workdir, entry)
+      other_config, other_params, other_tokenizer = trained.load(workdir, entry)
     if other_config != model_config:
       raise ValueError(f"--ensemble={entry}: another architecture than --workdir's model ({other_config} vs "
                        f"{model_config}); an ensemble needs one architecture")

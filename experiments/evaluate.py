@@ -18,9 +18,11 @@ from absl import flags
 from etils import epath
 from tqdm import tqdm
 
-from experiments import common, decoding, launch
+import launch
+from experiments import decoding
 from transformer_jax.decoding import inference
 from transformer_jax.evaluation import metrics
+from transformer_jax.run import trained
 from transformer_jax.workdir import Workdir
 
 FLAGS = flags.FLAGS
@@ -48,10 +50,10 @@ launch.check_files_exist("source", "reference", "lc_tok_reference")
 
 
 def _read_inputs():
-  sources, references = common.read_lines(FLAGS.source), common.read_lines(FLAGS.reference)
+  sources, references = launch.read_lines(FLAGS.source), launch.read_lines(FLAGS.reference)
   if len(sources) != len(references):
     raise ValueError(f"{FLAGS.source} has {len(sources)} lines but {FLAGS.reference} has {len(references)} lines")
-  lc_refs = common.read_lines(FLAGS.lc_tok_reference) if FLAGS.lc_tok_reference else None
+  lc_refs = launch.read_lines(FLAGS.lc_tok_reference) if FLAGS.lc_tok_reference else None
   if lc_refs is not None and len(lc_refs) != len(sources):
     raise ValueError(f"{FLAGS.lc_tok_reference} has {len(lc_refs)} lines, expected {len(sources)}")
   return sources, references, lc_refs
@@ -74,7 +76,7 @@ def _evaluate() -> None:
   if FLAGS.mbr_utility and (FLAGS.ensemble or FLAGS.sampling != "beam"):
     raise ValueError("--mbr_utility chooses from one model's beam: it takes neither --ensemble nor --sampling")
   model_config, params_list, tokenizer = decoding.load_models(FLAGS.workdir, FLAGS.checkpoint)
-  target_lang = FLAGS.target_lang or common.load_workdir_config(FLAGS.workdir).data.target_lang
+  target_lang = FLAGS.target_lang or trained.workdir_config(FLAGS.workdir).data.target_lang
   metrics.bleu_metric(target_lang)  # its tokenizer loads, before anything is translated
   start = time.time()
   with tqdm(total=len(sources), unit="sent", file=sys.stderr) as bar:
@@ -105,7 +107,7 @@ def _evaluate() -> None:
   print(f"{len(sources)} sentences in {seconds:.1f}s; hypotheses: {prefix}.hyp; scores: {prefix}.json")
 
 
-main = common.program(_evaluate)
+main = launch.program(_evaluate)
 
 
 if __name__ == "__main__":

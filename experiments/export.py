@@ -14,9 +14,10 @@ import os
 
 from absl import flags
 
-from experiments import common, launch
+import launch
 from transformer_jax.interop import ctranslate2 as ct2
 from transformer_jax.interop import marian
+from transformer_jax.run import trained
 from transformer_jax.workdir import is_local
 
 FLAGS = flags.FLAGS
@@ -33,7 +34,7 @@ def tokenizer_files(tokenizer) -> str:
   return tokenizer.path
 
 
-@common.program
+@launch.program
 def main():
   if not is_local(FLAGS.output) or not is_local(FLAGS.workdir):
     raise ValueError(f"--output={FLAGS.output} / --workdir={FLAGS.workdir}: export reads and writes local "
@@ -43,8 +44,8 @@ def main():
     raise FileExistsError(f"--output={FLAGS.output} is a file; expected a new (or empty) directory")
   if os.path.isdir(FLAGS.output) and os.listdir(FLAGS.output):
     raise FileExistsError(f"{FLAGS.output} exists and is not empty; choose a new --output")
-  model_config, params, tokenizer = common.load_for_inference(FLAGS.workdir, FLAGS.checkpoint)
-  data = common.load_workdir_config(FLAGS.workdir).data
+  model_config, params, tokenizer = trained.load(FLAGS.workdir, FLAGS.checkpoint)
+  data = trained.workdir_config(FLAGS.workdir).data
   if FLAGS.format == "marian":
     marian.save_marian(params, model_config, FLAGS.output, tokenizer_path=tokenizer_files(tokenizer),
                        source_lang=data.source_lang, target_lang=data.target_lang)

@@ -10,7 +10,7 @@ Needs the `interop` extra only for pytorch_model.bin weights (torch) and safeten
 
 from absl import flags
 
-from experiments import common, launch
+import launch
 from transformer_jax.interop import marian
 from transformer_jax.workdir import is_local
 
@@ -20,7 +20,7 @@ flags.DEFINE_string("workdir", None, "The new workdir (must not exist or be empt
 flags.mark_flags_as_required(["model_dir", "workdir"])
 
 
-@common.program
+@launch.program
 def main():
   if not is_local(FLAGS.workdir) or not is_local(FLAGS.model_dir):
     raise ValueError(f"--workdir={FLAGS.workdir} / --model_dir={FLAGS.model_dir}: the import reads and writes "

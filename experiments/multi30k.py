@@ -24,7 +24,8 @@ import jax
 from absl import flags
 from etils import epath
 
-from experiments import common, docblock, launch
+import launch
+from launch import docblock
 from transformer_jax.data.parallel_text import read_lines
 from transformer_jax.decoding import inference
 from transformer_jax.evaluation import metrics, visualize
@@ -91,7 +92,7 @@ def _read_test(data_dir: str, max_examples: int) -> tuple[list[str], list[str], 
   return tuple(lines[:max_examples] if max_examples else lines for lines in files)
 
 
-@common.program
+@launch.program
 def main():
   config = ExperimentConfig.from_config_dict(FLAGS.config)
   test_src, test_ref, test_lc = _read_test(config.data.dir, config.final_eval.max_examples)
@@ -133,7 +134,7 @@ def main():
              "steps_per_s": _mean_steps_per_s(logged), "train_budget": run_dir.read_train_budget(),
              "load_average_1_5_15min": os.getloadavg(), "cpu_count": os.cpu_count(),
              "devices": jax.device_count(),
-             "machine": common.machine_info(),
+             "machine": launch.machine_info(),
              "test_sentences": len(test_src), "model": model_config.__dict__,
              "lowercase": tokenizer.lowercase}  # a case-folded vocabulary: sacreBLEU and chrF lowercased
   run_dir.results_json.write_text(json.dumps(summary, indent=2, default=str), encoding="utf-8")

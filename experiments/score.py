@@ -17,8 +17,9 @@ import sys
 from absl import flags
 from etils import epath
 
-from experiments import common, launch
+import launch
 from transformer_jax.decoding import inference
+from transformer_jax.run import trained
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("workdir", None, "The training run's --workdir.")
@@ -48,12 +49,12 @@ def _line(record: dict) -> str:
   return f"{record['log_prob']:.6f}\t{record['tokens']}\t{record['perplexity']:.6f}"
 
 
-@common.program
+@launch.program
 def main():
-  sources, targets = common.read_lines(FLAGS.source), common.read_lines(FLAGS.target)
+  sources, targets = launch.read_lines(FLAGS.source), launch.read_lines(FLAGS.target)
   if len(sources) != len(targets):
     raise ValueError(f"{FLAGS.source} has {len(sources)} lines but {FLAGS.target} has {len(targets)} lines")
-  model_config, params, tokenizer = common.load_for_inference(FLAGS.workdir, FLAGS.checkpoint)
+  model_config, params, tokenizer = trained.load(FLAGS.workdir, FLAGS.checkpoint)
   blank = [tokenizer.is_blank(s) or tokenizer.is_blank(t) for s, t in zip(sources, targets)]
   src_ids = [[] if b else tokenizer.encode(s) for s, b in zip(sources, blank)]
   tgt_ids = [[] if b else tokenizer.encode(t, target=True) for t, b in zip(targets, blank)]

@@ -14,8 +14,9 @@ docs/serving.md.
 import uvicorn
 from absl import flags
 
-from experiments import common, launch
+import launch
 from transformer_jax.decoding import quantization
+from transformer_jax.run import trained
 from transformer_jax.serving import batching, http
 
 FLAGS = flags.FLAGS
@@ -51,10 +52,10 @@ def _limits() -> batching.ServingLimits:
                                 max_pending_texts=FLAGS.max_pending_texts)
 
 
-@common.program
+@launch.program
 def main():
   limits = _limits()
-  model_config, params, tokenizer = common.load_for_inference(FLAGS.workdir, FLAGS.checkpoint)
+  model_config, params, tokenizer = trained.load(FLAGS.workdir, FLAGS.checkpoint)
   params = quantization.quantize_params(params, FLAGS.quantize)
   service = batching.TranslationService(params, model_config, tokenizer, limits)
   shapes = service.warm_up()

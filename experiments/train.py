@@ -12,8 +12,8 @@ import os
 from absl import flags
 from ml_collections import config_flags
 
-from experiments import common, launch
-from transformer_jax.run import imported_workdir, trainer
+import launch
+from transformer_jax.run import imported_workdir, trained, trainer
 from transformer_jax.run.experiment_config import ExperimentConfig
 
 _DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs", "number_words.py")
@@ -24,13 +24,13 @@ launch.define_config_flag(_DEFAULT_CONFIG, "Experiment config file (default: the
 flags.mark_flags_as_required(["workdir"])
 
 
-@common.program
+@launch.program
 def main():
   # An imported model's workdir fixes the model and tokenizer; the flags given must agree with them.
   config = imported_workdir.config_for_workdir(ExperimentConfig.from_config_dict(FLAGS.config), FLAGS.workdir,
                                                explicit=config_flags.get_override_values(FLAGS["config"]))
   result = trainer.train_and_evaluate(config, FLAGS.workdir)
-  common.report_final_eval(config, FLAGS.workdir, result)
+  launch.report_final_eval(config, FLAGS.workdir, result)
 
 
 if __name__ == "__main__":

@@ -25,8 +25,10 @@ from absl import flags
 from etils import epath
 from tqdm import tqdm
 
-from experiments import common, decoding, launch
+import launch
+from experiments import decoding
 from transformer_jax.decoding import alignment, constraints, inference
+from transformer_jax.run import trained
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("workdir", None, "The training run's --workdir.")
@@ -59,7 +61,7 @@ def _lines_per_input(flag: str, count: int, what: str) -> list[str] | None:
   path = FLAGS[flag].value
   if not path:
     return None
-  lines = common.read_lines(path)
+  lines = launch.read_lines(path)
   if len(lines) != count:
     raise ValueError(f"--{flag}={path} has {len(lines)} lines but the input has {count}: one {what} per input "
                      "line is needed")
@@ -117,9 +119,9 @@ def _text_lines(records):
       yield hyp["text"] + ("\t" + hyp.get("alignment", "") if FLAGS.print_alignment else "")
 
 
-@common.program
+@launch.program
 def main():
-  lines = common.read_lines(FLAGS.input)
+  lines = launch.read_lines(FLAGS.input)
   prefixes = _read_prefixes(len(lines))
   phrases = _read_constraints(len(lines))
   _check_combinations()
@@ -131,7 +133,7 @@ def main():
       outputs = inference.translate_texts(params_list[0], model_config, tokenizer, lines, beam_size=FLAGS.beam_size,
                                           alpha=FLAGS.alpha, extra_len=FLAGS.extra_len,
                                           mbr_utility=FLAGS.mbr_utility,
-                                          target_lang=common.load_workdir_config(FLAGS.workdir).data.target_lang,
+                                          target_lang=trained.workdir_config(FLAGS.workdir).data.target_lang,
                                           progress=bar.update)
     else:
       lists = inference.decode_texts(params_list, model_config, tokenizer, lines, options, prefixes=prefixes,

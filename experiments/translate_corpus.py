@@ -16,9 +16,11 @@ with its --process_id) and translates its share of the shards (`transformer_jax.
 import jax
 from absl import flags
 
-from experiments import common, decoding, launch
+import launch
+from experiments import decoding
 from transformer_jax import corpus, multihost
 from transformer_jax.data import noise
+from transformer_jax.run import trained
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("workdir", None, "The training run's --workdir.")
@@ -71,11 +73,11 @@ def _translator() -> corpus.Translator:
                            max_tokens_per_batch=FLAGS.max_tokens_per_batch, noise=noise_options, tag=FLAGS.tag.strip())
 
 
-@common.program
+@launch.program
 def main():
   _initialize_distributed()
   translator = _translator()
-  data = common.load_workdir_config(FLAGS.workdir).data
+  data = trained.workdir_config(FLAGS.workdir).data
   parallel = (FLAGS.parallel_corpus, data.source_lang, data.target_lang) if FLAGS.parallel_corpus else None
   settings = {**translator.settings(), "quantize": FLAGS.quantize}
   result = corpus.translate_corpus(translator, settings, FLAGS.input, FLAGS.output_dir,

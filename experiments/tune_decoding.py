@@ -23,10 +23,10 @@ import time
 
 from absl import flags
 
-from experiments import common, launch
+import launch
 from transformer_jax.decoding import generate, inference, mbr
 from transformer_jax.evaluation import metrics
-from transformer_jax.run import checkpoint as checkpoint_lib
+from transformer_jax.run import checkpoint as checkpoint_lib, trained
 from transformer_jax.run import experiment_config
 from transformer_jax.workdir import Workdir, write_json_atomically
 
@@ -92,12 +92,12 @@ def _params_of_newest(workdir: str, n: int | str, scratch: str):
   """(model_config, params, tokenizer) with the mean of the newest `n` checkpoints' parameters, or for
   `n == "ema"` the moving average of the parameters in the newest checkpoint (a run with `ema_decay` > 0)."""
   if n == "ema":
-    return common.load_for_inference(workdir, ema=True)
+    return trained.load(workdir, ema=True)
   if n == 1:
-    return common.load_for_inference(workdir, ema=False)
+    return trained.load(workdir, ema=False)
   output = os.path.join(scratch, f"average_{n}")
   checkpoint_lib.average_checkpoints(os.fspath(Workdir(workdir).checkpoints), last_n=n, output_directory=output)
-  return common.load_for_inference(workdir, output)
+  return trained.load(workdir, output)
 
 
 def _ensemble_counts() -> list[int]:
@@ -114,7 +114,7 @@ def _ensemble_rows(counts, beams, alphas, sources, references, target_lang: str)
     steps = checkpointer.all_steps()
   rows = []
   for n in counts:
-    models = [common.load_for_inference(FLAGS.workdir, str(step), ema=False) for step in steps[-n:]]
+    models = [trained.load(FLAGS.workdir, str(step), ema=False) for step in steps[-n:]]
     model_config, tokenizer = models[0][0], models[0][2]
     for beam, alpha in [(b, a) for b in beams for a in (alphas if b > 1 else alphas[:1])]:
       start = time.perf_counter()
@@ -133,16 +133,16 @@ def _ensemble_rows(counts, beams, alphas, sources, references, target_lang: str)
   return rows
 
 
-@common.program
+@launch.program
 def main():
-  sources, references = common.read_lines(FLAGS.source), common.read_lines(FLAGS.reference)
+  sources, references = launch.read_lines(FLAGS.source), launch.read_lines(FLAGS.reference)
   if len(sources) != len(references):
     raise ValueError(f"{FLAGS.source} has {len(sources)} lines but {FLAGS.reference} has {len(references)}")
   averages, beams, alphas, utilities = _grid()
   ensembles = _ensemble_counts()
-  target_lang = common.load_workdir_config(FLAGS.workdir).data.target_lang
+  target_lang = trained.workdir_config(FLAGS.workdir).data.target_lang
   metrics.bleu_metric(target_lang)  # BLEU's tokenizer for the target language loads, before any decoding
-  if "ema" in averages and not common.load_workdir_config(FLAGS.workdir).ema_decay:
+  if "ema" in averages and not trained.workdir_config(FLAGS.workdir).ema_decay:
     raise ValueError(f"--average_last={','.join(FLAGS.average_last)}: {FLAGS.workdir} was trained without a moving "
                      "average of the parameters (config.ema_decay 0)")
   rows = []

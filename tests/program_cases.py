@@ -24,7 +24,7 @@ sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 CASE_SECONDS = 120
 PRELOADED = {  # what each program imports at its top (flags are defined by the program module itself)
-    "experiments.train": ("experiments.common", "experiments.launch", "transformer_jax.run.imported_workdir",
+    "experiments.train": ("launch", "transformer_jax.run.imported_workdir",
                           "transformer_jax.run.trainer", "ml_collections.config_flags"),
 }
 

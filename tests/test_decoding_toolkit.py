@@ -8,7 +8,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from experiments import common
+import launch
+from transformer_jax.run import trained
 from tests.test_experiments import TINY_OVERRIDES, _run
 from transformer_jax import decoding
 from transformer_jax.decoding import ensemble, generate, inference, scoring
@@ -28,7 +29,7 @@ def workdir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def model(workdir):
-  return common.load_for_inference(workdir, None)
+  return trained.load(workdir, None)
 
 
 def _translate(workdir, *flags, lines=LINES):
@@ -242,7 +243,7 @@ def test_ensemble_of_a_model_with_itself_is_the_model_and_of_two_is_the_mean(wor
   single = _jsonl(_translate(workdir, "--beam_size=3", "--checkpoint=30", "--output_format=jsonl"))
   itself = _jsonl(_translate(workdir, "--beam_size=3", "--checkpoint=30", "--ensemble=30", "--output_format=jsonl"))
   two = _jsonl(_translate(workdir, "--beam_size=3", "--checkpoint=30", "--ensemble=20", "--output_format=jsonl"))
-  other = common.load_for_inference(workdir, "20")
+  other = trained.load(workdir, "20")
   differs = 0
   for a, b, c in zip(single, itself, two):
     if not a["hypotheses"]:

@@ -457,7 +457,8 @@ def test_evaluate_normalises_references_and_hypotheses(workdir, tmp_path):
 def test_workdir_from_before_normalisation_translates_as_before(workdir, tmp_path):
   """A vocabulary without a normalisation stamp (trained before it existed) keeps encoding raw text."""
   import sentencepiece as spm
-  from experiments import common
+  import launch
+from transformer_jax.run import trained
   from transformer_jax.decoding import inference
   from transformer_jax.config import EOS_ID
   old = tmp_path / "old"
@@ -473,7 +474,7 @@ def test_workdir_from_before_normalisation_translates_as_before(workdir, tmp_pat
   assert len(warning) == 1 and "trained before text normalisation" in warning[0]
   assert _tree(old) == before  # nothing written (no stamp guessed)
   # The BOM line gives what the code before normalisation gave: the raw text's ids through the same search.
-  model_config, params, tokenizer = common.load_for_inference(str(old))
+  model_config, params, tokenizer = trained.load(str(old))
   raw = spm.SentencePieceProcessor(model_file=str(old / "vocab" / "spm.model"))
   ids = raw.encode("\ufeffseven") + [EOS_ID]
   assert ids != tokenizer.encode("seven") and tokenizer.encode("\ufeffseven") == ids

@@ -1,4 +1,4 @@
-"""`python -m experiments.<program>` restarts itself once with glibc huge pages (experiments/huge_pages.py)."""
+"""`python -m experiments.<program>` restarts itself once with glibc huge pages (launch/huge_pages.py)."""
 
 import os
 import subprocess
@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from experiments import huge_pages
+from launch import huge_pages
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NOTICE = "restarting with GLIBC_TUNABLES="
@@ -43,7 +43,7 @@ def test_the_restart_comes_before_the_program_imports_jax():
   assert proc.stderr.count(NOTICE) == 1, proc.stderr[-2000:]
   before, after = proc.stderr.split(NOTICE)
   imported = lambda text, module: any(line.rsplit("|", 1)[-1].strip() == module for line in text.splitlines())
-  assert imported(before, "experiments.huge_pages") and not imported(before, "jax")
+  assert imported(before, "launch.huge_pages") and not imported(before, "jax")
   assert imported(after, "jax") and imported(after, "transformer_jax.run.trainer")
 
 

@@ -249,3 +249,29 @@ def test_programs_never_import_the_benchmarks():
                else [alias.name for alias in node.names] if isinstance(node, ast.Import) else [])
       offenders += [f"{path.name}:{node.lineno} {name}" for name in names if name.split(".")[0] == "benchmarks"]
   assert not offenders, offenders
+
+
+# The programs' floors: what each top-level package of programs may import besides the library.
+PROGRAM_IMPORTS = {
+    "launch": ("launch",),
+    "experiments": ("launch", "experiments"),
+    "benchmarks": ("launch", "experiments.configs", "benchmarks"),  # the recipes, never another program
+}
+
+
+def _program_files():
+  for package in PROGRAM_IMPORTS:
+    for path in sorted((PACKAGE.parent / package).rglob("*.py")):
+      yield package, path
+
+
+@pytest.mark.parametrize("package, path", list(_program_files()), ids=lambda x: str(x).split("/")[-1])
+def test_programs_stand_on_the_library_the_launcher_and_the_recipes(package, path):
+  for node in ast.walk(ast.parse(path.read_text())):
+    names = ([node.module] if isinstance(node, ast.ImportFrom) and node.module and node.level == 0
+             else [a.name for a in node.names] if isinstance(node, ast.Import) else [])
+    for name in names:
+      if name.split(".")[0] in PROGRAM_IMPORTS:
+        assert name.startswith(PROGRAM_IMPORTS[package]), (
+            f"{path.relative_to(PACKAGE.parent)}:{node.lineno} imports {name}: {package}/ may import the library "
+            f"and {', '.join(PROGRAM_IMPORTS[package])} only")

@@ -21,7 +21,7 @@ import pytest
 from test_interop import ENGLISH, GERMAN, SOURCES, _hf_logits, _padded, build_marian_dir
 from test_interop import transformers  # noqa: E402  (skips the module where the interop extra is missing)
 
-from experiments import common  # noqa: E402
+import launch  # noqa: E402
 from experiments.configs import default, number_words  # noqa: E402
 from transformer_jax.data import datasets as datasets_lib  # noqa: E402
 from transformer_jax.data.marian_vocab import MarianVocabulary  # noqa: E402
@@ -89,7 +89,7 @@ def finetuned(marian_dir, tmp_path_factory):  # noqa: F811
 
 def _first_batch(workdir):
   """The first packed batch the run trained on, rebuilt from the workdir's config and token-id cache."""
-  config = common.load_workdir_config(str(workdir))
+  config = trained.workdir_config(str(workdir))
   data = datasets_lib.build_datasets(config.data, str(workdir), seed=config.seed)
   return data.tokenizer, next(data.train)
 
@@ -119,7 +119,7 @@ def test_finetune_starts_from_the_imported_model_and_lowers_the_loss(finetuned):
   assert saved["model"] == {**dataclasses.asdict(imported_config), "dropout_rate": 0.0}
 
   # Step 1's logged loss is the imported model's loss on the first batch (dropout off): parameters restored.
-  model_config, params, _ = common.load_for_inference(str(workdir))
+  model_config, params, _ = trained.load(str(workdir))
   assert model_config == imported_config.replace(dropout_rate=0.0)
   tokenizer, batch = _first_batch(workdir)
   before, after = _loss(imported_params, model_config, batch), _loss(params, model_config, batch)
@@ -143,7 +143,7 @@ def test_finetuned_workdir_translates(finetuned):
   _, _, workdir, _ = finetuned
   result = _run(["experiments.translate", f"--workdir={workdir}"], stdin="\n".join(SOURCES) + "\n")
   assert result.returncode == 0, result.stderr[-3000:]
-  model_config, params, tokenizer = common.load_for_inference(str(workdir))
+  model_config, params, tokenizer = trained.load(str(workdir))
   assert result.stdout.splitlines() == inference.translate_texts(params, model_config, tokenizer, SOURCES)
 
 
@@ -152,7 +152,7 @@ def test_finetuned_workdir_exports_to_transformers_with_our_logits(finetuned, tm
   out = tmp_path / "exported"
   result = _run(["experiments.export", f"--workdir={workdir}", "--format=marian", f"--output={out}"])
   assert result.returncode == 0, result.stderr[-3000:]
-  model_config, params, tokenizer = common.load_for_inference(str(workdir))
+  model_config, params, tokenizer = trained.load(str(workdir))
   hf_model = transformers.MarianMTModel.from_pretrained(out).eval()
   hf_tok = transformers.MarianTokenizer.from_pretrained(out)
   sources = [tokenizer.encode(s) for s in SOURCES]

@@ -14,8 +14,8 @@ import sys
 
 import pytest
 
-from experiments import docblock
 from experiments.configs import multi30k
+from launch import docblock
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STEPS = 32

@@ -12,7 +12,8 @@ from tensorboard.backend.event_processing import event_accumulator
 from tensorboard.util import tensor_util
 
 import helpers
-from experiments import common
+import launch
+from transformer_jax.run import trained
 from experiments.configs import number_words
 from transformer_jax import sharding
 from transformer_jax.run import checkpoint as checkpoint_lib
@@ -190,11 +191,11 @@ def test_moving_average_resumes_exactly_and_is_what_the_finished_run_translates_
   assert any((a != b).any() for a, b in zip(jax.tree_util.tree_leaves(ema), _final_params(averaged)))
 
   checkpoints = str(Workdir(tmp_path / "averaged").checkpoints)
-  _, loaded, _ = common.load_for_inference(str(tmp_path / "averaged"))
+  _, loaded, _ = trained.load(str(tmp_path / "averaged"))
   for restored in (loaded, checkpoint_lib.restore_params(checkpoints, averaged.model_config, ema=True)):
     for a, b in zip(jax.tree_util.tree_leaves(ema), jax.tree_util.tree_leaves(restored), strict=True):
       np.testing.assert_array_equal(a, b)
-  _, trained, _ = common.load_for_inference(str(tmp_path / "averaged"), ema=False)
+  _, trained, _ = trained.load(str(tmp_path / "averaged"), ema=False)
   for a, b in zip(_final_params(averaged), jax.tree_util.tree_leaves(trained), strict=True):
     np.testing.assert_array_equal(a, b)
 

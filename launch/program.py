@@ -1,4 +1,7 @@
-"""Shared glue for the absl programs: user-facing errors, a trained workdir, the final evaluation, the host."""
+"""What every program does around its work: one-line errors and exit status, quiet library logs, the host it ran on.
+
+`@program` over a program's `def main():` (then `launch.run(main)`): bad input or state ends in one `error:` line
+on stderr and exit status 1 (`USER_ERRORS`, storage clients' failures, XLA's out-of-memory), never a traceback."""
 
 from __future__ import annotations
 
@@ -11,7 +14,6 @@ import platform
 import re
 import subprocess
 import sys
-import time
 from typing import Any, Callable
 
 import jax
@@ -19,14 +21,9 @@ import tensorflow_datasets as tfds
 from absl import app
 from absl import logging as absl_logging
 
-from transformer_jax.data import parallel_text, sources
+from transformer_jax.data import parallel_text
 from transformer_jax.data.tokenizer import VocabularyError
-from transformer_jax.decoding import inference
-from transformer_jax.evaluation import metrics
-from transformer_jax.run import factories, trained, trainer
-from transformer_jax.run.experiment_config import ExperimentConfig
 from transformer_jax.run.train_log import NonFiniteLossError
-from transformer_jax.workdir import Workdir, write_json_atomically
 
 # Exceptions that mean "bad input or state": printed as one line, exit status 1, no traceback.
 USER_ERRORS = (ValueError, OSError, VocabularyError, NonFiniteLossError, UnicodeDecodeError)
@@ -97,7 +94,7 @@ def program(body: Callable[[], Any]) -> Callable[[list[str]], Any]:
 
   Refuses positional arguments (absl usage error), sets up logging, runs `body`, and turns the errors that mean
   bad input or state (`USER_ERRORS`) into one `error: ...` line on stderr and exit status 1, as the house asks
-  of every program. Use as a decorator: `@common.program` over `def main():`, then `launch.run(main)`.
+  of every program. Use as a decorator: `@launch.program` over `def main():`, then `launch.run(main)`.
   """
 
   @functools.wraps(body)
@@ -173,61 +170,6 @@ def fail(message: str) -> None:
 def read_lines(path: str | None) -> list[str]:
   """Lines of `path` (stdin when None) without line endings; invalid UTF-8 names the file and line."""
   return parallel_text.read_lines(path) if path else parallel_text.decode_lines(sys.stdin.buffer, "<stdin>")
-
-
-def load_workdir_config(workdir: str) -> ExperimentConfig:
-  """The config a training run saved in its workdir, keys it predates at their defaults (the schema's).
-
-  FileNotFoundError when the workdir holds no run.
-  """
-  return trained.workdir_config(workdir)
-
-
-def load_for_inference(workdir: str, checkpoint: str | None = None,
-                       ema: bool | None = None) -> trained.TrainedModel:
-  """(model_config, params, tokenizer) of a trained workdir: `transformer_jax.run.trained.load` (see there for
-  `checkpoint`, `ema` and the errors raised)."""
-  return trained.load(workdir, checkpoint, ema)
-
-
-def report_final_eval(config: ExperimentConfig, workdir: str, result: trainer.TrainResult) -> dict:
-  """Translates `final_eval.split` with `config.decode`, prints samples, exact match and BLEU; writes final_eval.json."""
-  final = config.final_eval
-  if not final.split or result.stopped_early:
-    return {}
-  pairs = sources.load_pairs(config.data, final.split, workdir)
-  if final.max_examples:
-    pairs = pairs[: final.max_examples]
-  start = time.time()
-  hyps = inference.translate_texts(factories.inference_params(config, result.state), result.model_config,
-                                   result.datasets.tokenizer,
-                                   [s for s, _ in pairs], beam_size=config.decode.beam_size,
-                                   alpha=config.decode.alpha, extra_len=config.decode.extra_len,
-                                   mbr_utility=config.decode.mbr_utility,
-                                   target_lang=config.data.target_lang)
-  seconds = time.time() - start
-  lowercase = result.datasets.tokenizer.lowercase  # a case-folded vocabulary writes lowercase
-  exact = metrics.exact_match(hyps, [t for _, t in pairs], lowercase=lowercase)  # both sides normalised, as BLEU's
-  scores = metrics.sacrebleu_scores(hyps, [t for _, t in pairs], lowercase=lowercase,
-                                    target_lang=config.data.target_lang)
-  for (src, ref), hyp in list(zip(pairs, hyps))[:5]:
-    correct = metrics.exact_match([hyp], [ref], lowercase=lowercase) == 1.0  # as the score counts it
-    print(f"  {src}\n    -> {hyp}   [{'ok' if correct else 'reference: ' + ref}]")
-  report = {"split": final.split, "examples": len(pairs), "exact_match": exact, "bleu": scores["bleu"],
-            "bleu_signature": scores["bleu_signature"], "translate_seconds": seconds,
-            "train_minutes": result.train_minutes, "final_step": result.final_step}
-  if result.early_stopping:
-    report["early_stopping"] = result.early_stopping
-  # BLEU needs 4-grams: with one-word references (the built-in task) it is 0 whatever the output.
-  bleu = (f"; BLEU {scores['bleu']:.2f} ({scores['bleu_signature']})"
-          if any(" " in t for _, t in pairs) else "")
-  print(f"Exact match on {len(pairs)} {final.split} examples: {100 * exact:.2f}%{bleu} "
-        f"(translated in {seconds:.1f}s; training took {result.train_minutes:.1f} min)")
-  if result.early_stopping.get("stopped_at_step"):
-    print(f"Early stopping ended training at step {result.final_step}: {result.early_stopping['metric']} best "
-          f"{result.early_stopping['best']:.4g} at step {result.early_stopping['best_step']}")
-  write_json_atomically(Workdir(workdir).final_eval_json, report)
-  return report
 
 
 def machine_info() -> dict:

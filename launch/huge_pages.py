@@ -1,4 +1,4 @@
-"""Huge pages for XLA's host buffers: every `python -m experiments.<program>` restarts itself once with them.
+"""Huge pages for XLA's host buffers: every `python -m` program of ours restarts itself once with them.
 
 XLA:CPU allocates each step's large temporary buffers (the `[tokens, vocab]` logits and their gradient, 131 MB
 at 4096 tokens x 8000 words) with `malloc`, which maps fresh 4 KiB pages for every allocation above 32 MiB;
@@ -7,10 +7,10 @@ mappings use transparent huge pages (2 MiB), and a CPU-preset training step runs
 ~1.15x; docs/performance.md). glibc reads the tunable when the process starts, so a program re-executes itself
 once with it added to `GLIBC_TUNABLES` (Linux, glibc >= 2.35, transparent huge pages not disabled).
 
-The restart happens in `experiments/__init__.py`, while Python locates the `-m` module and before the program
-imports anything heavy (JAX, TensorFlow, the trainer): restarting after those imports cost every program start
-~6 s of imports done twice. Importing the package from other code (a notebook, pytest, `python -c`) never
-restarts. `TRANSFORMER_JAX_HUGE_PAGES=0` opts out; code that imports the library gets the same effect by
+The restart happens in `launch/__init__.py`, which `experiments/__init__.py` and `benchmarks/__init__.py` import
+first, while Python locates the `-m` module and before the program imports anything heavy (JAX, TensorFlow, the
+trainer): restarting after those imports cost every program start ~6 s of imports done twice. Importing the
+packages from other code (a notebook, pytest, `python -c`) never restarts. `TRANSFORMER_JAX_HUGE_PAGES=0` opts out; code that imports the library gets the same effect by
 starting Python with `GLIBC_TUNABLES=glibc.malloc.hugetlb=1`. Standard library only, so it costs nothing.
 """
 

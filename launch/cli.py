@@ -1,8 +1,8 @@
-"""How every absl program of `experiments/` starts: `launch.run(main)`.
+"""The command line of every program (`experiments/`, `benchmarks/`): `launch.run(main)` starts one.
 
 Flag parsing whose every refusal is one line (`parse_flags`), the config flag with the same (`define_config_flag`),
 and the host devices a config asks for (`set_cpu_devices`). The restart with glibc huge pages for XLA's host
-buffers happens earlier, when Python imports the package to run the program (`experiments/huge_pages.py`).
+buffers happens earlier, when Python imports the program's package (`launch/__init__.py`).
 """
 
 import glob
@@ -19,7 +19,7 @@ from absl import app, flags
 from etils import epath
 from ml_collections import config_flags
 
-from experiments import huge_pages
+from launch import huge_pages
 from transformer_jax.run import experiment_config
 
 
@@ -192,7 +192,7 @@ def run(main: Callable[[list[str]], Any]) -> None:
   """Starts an absl program: `absl.app.run(main)` with `parse_flags`.
 
   Every program ends with `if __name__ == "__main__": launch.run(main)`. A `python -m experiments.<program>`
-  has restarted with huge pages already (`experiments/__init__.py`); a program started some other way restarts
+  has restarted with huge pages already (`launch/__init__.py`); a program started some other way restarts
   here, once.
   """
   huge_pages.maybe_reexecute()
