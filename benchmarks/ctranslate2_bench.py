@@ -101,7 +101,7 @@ def _ours_fixed(fn, params, inputs, cfg):
   return sorted({int(np.sum((o != cfg.pad_id) & (o != cfg.eos_id))) for o in out}), seconds
 
 
-def _ct2_fixed(translator, pieces: list, beam: int, length: int):
+def ct2_fixed(translator, pieces: list, beam: int, length: int):
   """One timed CTranslate2 call with every hypothesis exactly `length` pieces: (the set of lengths, seconds)."""
   out, seconds = _timed(lambda: translator.translate_batch(
       pieces, beam_size=beam, length_penalty=0.6 if beam > 1 else 0.0, max_decoding_length=length,
@@ -115,16 +115,16 @@ def _warm_then_timed(fn):
   return fn()
 
 
-def _in_own_process(fn, *args):
+def in_own_process(fn, *args):
   """`fn(*args)` in a fresh (spawned) process that exits afterwards."""
   with concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
     return pool.submit(fn, *args).result()
 
 
-def _ct2_fixed_alone(model_dir: str, pieces: list, beam: int, length: int, threads: int):
-  """`_ct2_fixed` in a process of its own (`run_fixed`): one untimed call, then the timed one."""
+def ct2_fixed_alone(model_dir: str, pieces: list, beam: int, length: int, threads: int):
+  """`ct2_fixed` in a process of its own (`run_fixed`): one untimed call, then the timed one."""
   translator = ct2.translator(model_dir, compute_type="float32", threads=threads)
-  return _warm_then_timed(functools.partial(_ct2_fixed, translator, pieces, beam, length))
+  return _warm_then_timed(functools.partial(ct2_fixed, translator, pieces, beam, length))
 
 
 def run_fixed(args, corpus, cfg, params) -> dict:
@@ -158,9 +158,9 @@ def run_fixed(args, corpus, cfg, params) -> dict:
       runners[f"ours_{name}"] = functools.partial(
           _warm_then_timed, functools.partial(_ours_fixed, fn, params, inputs, cfg))
       runners[f"ct2_float32_{name}"] = (
-          functools.partial(_in_own_process, _ct2_fixed_alone, model_dir, pieces, beam, length, args.threads)
+          functools.partial(in_own_process, ct2_fixed_alone, model_dir, pieces, beam, length, args.threads)
           if shared is None else functools.partial(
-              _warm_then_timed, functools.partial(_ct2_fixed, shared, pieces, beam, length)))
+              _warm_then_timed, functools.partial(ct2_fixed, shared, pieces, beam, length)))
     # Every call warms itself up (ours compiles in the first untimed call), so no separate warm-up pass.
     lengths = {name: set() for name in runners}  # the output lengths of every timed call: `length` only
     times = {name: [] for name in runners}

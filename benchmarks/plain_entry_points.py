@@ -128,10 +128,10 @@ def _gemm_floor(cfg, rows: int):
 def _ct2(model_dir: str, pieces: list):
   def runner(beam):
     if FLAGS.ct2_process == "own":
-      return lambda: ctranslate2_bench._in_own_process(  # noqa: SLF001 (the benchmark's own runner)
-          ctranslate2_bench._ct2_fixed_alone, model_dir, pieces, beam, FLAGS.out_len, FLAGS.threads)  # noqa: SLF001
+      return lambda: ctranslate2_bench.in_own_process(
+          ctranslate2_bench.ct2_fixed_alone, model_dir, pieces, beam, FLAGS.out_len, FLAGS.threads)
     translator = ct2.translator(model_dir, compute_type="float32", threads=FLAGS.threads)
-    return lambda: ctranslate2_bench._ct2_fixed(translator, pieces, beam, FLAGS.out_len)  # noqa
+    return lambda: ctranslate2_bench.ct2_fixed(translator, pieces, beam, FLAGS.out_len)
   return {"ct2_greedy": runner(1), "ct2_beam4": runner(4)}
 
 

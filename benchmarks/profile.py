@@ -173,8 +173,9 @@ def _decode_program(args):
   corpus = common.load_corpus()
   cfg = common.preset_config(args.preset, args.vocab or corpus.vocab_size)
   params = jax.device_put(nn.unbox(init_params(cfg, jax.random.key(0))))
-  prepared = [p for p in inference._prepare_sources(corpus.test_sources, cfg, 50, True)
-              if inference._bucket_of(p[1], cfg) == args.bucket][:args.sources]
+  longest_first = sorted(corpus.test_sources, key=len, reverse=True)  # as decode_ids batches them (EOS included)
+  prepared = [(i, [int(x) for x in ids], len(ids) - 1 + 50) for i, ids in enumerate(longest_first)
+              if inference.source_bucket(ids, cfg) == args.bucket][:args.sources]
   if not prepared:
     raise ValueError(f"--bucket={args.bucket}: no test source falls in that length bucket")
   inputs = np.full((len(prepared), args.bucket), cfg.pad_id, np.int32)
@@ -189,7 +190,7 @@ def _decode_program(args):
     steps = args.fixed_len
   else:
     options = DecodeOptions(beam_size=beam, alpha=0.6, token_log_probs=False)
-    search = inference._search_fn(cfg, options, args.bucket + 50)
+    search = inference.search_program(cfg, options, args.bucket + 50)
     extra = (np.zeros((len(prepared),), np.int32), np.int32(0), np.zeros((len(prepared), 0), np.int32),
              np.zeros((len(prepared),), np.int32))  # indices, seed, prefix tokens and lengths (unused)
     compiled = search.lower((params,), inputs, limits, *extra).compile()

@@ -184,7 +184,7 @@ def pipeline_rate(shards: pipeline.IdShards, tokens: int, row_length: int, batch
   `FirstFitPackIterDataset` (`grain_first_fit`), alternating, `rounds` each: the median ratio of their times."""
   stream = pipeline.TrainStream(shards, tokens_per_batch=tokens, row_length=row_length, pad_id=tok_lib.PAD_ID)
   seconds, real, slots = _rate(stream, batches)
-  chunks = pipeline._ReadChunk(shards, stream.kept, stream.order)  # pylint: disable=protected-access
+  chunks = pipeline.ReadChunk(shards, stream.kept, stream.order)
   rows = stream.rows_per_batch
   times = {"ours": [], "grain": []}
   for _ in range(rounds):

@@ -331,7 +331,7 @@ def _encoder_batches(sources, max_tokens, max_len):
       batches.append((bucket, [i]))
   out = []
   for bucket, idx in batches:
-    rows = inference._rows_bucket(len(idx), max(1, max_tokens // bucket))
+    rows = inference.rows_bucket(len(idx), max(1, max_tokens // bucket))
     arr = np.zeros((rows, bucket), np.int32)
     arr[:, 0] = presets.EOS_ID
     for r, i in enumerate(idx):

@@ -1,8 +1,9 @@
 """The decoding flags that `translate`, `evaluate` and `tune_decoding` share, their checks, and ensembles.
 
-`define_flags(...)` adds `--sampling`, `--temperature`, `--top_k`, `--top_p`, `--seed`, `--ensemble`, `--quantize`
-(and, where the program prints hypotheses, `--nbest`); `options(beam_size, alpha)` turns them into a checked
-`generate.DecodeOptions` (one-line ValueError before any decoding); `load_models(workdir, checkpoint)` loads the
+`define_flags(...)` adds `--strategy`, `--temperature`, `--top_k`, `--top_p`, `--seed`, `--ensemble`, `--quantize`
+(and, where the program prints hypotheses, `--nbest`); `options(beam_size, alpha)` turns them into a
+`generate.DecodeOptions` checked by `DecodeOptions.check`, the one place decoding options are checked (a bad value
+is a one-line ValueError naming its flag, before any decoding); `load_models(workdir, checkpoint)` loads the
 model, or every model of `--ensemble` (refusing another architecture or vocabulary), as a list of parameters.
 """
 
@@ -11,7 +12,6 @@ from __future__ import annotations
 from absl import flags
 from etils import epath
 
-import launch
 from transformer_jax.decoding import generate, inference, quantization
 from transformer_jax.run import trained
 
@@ -20,8 +20,11 @@ FLAGS = flags.FLAGS
 
 def define_flags(*, nbest: bool) -> None:
   """Defines the shared decoding flags (with `nbest`: also `--nbest`)."""
-  flags.DEFINE_enum("sampling", "beam", list(generate.SAMPLINGS),
+  flags.DEFINE_enum("strategy", "beam", list(generate.STRATEGIES),
                     "greedy | beam (beam search, --beam_size; 1 = greedy) | sample (ancestral sampling).")
+  flags.DEFINE_string("sampling", None, "Renamed: --strategy.")
+  flags.register_validator("sampling", lambda value: value is None,
+                           "--sampling is now --strategy (greedy | beam | sample)")
   flags.DEFINE_float("temperature", 1.0, "Sampling: softmax(logits / temperature); > 0.")
   flags.DEFINE_integer("top_k", 0, "Sampling: only the k most probable tokens (0 = all).")
   flags.DEFINE_float("top_p", 1.0, "Sampling: only the nucleus of this probability (Holtzman et al., 2020); "
@@ -38,26 +41,18 @@ def define_flags(*, nbest: bool) -> None:
     flags.DEFINE_integer("nbest", 1, "Hypotheses per input line (<= --beam_size; beam search only).")
 
 
-def options(beam_size: int, alpha: float, *, nbest: int = 1, alignment: bool = False,
+def options(beam_size: int, alpha: float, *, nbest: int = 1, mbr_utility: str = "", alignment: bool = False,
             token_log_probs: bool = False) -> generate.DecodeOptions:
-  """The flags as a checked `DecodeOptions` (per-token log-probs only where the caller prints them);
-  ValueError names the flag of a bad value or combination."""
-  if FLAGS.sampling != "beam" and nbest > 1:
-    raise ValueError(f"--nbest={nbest} needs --sampling=beam (greedy search and sampling give one hypothesis)")
-  if FLAGS.sampling == "beam" and nbest > beam_size:
-    raise ValueError(f"--nbest={nbest} must be <= --beam_size={beam_size}")
-  sampled = FLAGS.temperature != 1.0 or FLAGS.top_k or FLAGS.top_p != 1.0
-  if sampled and FLAGS.sampling != "sample":
-    raise ValueError("--temperature, --top_k and --top_p apply to --sampling=sample only")
-  if not 0.0 < FLAGS.top_p <= 1.0:
-    raise ValueError(f"--top_p={FLAGS.top_p} must be in (0, 1]")
-  if not 0.0 < FLAGS.temperature <= generate.FLOAT32_MAX:
-    raise ValueError(f"--temperature={FLAGS.temperature} must be a finite number > 0")
-  if FLAGS.top_k < 0:
-    raise ValueError(f"--top_k={FLAGS.top_k} must be >= 0")
-  return generate.DecodeOptions(sampling=FLAGS.sampling, beam_size=beam_size, alpha=float(alpha), nbest=nbest,
-                                temperature=FLAGS.temperature, top_k=FLAGS.top_k, top_p=FLAGS.top_p,
-                                alignment=alignment, token_log_probs=token_log_probs).check()
+  """The flags as a checked `DecodeOptions` (per-token log-probs only where the caller prints them); a bad value
+  or combination is a ValueError naming its flag (`DecodeOptions.check`'s message, which starts with the option's
+  name, as a flag: `--top_p=1.5 must be in (0, 1]`)."""
+  chosen = generate.DecodeOptions(strategy=FLAGS.strategy, beam_size=beam_size, alpha=float(alpha), nbest=nbest,
+                                  temperature=FLAGS.temperature, top_k=FLAGS.top_k, top_p=FLAGS.top_p,
+                                  mbr_utility=mbr_utility, alignment=alignment, token_log_probs=token_log_probs)
+  try:
+    return chosen.check()
+  except ValueError as error:
+    raise ValueError(f"--{error}") from None
 
 
 def load_models(workdir: str, checkpoint: str | None):

@@ -2,7 +2,7 @@ r"""Translate a source file and score it against a reference with sacreBLEU.
 
     python -m experiments.evaluate --workdir=DIR --source=test.en --reference=test.de [--beam_size=4]
         [--alpha=0.6] [--mbr_utility=chrf] [--tokenized_bleu] [--lc_tok_reference=test.lc.norm.tok.de]
-        [--checkpoint=STEP|DIR] [--ensemble=STEP_OR_DIR,...] [--sampling=sample --top_p=0.9 --seed=1]
+        [--checkpoint=STEP|DIR] [--ensemble=STEP_OR_DIR,...] [--strategy=sample --top_p=0.9 --seed=1]
 
 Prints cased detokenised BLEU with its signature and chrF; `--tokenized_bleu` adds the paper-style score
 (Moses-tokenised, compound-split); `--lc_tok_reference` adds the Multi30k-style lowercased tokenised score.
@@ -43,9 +43,7 @@ flags.DEFINE_string("lc_tok_reference", None,
 flags.DEFINE_string("output_prefix", None, "Where to write .hyp and .json (default: <workdir>/eval/<source>).")
 decoding.define_flags(nbest=False)
 flags.mark_flags_as_required(["workdir", "source", "reference"])
-launch.check_flags(beam_size="decode.beam_size", alpha="decode.alpha", extra_len="decode.extra_len",
-                   mbr_utility="decode.mbr_utility")
-launch.check_mbr_beam()
+launch.check_flags(beam_size="decode.beam_size", alpha="decode.alpha", extra_len="decode.extra_len")
 launch.check_files_exist("source", "reference", "lc_tok_reference")
 
 
@@ -72,27 +70,19 @@ def _scores(hypotheses, references, lc_refs, target_lang: str, lowercase: bool) 
 
 def _evaluate() -> None:
   sources, references, lc_refs = _read_inputs()
-  options = decoding.options(FLAGS.beam_size, FLAGS.alpha)
-  if FLAGS.mbr_utility and (FLAGS.ensemble or FLAGS.sampling != "beam"):
-    raise ValueError("--mbr_utility chooses from one model's beam: it takes neither --ensemble nor --sampling")
+  options = decoding.options(FLAGS.beam_size, FLAGS.alpha, mbr_utility=FLAGS.mbr_utility)
   model_config, params_list, tokenizer = decoding.load_models(FLAGS.workdir, FLAGS.checkpoint)
   target_lang = FLAGS.target_lang or trained.workdir_config(FLAGS.workdir).data.target_lang
   metrics.bleu_metric(target_lang)  # its tokenizer loads, before anything is translated
   start = time.time()
   with tqdm(total=len(sources), unit="sent", file=sys.stderr) as bar:
-    if FLAGS.mbr_utility:
-      hypotheses = inference.translate_texts(params_list[0], model_config, tokenizer, sources,
-                                             beam_size=FLAGS.beam_size, alpha=FLAGS.alpha, extra_len=FLAGS.extra_len,
-                                             mbr_utility=FLAGS.mbr_utility, target_lang=target_lang,
-                                             progress=bar.update)
-    else:
-      lists = inference.decode_texts(params_list, model_config, tokenizer, sources, options, seed=FLAGS.seed,
-                                     extra_len=FLAGS.extra_len, progress=bar.update)
-      hypotheses = [tokenizer.decode(hyps[0].ids) if hyps else "" for hyps in lists]
+    lists = inference.decode_texts(params_list, model_config, tokenizer, sources, options, seed=FLAGS.seed,
+                                   extra_len=FLAGS.extra_len, target_lang=target_lang, progress=bar.update)
+  hypotheses = [tokenizer.decode(hyps[0].ids) if hyps else "" for hyps in lists]
   seconds = time.time() - start
   scores = _scores(hypotheses, references, lc_refs, target_lang, tokenizer.lowercase)
   scores.update(sentences=len(sources), seconds=seconds, beam_size=FLAGS.beam_size, alpha=FLAGS.alpha,
-                mbr_utility=FLAGS.mbr_utility, sampling=FLAGS.sampling, ensemble=FLAGS.ensemble,
+                mbr_utility=FLAGS.mbr_utility, strategy=FLAGS.strategy, ensemble=FLAGS.ensemble,
                 checkpoint=FLAGS.checkpoint or "latest")
   prefix = FLAGS.output_prefix or os.fspath(Workdir(FLAGS.workdir).eval_prefix(FLAGS.source))
   epath.Path(prefix + ".hyp").parent.mkdir(parents=True, exist_ok=True)

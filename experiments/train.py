@@ -13,7 +13,7 @@ from absl import flags
 from ml_collections import config_flags
 
 import launch
-from transformer_jax.run import imported_workdir, trained, trainer
+from transformer_jax.run import imported_workdir, trainer
 from transformer_jax.run.experiment_config import ExperimentConfig
 
 _DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs", "number_words.py")

@@ -2,7 +2,7 @@ r"""Translate text with a trained workdir: one output line per input line (or on
 
     echo "twenty-one" | python -m experiments.translate --workdir=DIR
     python -m experiments.translate --workdir=DIR --input=FILE --output=FILE [--beam_size=4] [--alpha=0.6]
-        [--mbr_utility=chrf] [--nbest=4 --output_format=jsonl] [--sampling=sample --top_p=0.9 --seed=1]
+        [--mbr_utility=chrf] [--nbest=4 --output_format=jsonl] [--strategy=sample --top_p=0.9 --seed=1]
         [--prefix_file=FILE] [--constraints_file=FILE] [--print_alignment] [--ensemble=STEP_OR_DIR,...]
 
 Empty input lines give empty output lines. `--checkpoint` takes a step number or a checkpoint directory
@@ -37,21 +37,19 @@ flags.DEFINE_string("output", None, "Output file (default: stdout).")
 flags.DEFINE_integer("beam_size", 1, "Beam size; 1 = greedy (the paper uses 4).")
 flags.DEFINE_float("alpha", 0.6, "Length penalty exponent ((5+|Y|)/6)^alpha (the paper uses 0.6).")
 flags.DEFINE_integer("extra_len", 50, "Maximum output length = input length + extra_len.")
-flags.DEFINE_string("mbr_utility", "", "'' = beam search's best; 'chrf' or 'bleu' = the minimum-Bayes-risk "
-                    "choice from its beam_size-best list under that utility.")
+flags.DEFINE_string("mbr_utility", "", "'' = beam search's order; 'chrf' or 'bleu' = the minimum-Bayes-risk "
+                    "choice from its beam_size-best list under that utility first.")
 flags.DEFINE_string("checkpoint", None, "A step, or a checkpoint directory (default: the latest).")
 flags.DEFINE_enum("output_format", "text", ["text", "jsonl"], "text: the hypotheses' text; jsonl: with scores.")
 flags.DEFINE_string("prefix_file", None, "Target prefixes, one per input line ('' = none): each output starts "
                     "with its prefix (forced), then decoding continues.")
 flags.DEFINE_string("constraints_file", None, "Lexical constraints, one line per input line: tab-separated target "
                     "phrases that must appear in the output (constrained beam search with dynamic beam allocation, "
-                    "Post & Vilar 2018; needs --sampling=beam and --beam_size >= 2).")
+                    "Post & Vilar 2018; needs --strategy=beam and --beam_size >= 2).")
 flags.DEFINE_bool("print_alignment", False, "Source-target token alignment from the cross-attention (Pharaoh i-j).")
 decoding.define_flags(nbest=True)
 flags.mark_flags_as_required(["workdir"])
-launch.check_flags(beam_size="decode.beam_size", alpha="decode.alpha", extra_len="decode.extra_len",
-                   mbr_utility="decode.mbr_utility")
-launch.check_mbr_beam()
+launch.check_flags(beam_size="decode.beam_size", alpha="decode.alpha", extra_len="decode.extra_len")
 launch.check_files_exist("input", "prefix_file", "constraints_file")
 launch.check_output_files("output")
 
@@ -78,15 +76,9 @@ def _read_constraints(count: int):
 
 
 def _check_combinations() -> None:
-  if FLAGS.mbr_utility and (FLAGS.nbest > 1 or FLAGS.output_format != "text" or FLAGS.print_alignment
-                            or FLAGS.prefix_file or FLAGS.ensemble or FLAGS.sampling != "beam"
-                            or FLAGS.constraints_file):
-    raise ValueError("--mbr_utility chooses one text from the n-best list: it takes none of --nbest, "
-                     "--output_format=jsonl, --print_alignment, --prefix_file, --ensemble, --sampling, "
-                     "--constraints_file")
-  if FLAGS.constraints_file and (FLAGS.sampling != "beam" or FLAGS.beam_size < 2):
-    raise ValueError("--constraints_file needs beam search: --sampling=beam and --beam_size >= 2 (got "
-                     f"--sampling={FLAGS.sampling}, --beam_size={FLAGS.beam_size})")
+  if FLAGS.constraints_file and (FLAGS.strategy != "beam" or FLAGS.beam_size < 2):
+    raise ValueError("--constraints_file needs beam search: --strategy=beam and --beam_size >= 2 (got "
+                     f"--strategy={FLAGS.strategy}, --beam_size={FLAGS.beam_size})")
 
 
 def _records(lines, lists, tokenizer, phrases):
@@ -125,23 +117,17 @@ def main():
   prefixes = _read_prefixes(len(lines))
   phrases = _read_constraints(len(lines))
   _check_combinations()
-  options = decoding.options(FLAGS.beam_size, FLAGS.alpha, nbest=FLAGS.nbest, alignment=FLAGS.print_alignment,
-                             token_log_probs=FLAGS.output_format == "jsonl")
+  options = decoding.options(FLAGS.beam_size, FLAGS.alpha, nbest=FLAGS.nbest, mbr_utility=FLAGS.mbr_utility,
+                             alignment=FLAGS.print_alignment, token_log_probs=FLAGS.output_format == "jsonl")
   model_config, params_list, tokenizer = decoding.load_models(FLAGS.workdir, FLAGS.checkpoint)
+  target_lang = trained.workdir_config(FLAGS.workdir).data.target_lang  # MBR's BLEU tokenises for it
   with tqdm(total=len(lines), unit="sent", file=sys.stderr, disable=not FLAGS.input) as bar:
-    if FLAGS.mbr_utility:
-      outputs = inference.translate_texts(params_list[0], model_config, tokenizer, lines, beam_size=FLAGS.beam_size,
-                                          alpha=FLAGS.alpha, extra_len=FLAGS.extra_len,
-                                          mbr_utility=FLAGS.mbr_utility,
-                                          target_lang=trained.workdir_config(FLAGS.workdir).data.target_lang,
-                                          progress=bar.update)
-    else:
-      lists = inference.decode_texts(params_list, model_config, tokenizer, lines, options, prefixes=prefixes,
-                                     constraints=phrases, seed=FLAGS.seed, extra_len=FLAGS.extra_len,
-                                     progress=bar.update)
-      records = list(_records(lines, lists, tokenizer, phrases))
-      outputs = (json.dumps(r, ensure_ascii=False) for r in records) if FLAGS.output_format == "jsonl" else (
-          _text_lines(records))
+    lists = inference.decode_texts(params_list, model_config, tokenizer, lines, options, prefixes=prefixes,
+                                   constraints=phrases, seed=FLAGS.seed, extra_len=FLAGS.extra_len,
+                                   target_lang=target_lang, progress=bar.update)
+  records = list(_records(lines, lists, tokenizer, phrases))
+  outputs = (json.dumps(r, ensure_ascii=False) for r in records) if FLAGS.output_format == "jsonl" else (
+      _text_lines(records))
   with (epath.Path(FLAGS.output).open("w", encoding="utf-8") if FLAGS.output
         else open(sys.stdout.fileno(), "w", encoding="utf-8", closefd=False)) as stream:
     stream.writelines(line + "\n" for line in outputs)

@@ -1,7 +1,7 @@
 r"""Translate a corpus into output shards: streamed, across hosts, resumable and exactly once (docs/serving.md).
 
     python -m experiments.translate_corpus --workdir=DIR --input=FILE_OR_DIR --output_dir=OUT [--beam_size=4]
-        [--lines_per_shard=10000] [--sampling=sample --top_k=10 --seed=1] [--noise_delete=0.1
+        [--lines_per_shard=10000] [--strategy=sample --top_k=10 --seed=1] [--noise_delete=0.1
         --noise_filler=0.1 --noise_swap=3] [--tag='<BT>'] [--parallel_corpus=train] [--quantize=int8]
         [--distributed [--coordinator_address=HOST:PORT --num_processes=N --process_id=I]]
 

@@ -155,9 +155,11 @@ def main():
           outputs = {"": inference.translate_texts(params, model_config, tokenizer, sources, beam_size=beam,
                                                    alpha=alpha, extra_len=FLAGS.extra_len)}
         else:  # one n-best list per setting; each utility chooses from the same lists
-          n_best = inference.n_best_texts(params, model_config, tokenizer, sources, beam_size=beam, alpha=alpha,
-                                          extra_len=FLAGS.extra_len)
-          outputs = {utility: inference.choose(n_best, utility, target_lang) for utility in utilities}
+          lists = inference.decode_texts(params, model_config, tokenizer, sources,
+                                         generate.DecodeOptions(beam_size=beam, alpha=alpha, nbest=beam,
+                                                                token_log_probs=False), extra_len=FLAGS.extra_len)
+          outputs = {utility: [tokenizer.decode(hyps[0].ids) if hyps else "" for hyps in
+                               inference.mbr_first(lists, tokenizer, utility, target_lang)] for utility in utilities}
         seconds = time.perf_counter() - start
         for utility, hypotheses in outputs.items():
           scores = metrics.sacrebleu_scores(hypotheses, references, lowercase=tokenizer.lowercase,

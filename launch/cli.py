@@ -148,13 +148,6 @@ def check_ranges(**flag_to_range: tuple[float, float]) -> None:
     flags.register_validator(flag, validator)
 
 
-def check_mbr_beam(utility_flag: str = "mbr_utility", beam_flag: str = "beam_size") -> None:
-  """Registers an absl validator: an MBR utility needs a beam of at least 2 (it chooses from the n-best list)."""
-  flags.register_multi_flags_validator(
-      [utility_flag, beam_flag], lambda values: not values[utility_flag] or values[beam_flag] >= 2,
-      message=f"--{utility_flag} chooses from beam search's n-best list: it needs --{beam_flag} >= 2")
-
-
 def check_files_exist(*flag_names: str) -> None:
   """Registers absl validators: each named flag, when set, must name an existing file."""
   for name in flag_names:

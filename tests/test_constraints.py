@@ -83,4 +83,4 @@ def test_an_impossible_constraint_is_reported_not_hidden():
 
 def test_constraints_need_beam_search():
   with pytest.raises(ValueError, match="lexical constraints need beam search"):
-    inference.decode_ids(PARAMS, CFG, [[4, 5]], generate.DecodeOptions(sampling="greedy"), constraints=[[[4]]])
+    inference.decode_ids(PARAMS, CFG, [[4, 5]], generate.DecodeOptions(strategy="greedy"), constraints=[[[4]]])

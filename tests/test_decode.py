@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from transformer_jax import decoding
-from transformer_jax.decoding import inference
+from transformer_jax.decoding import generate, inference
 from transformer_jax.config import tiny
 from transformer_jax.model import Transformer
 
@@ -286,27 +286,35 @@ def test_translate_ids_empty_inputs_do_not_run_the_model():
   assert inference.compilation_count() == before
 
 
-def test_n_best_ids_lists_the_whole_beam_with_teacher_forced_log_probs():
+def test_decode_ids_lists_the_whole_beam_with_teacher_forced_log_probs():
   sources = _random_sources(7, 6, CFG.vocab_size, 1, 12)
   sources[2] = []
-  lists = inference.n_best_ids(PARAMS, CFG, sources, beam_size=3, extra_len=4, batch_size=4)
+  options = generate.DecodeOptions(beam_size=3, nbest=3, token_log_probs=False)
+  lists = inference.decode_ids(PARAMS, CFG, sources, options, extra_len=4, batch_size=4)
   best = inference.translate_ids(PARAMS, CFG, sources, beam_size=3, extra_len=4, batch_size=4)
   assert lists[2] == [] and all(1 <= len(c) <= 3 for i, c in enumerate(lists) if i != 2)
   assert sum(len(c) for c in lists) >= 12  # mostly full lists
   for i, candidates in enumerate(lists):
     if not candidates:
       continue
-    assert candidates[0][0] == best[i]  # best first, as translate_ids
-    assert len({tuple(ids) for ids, _ in candidates}) == len(candidates)
-    for ids, log_prob in candidates:  # finished hypotheses: the model's own log p(ids + EOS | source)
+    assert candidates[0].ids == best[i]  # best first, as translate_ids
+    assert len({tuple(h.ids) for h in candidates}) == len(candidates)
+    for h in candidates:  # finished hypotheses: the model's own log p(ids + EOS | source)
       src = jnp.asarray([sources[i] + [EOS]], jnp.int32)
-      tgt = jnp.asarray([ids + ([EOS] if len(candidates) > 1 else [])], jnp.int32)
-      assert log_prob == pytest.approx(float(teacher_forced_log_probs(CFG, PARAMS, src, tgt)[0]), abs=1e-4)
+      tgt = jnp.asarray([h.ids + ([EOS] if len(candidates) > 1 else [])], jnp.int32)
+      assert h.log_prob == pytest.approx(float(teacher_forced_log_probs(CFG, PARAMS, src, tgt)[0]), abs=1e-4)
 
 
-def test_n_best_ids_needs_a_beam():
-  with pytest.raises(ValueError, match="beam_size=1: an n-best list needs beam search"):
-    inference.n_best_ids(PARAMS, CFG, [[4, 5]], beam_size=1)
+def test_an_n_best_list_needs_a_beam():
+  with pytest.raises(ValueError, match=r"nbest=2 must be in \[1, 1\]"):
+    inference.decode_ids(PARAMS, CFG, [[4, 5]], generate.DecodeOptions(beam_size=1, nbest=2))
+
+
+def test_an_mbr_choice_needs_texts_and_a_beam():
+  with pytest.raises(ValueError, match="mbr_utility='chrf' chooses among texts: decode with decode_texts"):
+    inference.decode_ids(PARAMS, CFG, [[4, 5]], generate.DecodeOptions(beam_size=2, mbr_utility="chrf"))
+  with pytest.raises(ValueError, match="mbr_utility='chrf' chooses from beam search's n-best list"):
+    generate.DecodeOptions(strategy="greedy", mbr_utility="chrf").check()
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -8,12 +8,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import launch
-from transformer_jax.run import trained
 from tests.test_experiments import TINY_OVERRIDES, _run
 from transformer_jax import decoding
 from transformer_jax.decoding import ensemble, generate, inference, scoring
 from transformer_jax.model import Transformer
+from transformer_jax.run import trained
 from transformer_jax.training import loss as loss_lib
 
 TINY = [*TINY_OVERRIDES, "--config.final_eval.split="]
@@ -106,17 +105,17 @@ def test_nucleus_truncation_matches_numpy():
 
 
 def test_top_p_one_is_plain_sampling_top_p_to_zero_is_greedy_and_seeds_reproduce(workdir):
-  plain = _translate(workdir, "--sampling=sample", "--seed=3")
-  assert _translate(workdir, "--sampling=sample", "--seed=3", "--top_p=1.0") == plain
-  assert _translate(workdir, "--sampling=sample", "--seed=4") != plain
-  assert _translate(workdir, "--sampling=sample", "--seed=3", "--top_p=1e-6") == _translate(
-      workdir, "--sampling=greedy")
+  plain = _translate(workdir, "--strategy=sample", "--seed=3")
+  assert _translate(workdir, "--strategy=sample", "--seed=3", "--top_p=1.0") == plain
+  assert _translate(workdir, "--strategy=sample", "--seed=4") != plain
+  assert _translate(workdir, "--strategy=sample", "--seed=3", "--top_p=1e-6") == _translate(
+      workdir, "--strategy=greedy")
 
 
 def test_same_seed_same_samples_whatever_the_batching(model):
   config, params, tokenizer = model
   ids = [tokenizer.encode(t) for t in LINES if t] * 3
-  options = generate.DecodeOptions(sampling="sample", temperature=1.5, top_k=20, top_p=0.9)
+  options = generate.DecodeOptions(strategy="sample", temperature=1.5, top_k=20, top_p=0.9)
   runs = [inference.decode_ids(params, config, ids, options, seed=7, batch_size=b) for b in (1, 3, 16)]
   texts = [[h[0].ids for h in run] for run in runs]
   assert texts[0] == texts[1] == texts[2]
@@ -156,13 +155,15 @@ def test_score_program_equals_sequence_log_probs_and_the_teacher_forced_loss(wor
 # -- bad combinations: one line, before any decoding ----------------------------------------------------------
 
 @pytest.mark.parametrize("flags, needle", [
-    (["--sampling=sample", "--top_p=0"], "--top_p=0.0 must be in (0, 1]"),
-    (["--sampling=sample", "--top_p=1.5"], "--top_p=1.5 must be in (0, 1]"),
-    (["--beam_size=2", "--nbest=3"], "--nbest=3 must be <= --beam_size=2"),
-    (["--sampling=sample", "--nbest=2"], "--nbest=2 needs --sampling=beam"),
-    (["--top_p=0.5"], "apply to --sampling=sample only"),
-    (["--sampling=sample", "--temperature=0"], "--temperature=0.0 must be a finite number > 0"),
-    (["--sampling=nucleus"], "--sampling"),
+    (["--strategy=sample", "--top_p=0"], "--top_p=0.0 must be in (0, 1]"),
+    (["--strategy=sample", "--top_p=1.5"], "--top_p=1.5 must be in (0, 1]"),
+    (["--beam_size=2", "--nbest=3"], "--nbest=3 must be in [1, 2]"),
+    (["--strategy=sample", "--nbest=2"], "--nbest=2 must be in [1, 1]"),
+    (["--top_p=0.5"], "--top_p=0.5 applies to strategy='sample' only"),
+    (["--strategy=sample", "--temperature=0"], "--temperature=0.0 must be a finite number > 0"),
+    (["--strategy=nucleus"], "--strategy"),
+    (["--sampling=sample"], "--sampling is now --strategy"),
+    (["--strategy=greedy", "--mbr_utility=chrf"], "--mbr_utility='chrf' chooses from beam search's n-best list"),
 ])
 def test_bad_decoding_flags_are_one_line_errors(workdir, flags, needle):
   result = _run(["experiments.translate", f"--workdir={workdir}", *flags], stdin="five\n", check=False)
@@ -173,7 +174,7 @@ def test_bad_decoding_flags_are_one_line_errors(workdir, flags, needle):
 
 # -- 4. prefixes and alignments -----------------------------------------------------------------------------
 
-@pytest.mark.parametrize("flags", [["--beam_size=4"], pytest.param(["--sampling=greedy"], marks=pytest.mark.slow)])
+@pytest.mark.parametrize("flags", [["--beam_size=4"], pytest.param(["--strategy=greedy"], marks=pytest.mark.slow)])
 def test_prefix_is_the_start_of_every_output(workdir, model, tmp_path, flags):
   _, _, tokenizer = model
   prefixes = ["zwei", "", "", "drei hundert", "eins", "sieben"]
@@ -260,7 +261,7 @@ def test_ensemble_of_a_model_with_itself_is_the_model_and_of_two_is_the_mean(wor
 def test_ensemble_of_one_step_is_that_step(model):
   config, params, tokenizer = model
   ids = [tokenizer.encode(t) for t in LINES if t]
-  options = generate.DecodeOptions(sampling="beam", beam_size=2, nbest=2)
+  options = generate.DecodeOptions(strategy="beam", beam_size=2, nbest=2)
   assert inference.decode_ids([params], config, ids, options) == inference.decode_ids(params, config, ids, options)
   step = decoding.transformer_step_fn(params, config, jnp.asarray([ids[0]]), 8)
   assert ensemble.ensemble_step([step]) is step
@@ -320,7 +321,7 @@ def test_constraints_file_puts_every_phrase_in_every_output(workdir, model, tmp_
 
 def test_constraints_with_sampling_are_refused(workdir, tmp_path):
   (tmp_path / "c").write_text("neun\n")
-  result = _run(["experiments.translate", f"--workdir={workdir}", "--sampling=sample",
+  result = _run(["experiments.translate", f"--workdir={workdir}", "--strategy=sample",
                  f"--constraints_file={tmp_path}/c"], stdin="five\n", check=False)
   assert result.returncode != 0 and result.stdout == ""
   assert result.stderr.strip().splitlines()[-1].startswith("error: --constraints_file needs beam search")

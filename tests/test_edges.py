@@ -363,14 +363,14 @@ def test_crlf_bom_and_blank_lines_train_the_same_vocabulary_and_parameters(tmp_p
 def test_a_vanishing_temperature_samples_the_argmax_and_an_infinite_one_is_refused(run10, tmp_path):
   """--temperature=1e-45 divided log-probs into -inf/NaN rows: every line came back empty, exit 0."""
   lines = "twenty-one\nfive\nthree hundred twelve\n"
-  greedy = _run(["experiments.translate", f"--workdir={run10}", "--sampling=greedy", "--output_format=jsonl"],
+  greedy = _run(["experiments.translate", f"--workdir={run10}", "--strategy=greedy", "--output_format=jsonl"],
                 stdin=lines)
-  cold = _run(["experiments.translate", f"--workdir={run10}", "--sampling=sample", "--temperature=1e-45",
+  cold = _run(["experiments.translate", f"--workdir={run10}", "--strategy=sample", "--temperature=1e-45",
                "--output_format=jsonl"], stdin=lines)
   ids = lambda result: [json.loads(line)["hypotheses"][0]["ids"] for line in result.stdout.splitlines()]  # noqa
   assert ids(cold) == ids(greedy) and all(ids(greedy))
   for value in ("inf", "nan", "0", "-1"):
-    _one_line_error(_run(["experiments.translate", f"--workdir={run10}", "--sampling=sample",
+    _one_line_error(_run(["experiments.translate", f"--workdir={run10}", "--strategy=sample",
                           f"--temperature={value}"], stdin=lines, check=False), "--temperature=",
                     "must be a finite number > 0")
 
@@ -378,14 +378,14 @@ def test_a_vanishing_temperature_samples_the_argmax_and_an_infinite_one_is_refus
 @pytest.mark.parametrize("seed", [2**31, 2**32 - 1])
 def test_any_seed_a_key_can_hold_samples(run10, seed):
   """--seed=2147483648 ended in OverflowError (int32) after the model had loaded."""
-  result = _run(["experiments.translate", f"--workdir={run10}", "--sampling=sample", f"--seed={seed}"],
+  result = _run(["experiments.translate", f"--workdir={run10}", "--strategy=sample", f"--seed={seed}"],
                 stdin="twenty-one\nfive\n")
   assert result.stdout.count("\n") == 2 and "Traceback" not in result.stderr
 
 
 @pytest.mark.parametrize("seed", [2**32, 2**63, -1])
 def test_a_seed_outside_a_keys_range_is_refused_in_one_line(run10, seed):
-  _one_line_error(_run(["experiments.translate", f"--workdir={run10}", "--sampling=sample", f"--seed={seed}"],
+  _one_line_error(_run(["experiments.translate", f"--workdir={run10}", "--strategy=sample", f"--seed={seed}"],
                        stdin="five\n", check=False), "--seed", "4294967295")
 
 

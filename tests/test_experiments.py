@@ -277,9 +277,9 @@ def test_resume_with_another_architecture_is_refused(deeper_workdir):
     ("experiments.tune_decoding", ["--source=README.md", "--reference=README.md", "--average_last=ema,x"],
      "--average_last=ema,x: 'x' is not an integer"),
     ("experiments.translate", ["--mbr_utility=meteor", "--beam_size=4"],
-     "--mbr_utility='meteor': must be one of '', 'chrf', 'bleu'"),
-    ("experiments.translate", ["--mbr_utility=chrf"], "--mbr_utility chooses from beam search's n-best list: it "
-     "needs --beam_size >= 2"),
+     "--mbr_utility='meteor'; expected '' or one of chrf, bleu"),
+    ("experiments.translate", ["--mbr_utility=chrf"], "--mbr_utility='chrf' chooses from beam search's n-best list: "
+     "it needs strategy='beam' and beam_size >= 2"),
     ("experiments.translate", ["--output=experiments"], "--output must name a file to write (it is a directory"),
     ("experiments.average_checkpoints", ["--steps=1,1"], "--steps=1,1: step 1 is given twice"),
     ("experiments.average_checkpoints", ["--steps=1,x"], "--steps=1,x: 'x' is not a step"),
@@ -331,8 +331,10 @@ BAD_CONFIG = [  # (flags, what the one error line says)
      "dropout stage (200, 0.3) must be (step, rate) with integer steps increasing from 301 and a rate in [0, 1)"),
     (["--config.num_cpu_devices=-1"], "--config.num_cpu_devices=-1: must be an integer >= 0"),
     (["--config.ema_decay=1.0"], "--config.ema_decay=1.0: must be a finite number in [0.0, 1.0)"),
-    (["--config.decode.mbr_utility=comet"], "--config.decode.mbr_utility='comet': must be one of"),
-    (["--config.decode.mbr_utility=chrf", "--config.decode.beam_size=1"], "needs decode.beam_size >= 2"),
+    (["--config.decode.mbr_utility=comet"], "--config.decode.mbr_utility='comet'; expected '' or one of"),
+    (["--config.decode.mbr_utility=chrf", "--config.decode.beam_size=1"],
+     "--config.decode.mbr_utility='chrf' chooses from beam search's n-best list: it needs strategy='beam' and "
+     "beam_size >= 2"),
     # Two host devices (the config makes them: a program starts with one) cannot split 3 rows.
     (["--config.num_cpu_devices=2", "--config.data.max_len=64", "--config.data.tokens_per_batch=192"],
      "--config.data.tokens_per_batch=192 packs 3 rows of data.max_len=64 slots, which do not split over the 2 "
@@ -457,8 +459,7 @@ def test_evaluate_normalises_references_and_hypotheses(workdir, tmp_path):
 def test_workdir_from_before_normalisation_translates_as_before(workdir, tmp_path):
   """A vocabulary without a normalisation stamp (trained before it existed) keeps encoding raw text."""
   import sentencepiece as spm
-  import launch
-from transformer_jax.run import trained
+  from transformer_jax.run import trained
   from transformer_jax.decoding import inference
   from transformer_jax.config import EOS_ID
   old = tmp_path / "old"

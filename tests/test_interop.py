@@ -312,8 +312,7 @@ def test_import_program_refuses_with_one_line_and_writes_nothing(marian_dir, tmp
 
 
 def test_imported_workdir_loads_like_a_trained_one(marian_dir, tmp_path):
-  import launch
-from transformer_jax.run import trained
+  from transformer_jax.run import trained
   workdir = str(tmp_path / "workdir")
   value = marian.import_to_workdir(marian_dir, workdir)
   layout = Workdir(workdir)  # written through the workdir's own layout and JSON writer
@@ -378,7 +377,7 @@ def test_ctranslate2_bench_section_runs_on_a_tiny_model(our_spm):
   tokenizer = tokenizer_lib.Tokenizer(our_spm)
   config, params = _our_model(tokenizer.vocab_size)
   test_sources = [np.asarray(ids, np.int32) for ids in tokenizer.encode_batch(SOURCES)]
-  corpus = launch.Corpus("test", [], [], test_sources, tokenizer.vocab_size, our_spm, 0.0)
+  corpus = common.Corpus("test", [], [], test_sources, tokenizer.vocab_size, our_spm, 0.0)
   args = argparse.Namespace(preset="tiny", sources=len(SOURCES), extra_len=6, threads=1, ct2_batch=4,
                             max_tokens=64, rounds=1)
   out = ctranslate2_bench.run(args, corpus, config, params)

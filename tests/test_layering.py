@@ -275,3 +275,18 @@ def test_programs_stand_on_the_library_the_launcher_and_the_recipes(package, pat
         assert name.startswith(PROGRAM_IMPORTS[package]), (
             f"{path.relative_to(PACKAGE.parent)}:{node.lineno} imports {name}: {package}/ may import the library "
             f"and {', '.join(PROGRAM_IMPORTS[package])} only")
+
+
+@pytest.mark.parametrize("package, path", list(_program_files()), ids=lambda x: str(x).split("/")[-1])
+def test_programs_use_no_private_names_of_other_modules(package, path):
+  """`module._name` reaches into another module's internals: programs use the library's public names."""
+  tree = ast.parse(path.read_text())
+  ours = ("transformer_jax", *PROGRAM_IMPORTS)
+  modules = {alias.asname or alias.name.split(".")[-1] for node in ast.walk(tree)
+             if isinstance(node, ast.ImportFrom) and (node.module or "").startswith(ours) or
+             isinstance(node, ast.Import) and any(a.name.startswith(ours) for a in node.names)
+             for alias in node.names}
+  private = [f"{path.name}:{node.lineno} {node.value.id}.{node.attr}" for node in ast.walk(tree)
+             if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in modules
+             and node.attr.startswith("_") and not node.attr.startswith("__")]
+  assert not private, private

@@ -21,14 +21,13 @@ import pytest
 from test_interop import ENGLISH, GERMAN, SOURCES, _hf_logits, _padded, build_marian_dir
 from test_interop import transformers  # noqa: E402  (skips the module where the interop extra is missing)
 
-import launch  # noqa: E402
 from experiments.configs import default, number_words  # noqa: E402
 from transformer_jax.data import datasets as datasets_lib  # noqa: E402
 from transformer_jax.data.marian_vocab import MarianVocabulary  # noqa: E402
 from transformer_jax.decoding import inference
 from transformer_jax.interop import marian  # noqa: E402
 from transformer_jax.model import Transformer  # noqa: E402
-from transformer_jax.run import factories, imported_workdir, trainer  # noqa: E402
+from transformer_jax.run import factories, imported_workdir, trained, trainer  # noqa: E402
 from transformer_jax.run.experiment_config import ExperimentConfig, validate  # noqa: E402
 from transformer_jax.training import eval_step, token_weights  # noqa: E402
 from transformer_jax.workdir import Workdir, write_json_atomically  # noqa: E402

@@ -158,7 +158,7 @@ def test_first_fit_batches_equal_grains_first_fit_packer(tmp_path, rows, row):
   same batches, every key and value, across epoch boundaries, and from a restored state."""
   sources, targets = _corpus(400, seed=rows, long_every=40)
   stream = _stream(_shards(tmp_path, sources, targets), rows=rows, row=row)
-  chunks = pipeline._ReadChunk(stream.shards, stream.kept, stream.order)
+  chunks = pipeline.ReadChunk(stream.shards, stream.kept, stream.order)
   ours, reference = iter(pipeline.FirstFitBatches(chunks, rows, row, PAD)), scale_probe.grain_first_fit(chunks, rows, row, PAD)
   states = []
   for _ in range(60):  # several epochs

@@ -43,7 +43,7 @@ def test_the_search_on_int8_weights_equals_the_search_on_their_dequantized_float
   params, config = params_and_config
   quantized = quantization.quantize_params(params, "int8")
   sources = [[5, 6, 7, 8, 3], [9, 10, 3], [11, 3]]
-  options = generate.DecodeOptions(sampling="beam", beam_size=2, token_log_probs=False)
+  options = generate.DecodeOptions(strategy="beam", beam_size=2, token_log_probs=False)
   on_int8 = inference.decode_ids(quantized, config, sources, options, extra_len=6)
   on_floats = inference.decode_ids(quantized.dequantize(), config, sources, options, extra_len=6)
   assert [[h.ids for h in hyps] for hyps in on_int8] == [[h.ids for h in hyps] for hyps in on_floats]

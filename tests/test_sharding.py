@@ -412,7 +412,7 @@ def test_decoding_toolkit_on_a_two_device_mesh_matches_single_device(reference):
   phrases = constraints.pack([[[7, 9]], [], [[11]], [[5], [6]]], 8)
   settings = [(generate.DecodeOptions(beam_size=3, nbest=2, alignment=True), None),
               (generate.DecodeOptions(beam_size=3, nbest=2), phrases),
-              (generate.DecodeOptions(sampling="sample", top_p=0.8, temperature=1.3, alignment=True), None)]
+              (generate.DecodeOptions(strategy="sample", top_p=0.8, temperature=1.3, alignment=True), None)]
 
   def run(params_list, options, cons):
     fn = jax.jit(lambda ps, x, k: generate.generate(ps, CFG, x, limits, options, 8, keys=k,

@@ -12,12 +12,10 @@ from tensorboard.backend.event_processing import event_accumulator
 from tensorboard.util import tensor_util
 
 import helpers
-import launch
-from transformer_jax.run import trained
 from experiments.configs import number_words
 from transformer_jax import sharding
 from transformer_jax.run import checkpoint as checkpoint_lib
-from transformer_jax.run import evaluators, factories, trainer
+from transformer_jax.run import evaluators, factories, trained, trainer
 from transformer_jax.run.experiment_config import ExperimentConfig
 from transformer_jax.workdir import Workdir
 
@@ -195,8 +193,8 @@ def test_moving_average_resumes_exactly_and_is_what_the_finished_run_translates_
   for restored in (loaded, checkpoint_lib.restore_params(checkpoints, averaged.model_config, ema=True)):
     for a, b in zip(jax.tree_util.tree_leaves(ema), jax.tree_util.tree_leaves(restored), strict=True):
       np.testing.assert_array_equal(a, b)
-  _, trained, _ = trained.load(str(tmp_path / "averaged"), ema=False)
-  for a, b in zip(_final_params(averaged), jax.tree_util.tree_leaves(trained), strict=True):
+  _, raw, _ = trained.load(str(tmp_path / "averaged"), ema=False)
+  for a, b in zip(_final_params(averaged), jax.tree_util.tree_leaves(raw), strict=True):
     np.testing.assert_array_equal(a, b)
 
   trainer.train_and_evaluate(_training_only_config(tmp_path), str(tmp_path / "plain"))

@@ -17,6 +17,13 @@ query chunks with an online softmax over key blocks:
     one chunk's `[batch, heads, chunk, kv_block]` scores.
 Without them the fused `jax.nn.dot_product_attention` (XLA or cuDNN) stays the path. Pure functions only: the
 layer is `attention.layer.MultiHeadAttention`, the decoding caches `attention.kvcache`.
+
+One mask, one softmax: every form that computes its own scores (the explicit path of `dot_product_attention`,
+`full_attention_weights`, `blocked_attention`, the beam caches of `attention.kvcache`) masks them with
+`masked_logits` (one constant, `MASKED_LOGIT`), and the forms that hold a whole row of scores take
+`masked_softmax`. Two cannot hold the row and so keep their own normalisation over the same masked scores:
+`blocked_attention` (an online softmax: a running max and normaliser over key blocks) and the beam
+self-attention cache (`kvcache._attend_blocks`: the max and the sum taken across its blocks).
 """
 
 from __future__ import annotations
@@ -68,15 +75,23 @@ def dot_product_attention(query: Array, key: Array, value: Array, mask: Optional
   # [batch, heads, q_len, kv_len]; logits and softmax in float32 whatever the activation dtype.
   logits = jnp.einsum("bqhd,bkhd->bhqk", query, key, preferred_element_type=jnp.float32)
   logits = logits / jnp.sqrt(jnp.float32(depth))
-  if mask is not None:
-    logits = jnp.where(mask, logits, jnp.finfo(jnp.float32).min)
-  weights = jax.nn.softmax(logits, axis=-1)
+  weights = masked_softmax(logits, mask)
   probs = _drop_weights(weights, dropout_rate, dropout_rng)
   out = jnp.einsum("bhqk,bkhd->bqhd", probs.astype(value.dtype), value)
   return (out, weights) if return_weights else out
 
 
-_MASKED = float(np.finfo(np.float32).min)  # logit of a masked key (finite, so fully masked rows stay NaN-free)
+MASKED_LOGIT = float(np.finfo(np.float32).min)  # a masked key's logit (finite: a fully masked row stays NaN-free)
+
+
+def masked_logits(logits: Array, keep: Optional[Array]) -> Array:
+  """`logits` (float32) with `MASKED_LOGIT` wherever `keep` (boolean, broadcastable; None = keep all) is False."""
+  return logits if keep is None else jnp.where(keep, logits, MASKED_LOGIT)
+
+
+def masked_softmax(logits: Array, keep: Optional[Array]) -> Array:
+  """The attention weights over the last axis of float32 `logits`, the keys where `keep` is False left out."""
+  return jax.nn.softmax(masked_logits(logits, keep), axis=-1)
 
 
 def _slice(x: Optional[Array], axis: int, start, size: int) -> Optional[Array]:
@@ -186,7 +201,7 @@ def _block_logits(query: Array, key: Array, mask: AttentionMask, q_start, k_star
                               preferred_element_type=jnp.float32)  # [batch, heads, q_block, 2k+1]
     logits = logits + jnp.take_along_axis(per_distance, index[:, None], axis=-1)
   logits = logits / jnp.sqrt(jnp.float32(query.shape[-1]))
-  return jnp.where(mask.block(q_start, q_size, k_start, k_size), logits, _MASKED)
+  return masked_logits(logits, mask.block(q_start, q_size, k_start, k_size))
 
 
 def _block_values(probs: Array, value: Array, mask: AttentionMask, q_start, k_start,
@@ -276,7 +291,7 @@ def blocked_attention(query: Array, key: Array, value: Array, mask: AttentionMas
           probs, v_blk, mask, q_start, k_start, relative)
       return (new_max, normaliser, acc), None
 
-    init = (jnp.full((batch, heads, chunk), _MASKED, jnp.float32), jnp.zeros((batch, heads, chunk), jnp.float32),
+    init = (jnp.full((batch, heads, chunk), MASKED_LOGIT, jnp.float32), jnp.zeros((batch, heads, chunk), jnp.float32),
             jnp.zeros((batch, chunk, heads, head_dim), jnp.float32))
     (_, normaliser, acc), _ = jax.lax.scan(visit, init, jnp.arange(visits))
     return acc / jnp.swapaxes(normaliser, 1, 2)[..., None]

@@ -32,7 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import traverse_util
 
-from transformer_jax.attention.core import AttentionMask
+from transformer_jax.attention.core import AttentionMask, masked_logits, masked_softmax
 from transformer_jax.config import ModelConfig
 
 Array = jax.Array
@@ -94,11 +94,9 @@ class BeamCrossAttentionCache:
     q = jnp.transpose(query.reshape(batch, self.beams, heads, head_dim), (0, 2, 1, 3))  # [b, h, j, d]
     logits = jnp.einsum("bhjd,bhds->bhjs", q, self.key, preferred_element_type=jnp.float32)
     logits = logits * jnp.float32(1.0 / np.sqrt(head_dim))  # [b, h, j, s]
-    if mask is not None:
-      if mask.shape[0] == rows:
-        mask = mask.reshape(batch, self.beams, *mask.shape[1:])[:, 0]  # [b, 1, 1, s]
-      logits = jnp.where(mask, logits, -0.7 * jnp.finfo(jnp.float32).max)
-    weights = jax.nn.softmax(logits, axis=-1)
+    if mask is not None and mask.shape[0] == rows:
+      mask = mask.reshape(batch, self.beams, *mask.shape[1:])[:, 0]  # [b, 1, 1, s]
+    weights = masked_softmax(logits, mask)
     out = jnp.einsum("bhjs,bhsd->bhjd", weights.astype(self.value.dtype), self.value)  # [b, h, j, d]
     out = jnp.transpose(out, (0, 2, 1, 3)).reshape(rows, 1, heads, head_dim)
     return out, jnp.transpose(weights, (0, 2, 1, 3)).reshape(rows, heads, 1, src_len)
@@ -254,7 +252,7 @@ def _attend_blocks(n: int, block: int, q: Array, keys: tuple, values: tuple, anc
     # keep[b, j, s, m]: row m holds position i * block + s of beam j's history, and it has been written.
     keep = jnp.logical_and(owner[..., None] == jnp.arange(beams), (positions <= index)[None, None, :, None])
     x = jnp.einsum("bhjd,bhdk->bhjk", q, keys[i], preferred_element_type=jnp.float32) * scale
-    logits.append(jnp.where(keep.reshape(batch, 1, beams, -1), x, -0.7 * jnp.finfo(jnp.float32).max))
+    logits.append(masked_logits(x, keep.reshape(batch, 1, beams, -1)))
   top = functools.reduce(jnp.maximum, [jnp.max(x, axis=-1, keepdims=True) for x in logits])  # [b, h, j, 1]
   weights = [jnp.exp(x - top) for x in logits]
   total = sum(jnp.sum(w, axis=-1, keepdims=True) for w in weights)

@@ -279,8 +279,8 @@ class RecordReader:
     return out
 
 
-class _ReadChunk:
-  """`j -> pairs`: chunk `j` of a process's stream (stream elements `j * READ_CHUNK + i`), its kept pairs read in
+class ReadChunk:
+  """`j -> pairs` (a grain map): chunk `j` of a process's stream (stream elements `j * READ_CHUNK + i`), its kept pairs read in
   one batched call and decoded (with `sampler`, resegmented: `k` is the element's stream index)."""
 
   def __init__(self, shards: "IdShards", kept: np.ndarray, order: EpochOrder, sampler: Callable | None = None):
@@ -305,7 +305,7 @@ class FirstFitBatches(grain.IterDataset):
 
   Args:
     chunks: `j -> [{"inputs", "targets"}]`: chunk j of the stream (its `READ_CHUNK` pairs, int32 ids; e.g.
-      `_ReadChunk`).
+      `ReadChunk`).
     rows, row_length: the batch's shape.
     pad_id: what fills `inputs`/`targets` after a row's last pair.
 
@@ -438,7 +438,7 @@ class TrainStream:
       sampler = subword_sampling.PairSampler(tokenizer, alpha=alpha, seed=self.seed,
                                              process_index=self.process_index, share=self.share,
                                              from_epoch=from_epoch, max_len=self.row_length)
-    chunks = _ReadChunk(self.shards, self.kept, self.order, sampler)
+    chunks = ReadChunk(self.shards, self.kept, self.order, sampler)
     batches = FirstFitBatches(chunks, self.rows_per_batch // self.process_count, self.row_length, self.pad_id)
     return grain.experimental.ThreadPrefetchIterDataset(batches, prefetch_buffer_size=2)
 

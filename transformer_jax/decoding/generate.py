@@ -1,11 +1,14 @@
-"""One compiled decoding of a batch with every option of the decoding toolkit, for the host-side batching.
+"""How to decode (`DecodeOptions`, every strategy's options, checked in one place) and one compiled decoding of a
+batch with all of them (`generate`), for the host-side batching of `decoding.inference`.
 
-`DecodeOptions` (static, hashable) says how to decode: greedy search, beam search or sampling (temperature,
-top-k, nucleus top-p), how many hypotheses to return, whether to compute alignments. `generate(...)` is the
-traced body: the Transformer's step for one model or an ensemble (`decoding.ensemble`), an optional
-forced prefix (`decoding.prefix`), the searches of `decoding.search`, then the alignment of the
-returned hypotheses (`decoding.alignment`). Everything runs inside one jitted function per static
-setting and shape; `decoding.inference` compiles it once per (length bucket, row count).
+`DecodeOptions` says how to decode: greedy search, beam search or sampling (temperature, top-k, nucleus top-p),
+how many hypotheses to return, a minimum-Bayes-risk choice among them, alignments, per-token log-probs; it is
+the only place these options are checked (`check`). What is decoded besides the sources (an ensemble's models,
+forced prefixes, lexical constraints, the sampling seed) are arguments of `inference.decode_ids`.
+`generate(...)` is the traced body: the Transformer's step for one model or an ensemble (`decoding.ensemble`),
+an optional forced prefix (`decoding.prefix`), the searches of `decoding.search`, then the alignment of the
+returned hypotheses (`decoding.alignment`). Everything runs inside one jitted function per static setting and
+shape; `decoding.inference` compiles it once per (length bucket, row count).
 """
 
 from __future__ import annotations
@@ -17,64 +20,94 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from transformer_jax.decoding import alignment, ensemble, prefix, search
+from transformer_jax.config import ModelConfig
+from transformer_jax.decoding import alignment, ensemble, mbr, prefix, search
 from transformer_jax.decoding import constraints as constraints_lib
 from transformer_jax.decoding import step as step_lib
-from transformer_jax.config import FLOAT32_MAX, ModelConfig
 
 Array = jax.Array
 
-SAMPLINGS = ("greedy", "beam", "sample")
+STRATEGIES = ("greedy", "beam", "sample")
 
 
 @dataclasses.dataclass(frozen=True)
 class DecodeOptions:
-  """How to decode (static: one compilation per distinct value).
+  """How to decode (static and hashable: the compiled search is keyed by `search_options`).
 
-  sampling: 'greedy', 'beam' (beam search; `beam_size=1` is greedy search) or 'sample' (ancestral sampling).
+  strategy: 'greedy' (greedy search), 'beam' (beam search; `beam_size=1` is greedy search) or 'sample'
+    (ancestral sampling).
   beam_size, alpha: beam width and GNMT length-penalty exponent (alpha also normalises every returned score).
   nbest: hypotheses returned per source (<= beam_size; 1 for greedy search and sampling).
   temperature, top_k, top_p: sampling's distribution `softmax(logits / T)`, truncated to the k most probable
-    tokens (0 = all), then to the nucleus of probability `top_p` (1 = all); `search.truncate`.
+    tokens (0 = all), then to the nucleus of probability `top_p` (1 = all); `search.truncate`. 'sample' only.
+  mbr_utility: '' keeps beam search's order; 'chrf' or 'bleu' puts the minimum-Bayes-risk choice of the
+    `beam_size`-best list under that sentence utility first (`decoding.mbr`; host side, on texts:
+    `inference.decode_texts`). Needs beam search with `beam_size >= 2`.
   alignment: also return each target token's source position (`alignment.cross_attention_alignment`).
   token_log_probs: also return each token's log-prob; off, the search carries no per-token buffers (plain
     beam search then costs what it did before the toolkit) and `Hypotheses.token_log_probs` is None.
   """
-  sampling: str = "beam"
+  strategy: str = "beam"
   beam_size: int = 4
   alpha: float = 0.6
   nbest: int = 1
   temperature: float = 1.0
   top_k: int = 0
   top_p: float = 1.0
+  mbr_utility: str = ""
   alignment: bool = False
   token_log_probs: bool = True
 
   def check(self) -> "DecodeOptions":
-    """Returns self; raises ValueError naming the bad option (before anything is decoded)."""
-    if self.sampling not in SAMPLINGS:
-      raise ValueError(f"sampling={self.sampling!r}; expected one of {', '.join(SAMPLINGS)}")
+    """Returns self; raises ValueError naming the bad option (before anything is decoded).
+
+    The one place every decoding option is checked (programs, the config's `decode` section and the server
+    call it). Each message starts with the option's name and value (`top_p=1.5 must be ...`), so a caller adds
+    its own prefix: `--` for a flag of the same name, `--config.decode.` for the config.
+    """
+    if self.strategy not in STRATEGIES:
+      raise ValueError(f"strategy={self.strategy!r}; expected one of {', '.join(STRATEGIES)}")
     if self.beam_size < 1:
       raise ValueError(f"beam_size={self.beam_size} must be >= 1")
     if self.nbest < 1 or self.nbest > self.rows_per_source:
       raise ValueError(f"nbest={self.nbest} must be in [1, {self.rows_per_source}] (n-best lists come from beam "
-                       "search: nbest <= beam_size; greedy search and sampling give 1)")
-    if not 0.0 < self.temperature <= FLOAT32_MAX:
-      raise ValueError(f"temperature={self.temperature} must be a finite number > 0")
-    if self.top_k < 0:
-      raise ValueError(f"top_k={self.top_k} must be >= 0")
-    if not 0.0 < self.top_p <= 1.0:
-      raise ValueError(f"top_p={self.top_p} must be in (0, 1]")
+                       f"search: nbest <= beam_size; greedy search and sampling give 1; strategy={self.strategy!r}, "
+                       f"beam_size={self.beam_size})")
+    search.check_sampling(self.temperature, self.top_k, self.top_p)
+    if self.strategy != "sample":
+      for name, default in (("temperature", 1.0), ("top_k", 0), ("top_p", 1.0)):
+        if getattr(self, name) != default:
+          raise ValueError(f"{name}={getattr(self, name)} applies to strategy='sample' only "
+                           f"(strategy={self.strategy!r})")
+    if self.mbr_utility:
+      if self.mbr_utility not in mbr.UTILITIES:
+        raise ValueError(f"mbr_utility={self.mbr_utility!r}; expected '' or one of {', '.join(mbr.UTILITIES)}")
+      if not self.beam or self.beam_size < 2:
+        raise ValueError(f"mbr_utility={self.mbr_utility!r} chooses from beam search's n-best list: it needs "
+                         f"strategy='beam' and beam_size >= 2 (got strategy={self.strategy!r}, "
+                         f"beam_size={self.beam_size})")
     return self
 
   @property
   def beam(self) -> bool:
-    """Whether beam search runs (`sampling='beam'` with `beam_size > 1`)."""
-    return self.sampling == "beam" and self.beam_size > 1
+    """Whether beam search runs (`strategy='beam'` with `beam_size > 1`)."""
+    return self.strategy == "beam" and self.beam_size > 1
+
+  @property
+  def random(self) -> bool:
+    """Whether the strategy draws random numbers (each source then gets its own key: `inference.decode_ids`)."""
+    return self.strategy == "sample"
 
   @property
   def rows_per_source(self) -> int:
     return self.beam_size if self.beam else 1
+
+  @property
+  def search_options(self) -> "DecodeOptions":
+    """The options the compiled search sees: MBR's host-side choice left out, its whole beam-size list kept."""
+    if not self.mbr_utility:
+      return self
+    return dataclasses.replace(self, mbr_utility="", nbest=self.beam_size)
 
 
 class Hypotheses(NamedTuple):
@@ -117,9 +150,9 @@ def generate(params_list: Sequence, config: ModelConfig, inputs: Array, max_leng
     hyps = Hypotheses(out.tokens[:, :n], out.log_probs[:, :n], out.scores[:, :n], per_token, None)
   else:
     if constraints is not None:
-      raise ValueError("lexical constraints need beam search (sampling='beam', beam_size >= 2)")
+      raise ValueError("lexical constraints need beam search (strategy='beam', beam_size >= 2)")
     common["full_output"] = options.token_log_probs  # a SequenceOutput, else (tokens, log_probs)
-    if options.sampling == "sample":
+    if options.strategy == "sample":
       out = search.sample_over(step.tokens_to_logits, step.cache, keys, temperature=options.temperature,
                                top_k=options.top_k, top_p=options.top_p, **common)
     else:

@@ -62,8 +62,9 @@ def length_bucket(length: int) -> int:
 
 
 
-def _rows_bucket(n: int, rows: int) -> int:
-  """A full batch keeps `rows`; a smaller one is padded to the next power of two (at most `rows`)."""
+def rows_bucket(n: int, rows: int) -> int:
+  """The rows of a batch of `n` sources: a full batch keeps `rows`; a smaller one is padded to the next power of
+  two (at most `rows`), so a file's batches compile few row counts."""
   return rows if n >= rows else min(rows, 1 << max(n - 1, 0).bit_length())
 
 
@@ -78,7 +79,7 @@ def _search_fn(config: ModelConfig, options: generate.DecodeOptions, max_decode_
     # int8 weights (`quantization.QuantizedParams`) are dequantized here, inside the compiled search.
     params_tuple = tuple(p.dequantize() if hasattr(p, "dequantize") else p for p in params_tuple)
     keys = None
-    if options.sampling == "sample":
+    if options.random:
       base = jax.random.PRNGKey(seed)
       keys = jax.vmap(lambda i: jax.random.fold_in(base, i))(indices)
     prefix = dict(prefix_tokens=prefix_tokens, prefix_lengths=prefix_lengths) if with_prefix else {}
@@ -115,69 +116,33 @@ def _strip(tokens: np.ndarray, eos_id: int, pad_id: int) -> list[int]:
 
 
 def translate_ids(params, config: ModelConfig, sources: Sequence[Sequence[int]], *, beam_size: int = 4,
-                  alpha: float = 0.6, extra_len: int = 50, max_tokens_per_batch: int = 4096,
-                  batch_size: Optional[int] = None, append_eos: bool = True,
-                  progress: Optional[Callable[[int], None]] = None) -> list[list[int]]:
-  """Translates token-id sequences; returns the best hypothesis of each, without EOS, in input order.
-
-  Args:
-    params: the model's (unboxed) parameters.
-    config: the model's `ModelConfig`.
-    sources: source token ids. Training feeds sources as `ids + [EOS]`, so with `append_eos` EOS is appended
-      to each source that does not already end with it (`Tokenizer.encode` output, which ends with EOS, is
-      taken as it is). An empty source gives an empty output and is not run through the model.
-    beam_size: 1 runs greedy search; more runs beam search (the paper: 4).
-    alpha: GNMT length-penalty exponent (the paper: 0.6); unused by greedy search.
-    extra_len: each output has at most `len(source) + extra_len` tokens, EOS included (the paper: 50), where
-      `len(source)` counts the source ids before EOS is appended; also capped by `config.max_len`.
-    max_tokens_per_batch: rows per batch = this // the padded source length (ignored if `batch_size`).
-    batch_size: a fixed number of source rows per batch.
-    progress: called after each batch with the number of sources it finished (e.g. `tqdm.update`).
-
-  Sources longer than `config.max_len` (EOS included) are truncated, with a warning. `decode_ids` does the
-  work and has every other decoding option.
-  """
-  options = generate.DecodeOptions(sampling="beam", beam_size=beam_size, alpha=float(alpha), token_log_probs=False)
-  lists = decode_ids(params, config, sources, options, extra_len=extra_len, max_tokens_per_batch=max_tokens_per_batch,
-                     batch_size=batch_size, append_eos=append_eos, progress=progress)
-  return [hyps[0].ids if hyps else [] for hyps in lists]
-
-
-def n_best_ids(params, config: ModelConfig, sources: Sequence[Sequence[int]], *, beam_size: int = 4,
-               alpha: float = 0.6, extra_len: int = 50, max_tokens_per_batch: int = 4096,
-               batch_size: Optional[int] = None, append_eos: bool = True,
-               progress: Optional[Callable[[int], None]] = None) -> list[list[tuple[list[int], float]]]:
-  """Beam search's whole n-best list of each source: `[(ids without EOS, log_prob), ...]`, best first.
-
-  The order is beam search's (length-penalised score, `alpha`); `log_prob` is the model's raw log-probability
-  of the hypothesis (float, natural log, EOS included; `search.BeamSearchOutput.log_probs`), what MBR
-  weighs (`decoding.mbr`). Each list holds the finished hypotheses (those that emitted EOS, at most
-  `beam_size`): the unfinished ones the search ranks after them (stopped early, or at the length limit) have
-  the log-probability of a prefix, so they are dropped, unless no hypothesis finished: then the list is the
-  best one alone. An empty source gives `[]`. Arguments and batching as `translate_ids`; raises ValueError unless
-  `beam_size >= 2` (greedy search has no list).
-  """
-  if beam_size < 2:
-    raise ValueError(f"beam_size={beam_size}: an n-best list needs beam search (beam_size >= 2)")
-  options = generate.DecodeOptions(sampling="beam", beam_size=beam_size, alpha=float(alpha), nbest=beam_size,
-                                     token_log_probs=False)
-  lists = decode_ids(params, config, sources, options, extra_len=extra_len, max_tokens_per_batch=max_tokens_per_batch,
-                     batch_size=batch_size, append_eos=append_eos, progress=progress)
-  return [[(h.ids, h.log_prob) for h in hyps] for hyps in lists]
+                  alpha: float = 0.6, **kwargs) -> list[list[int]]:
+  """The best hypothesis of each source (ids without EOS; `[]` for an empty source), in input order: `decode_ids`
+  with beam search of `beam_size` (1 = greedy search, the paper: 4) and length penalty `alpha` (the paper: 0.6);
+  `kwargs` as `decode_ids` (`extra_len`, `max_tokens_per_batch`, `batch_size`, `append_eos`, `progress`)."""
+  options = generate.DecodeOptions(beam_size=beam_size, alpha=float(alpha), token_log_probs=False)
+  return [hyps[0].ids if hyps else [] for hyps in decode_ids(params, config, sources, options, **kwargs)]
 
 
 def decode_ids(params, config: ModelConfig, sources: Sequence[Sequence[int]],
-               options: generate.DecodeOptions, *, prefixes: Optional[Sequence[Sequence[int]]] = None,
+               options: generate.DecodeOptions = generate.DecodeOptions(), *, prefixes: Optional[Sequence[Sequence[int]]] = None,
                constraints: Optional[Sequence[Sequence[Sequence[int]]]] = None,
                seed: int = 0, extra_len: int = 50, max_tokens_per_batch: int = 4096,
                batch_size: Optional[int] = None, append_eos: bool = True,
                progress: Optional[Callable[[int], None]] = None, first_index: int = 0) -> list[list[Hypothesis]]:
   """Decodes token-id sequences with every option of `generate.DecodeOptions`: per source its `Hypothesis` list.
 
+  The front door of decoding (`decode_texts` is the same for text; `translate_ids` / `translate_texts` are
+  one-line views of the two).
+
   Args:
     params: the model's (unboxed) parameters, or a list of several models' (an ensemble,
       `decoding.ensemble`; same `config` and vocabulary).
-    options: how to decode (`DecodeOptions.check` runs first).
+    sources: source token ids. Training feeds sources as `ids + [EOS]`, so with `append_eos` EOS is appended
+      to each source that does not already end with it (`Tokenizer.encode` output, which ends with EOS, is
+      taken as it is). An empty source gives `[]` and is not run through the model. Sources longer than
+      `config.max_len` (EOS included) are truncated, with a warning.
+    options: how to decode (`DecodeOptions.check` runs first; an MBR choice needs texts: `decode_texts`).
     prefixes: optional target ids (EOS excluded) per source that each output must start with (`[]` = none);
       each must leave room for one more token within the output limit.
     constraints: optional phrases (target ids, EOS excluded) per source that each output must contain, by
@@ -186,14 +151,19 @@ def decode_ids(params, config: ModelConfig, sources: Sequence[Sequence[int]],
     seed: sampling's seed, in [0, MAX_SEED]; source i samples with `fold_in(PRNGKey(seed), first_index + i)`,
       whatever the batching (`first_index`: the line number of `sources[0]` in a corpus decoded in parts,
       `transformer_jax.corpus`).
-    The rest as `translate_ids`.
+    extra_len: each output has at most `len(source) + extra_len` tokens, EOS included (the paper: 50), where
+      `len(source)` counts the source ids before EOS is appended; also capped by `config.max_len`.
+    max_tokens_per_batch: rows per batch = this // the padded source length (ignored if `batch_size`).
+    batch_size: a fixed number of source rows per batch.
+    progress: called after each batch with the number of sources it finished (e.g. `tqdm.update`).
 
   Each list is best first and holds the finished hypotheses (or, when none finished, the best one alone,
   `finished=False`); an empty source gives `[]`. Beam search keeps going until `options.nbest` have finished
   (`search.beam_search_over`'s `nbest`), so a list is shorter than `options.nbest` only where the length limit
   left no room for more. Raises ValueError for bad options or prefixes.
   """
-  options.check()
+  if options.check().mbr_utility:
+    raise ValueError(f"mbr_utility={options.mbr_utility!r} chooses among texts: decode with decode_texts")
   if options.rows_per_source * config.vocab_size > np.iinfo(np.int32).max:
     raise ValueError(f"beam_size={options.beam_size}: beam search ranks beam_size x vocab_size "
                      f"({config.vocab_size}) candidates with int32 indices; beam_size must be <= "
@@ -205,8 +175,6 @@ def decode_ids(params, config: ModelConfig, sources: Sequence[Sequence[int]],
     raise ValueError(f"{len(prefixes)} prefixes for {len(sources)} sources: one per source is needed")
   if constraints is not None and len(constraints) != len(sources):
     raise ValueError(f"{len(constraints)} constraint lists for {len(sources)} sources: one per source is needed")
-  if constraints is not None and not options.beam:
-    raise ValueError("lexical constraints need beam search (sampling='beam', beam_size >= 2)")
   rows = _search_all(tuple(params_list), config, sources, options, prefixes, seed, constraints, extra_len=extra_len,
                      max_tokens_per_batch=max_tokens_per_batch, batch_size=batch_size, append_eos=append_eos,
                      progress=progress, first_index=first_index)
@@ -246,7 +214,7 @@ def _search_all(params_tuple, config: ModelConfig, sources, options, prefixes, s
   for batch in _group_by_bucket(prepared, config, rows_for) + [None]:
     future = None
     if batch is not None:
-      bucket = _bucket_of(batch[0][1], config)
+      bucket = source_bucket(batch[0][1], config)
       future = run(batch, bucket, rows_for(bucket))
     if pending is not None:
       done_batch, output = pending
@@ -286,13 +254,15 @@ def _prepare_sources(sources: Sequence[Sequence[int]], config: ModelConfig, extr
 def _check_prefixes(prepared: list[_Prepared], prefixes, config: ModelConfig, extra_len: int) -> None:
   """Raises ValueError (before any decoding) for a prefix that leaves no room for a token after it."""
   for i, ids, limit in prepared:
-    limit = min(limit, _bucket_of(ids, config) + extra_len, config.max_len)
+    limit = min(limit, source_bucket(ids, config) + extra_len, config.max_len)
     if len(prefixes[i]) >= limit:
       raise ValueError(f"the prefix of source {i + 1} has {len(prefixes[i])} tokens; its output may have at most "
                        f"{limit} (EOS included), so the prefix must be shorter")
 
 
-def _bucket_of(ids: list[int], config: ModelConfig) -> int:
+def source_bucket(ids: Sequence[int], config: ModelConfig) -> int:
+  """The padded source length a source of `ids` (EOS included) is batched at: `length_bucket`, capped by
+  `config.max_len`."""
   return min(length_bucket(len(ids)), config.max_len)
 
 
@@ -300,8 +270,8 @@ def _group_by_bucket(prepared: list[_Prepared], config: ModelConfig, rows_for) -
   """Consecutive sources of one length bucket, at most `rows_for(bucket)` per batch."""
   batches: list[list[_Prepared]] = []
   for item in prepared:
-    bucket = _bucket_of(item[1], config)
-    if batches and _bucket_of(batches[-1][0][1], config) == bucket and len(batches[-1]) < rows_for(bucket):
+    bucket = source_bucket(item[1], config)
+    if batches and source_bucket(batches[-1][0][1], config) == bucket and len(batches[-1]) < rows_for(bucket):
       batches[-1].append(item)
     else:
       batches.append([item])
@@ -314,7 +284,7 @@ def _run_batch(params_tuple, config: ModelConfig, batch: list[_Prepared], bucket
   """Dispatches one padded batch `[rows bucket, bucket]` to the compiled search; returns its output (async)."""
   eos, pad = config.eos_id, config.pad_id
   max_decode_len = max(1, min(bucket + extra_len, config.max_len))
-  n_rows = _rows_bucket(len(batch), rows)
+  n_rows = rows_bucket(len(batch), rows)
   inputs = np.full((n_rows, bucket), pad, np.int32)
   inputs[:, 0] = eos  # filler rows: a bare EOS source that stops after one token
   limits = np.ones((n_rows,), np.int32)
@@ -347,35 +317,29 @@ def _constraint_width(constraints) -> int:
 
 
 def translate_texts(params, config: ModelConfig, tokenizer, texts: Sequence[str], *, beam_size: int = 1,
-                    alpha: float = 0.6, extra_len: int = 50, mbr_utility: str = "", target_lang: str = "",
-                    progress: Callable[[int], None] | None = None, **kwargs) -> list[str]:
-  """Detokenised translations of `texts` in input order; blank lines give empty lines.
+                    alpha: float = 0.6, mbr_utility: str = "", **kwargs) -> list[str]:
+  """Detokenised translations of `texts` in input order (blank lines give empty lines): `decode_texts` with
+  beam search of `beam_size` (1 = greedy search), length penalty `alpha`, and with `mbr_utility` ('chrf' or
+  'bleu') the minimum-Bayes-risk choice from the `beam_size`-best list; `kwargs` as `decode_texts`."""
+  options = generate.DecodeOptions(beam_size=beam_size, alpha=float(alpha), mbr_utility=mbr_utility,
+                                   token_log_probs=False)
+  return [tokenizer.decode(hyps[0].ids) if hyps else "" for hyps in
+          decode_texts(params, config, tokenizer, texts, options, **kwargs)]
+
+
+def decode_texts(params, config: ModelConfig, tokenizer, texts: Sequence[str],
+                 options: generate.DecodeOptions = generate.DecodeOptions(), *,
+                 prefixes: Optional[Sequence[str]] = None, constraints: Optional[Sequence[Sequence[str]]] = None,
+                 target_lang: str = "", **kwargs) -> list[list[Hypothesis]]:
+  """`decode_ids` of `texts`, with optional target `prefixes` (text, one per text; '' = none; encoded as
+  targets, without EOS) and `constraints` (per text, its phrases as text). Per text its `Hypothesis` list (ids:
+  detokenise with `tokenizer.decode`); `[]` for a blank line.
 
   `tokenizer` is a `transformer_jax.data.tokenizer.Tokenizer`: encode normalises each text as its vocabulary
   was trained (`transformer_jax.data.normalize`: BOM and zero-width characters dropped, spaces collapsed,
-  NFC) and appends EOS; decode stops at EOS. A line with nothing visible after that is blank.
-
-  `mbr_utility` '' returns beam search's best hypothesis; 'chrf' or 'bleu' returns the minimum-Bayes-risk
-  choice from its `beam_size`-best list under that sentence-level utility (`n_best_texts`, then `choose`),
-  which needs `beam_size >= 2`; BLEU tokenises for `target_lang` (`metrics.bleu_metric`). Raises ValueError
-  for another utility or a smaller beam.
-  """
-  if mbr_utility:
-    mbr.utility_fn(mbr_utility, target_lang)  # raises on an unknown utility before anything is decoded
-    return choose(n_best_texts(params, config, tokenizer, texts, beam_size=beam_size, alpha=alpha,
-                               extra_len=extra_len, progress=progress, **kwargs), mbr_utility, target_lang)
-  ids = [[] if tokenizer.is_blank(t) else tokenizer.encode(t) for t in texts]
-  outputs = translate_ids(params, config, ids, beam_size=beam_size, alpha=alpha, extra_len=extra_len,
-                          progress=progress, **kwargs)
-  return [tokenizer.decode(o) if src else "" for o, src in zip(outputs, ids)]
-
-
-def decode_texts(params, config: ModelConfig, tokenizer, texts: Sequence[str], options: generate.DecodeOptions,
-                 *, prefixes: Optional[Sequence[str]] = None, constraints: Optional[Sequence[Sequence[str]]] = None,
-                 **kwargs) -> list[list[Hypothesis]]:
-  """`decode_ids` of `texts` (encoded as `translate_texts` does), with optional target `prefixes` (text, one per
-  text; '' = none; encoded as targets, without EOS) and `constraints` (per text, its phrases as text). Per text
-  its `Hypothesis` list (ids: detokenise with `tokenizer.decode`); `[]` for a blank line. Raises ValueError as
+  NFC) and appends EOS; a line with nothing visible after that is blank. With `options.mbr_utility` each list
+  is the `beam_size`-best list reordered with the minimum-Bayes-risk choice first (`decoding.mbr.select` over
+  the detokenised texts; BLEU tokenised for `target_lang`), then cut to `options.nbest`. Raises ValueError as
   `decode_ids`, and for a prefix or phrase that the vocabulary cannot spell (it encodes to `<unk>`, which would
   be forced into the output and count as met), naming its line."""
   ids = [[] if tokenizer.is_blank(t) else tokenizer.encode(t) for t in texts]
@@ -387,7 +351,24 @@ def decode_texts(params, config: ModelConfig, tokenizer, texts: Sequence[str], o
   if constraints is not None:
     constraint_ids = [[_forced_target(tokenizer, p, "constraint", i) for p in phrases if not tokenizer.is_blank(p)]
                       for i, phrases in enumerate(constraints)]
-  return decode_ids(params, config, ids, options, prefixes=prefix_ids, constraints=constraint_ids, **kwargs)
+  lists = decode_ids(params, config, ids, options.check().search_options, prefixes=prefix_ids,
+                     constraints=constraint_ids, **kwargs)
+  if not options.mbr_utility:
+    return lists
+  return [hyps[:options.nbest] for hyps in mbr_first(lists, tokenizer, options.mbr_utility, target_lang)]
+
+
+def mbr_first(lists: Sequence[list[Hypothesis]], tokenizer, mbr_utility: str,
+              target_lang: str = "") -> list[list[Hypothesis]]:
+  """Each n-best list with its minimum-Bayes-risk choice under `mbr_utility` ('chrf' or 'bleu'; '' leaves the
+  lists as they are) moved to the front (`decoding.mbr.select` over the detokenised texts, weighted by
+  `log_prob`; BLEU tokenised for `target_lang`). Raises ValueError for another utility."""
+  if not mbr_utility:
+    return list(lists)
+  utility = mbr.utility_fn(mbr_utility, target_lang)
+  chosen = [mbr.select([tokenizer.decode(h.ids) for h in hyps], [h.log_prob for h in hyps], utility) if hyps else 0
+            for hyps in lists]
+  return [[hyps[k]] + hyps[:k] + hyps[k + 1:] for hyps, k in zip(lists, chosen)]
 
 
 def _forced_target(tokenizer, text: str, what: str, index: int) -> list[int]:
@@ -419,14 +400,14 @@ def score_ids(params, config: ModelConfig, sources: Sequence[Sequence[int]], tar
   results = [np.zeros((0,), np.float32)] * len(sources)
   order = [i for i in sorted(range(len(sources)), key=lambda i: (-len(sources[i]), -len(targets[i])))
            if len(sources[i]) and len(targets[i])]
-  key = lambda i: (_bucket_of(sources[i], config), _bucket_of(targets[i], config))  # noqa: E731
+  key = lambda i: (source_bucket(sources[i], config), source_bucket(targets[i], config))  # noqa: E731
   groups = [list(g) for _, g in itertools.groupby(order, key=key)]
   for group in groups:
     src_bucket, tgt_bucket = key(group[0])
     rows = max(1, max_tokens_per_batch // max(src_bucket, tgt_bucket))
     for start in range(0, len(group), rows):
       chunk = group[start:start + rows]
-      n_rows = _rows_bucket(len(chunk), rows)
+      n_rows = rows_bucket(len(chunk), rows)
       inputs = np.full((n_rows, src_bucket), config.pad_id, np.int32)
       outputs = np.full((n_rows, tgt_bucket), config.pad_id, np.int32)
       for r, i in enumerate(chunk):
@@ -435,29 +416,3 @@ def score_ids(params, config: ModelConfig, sources: Sequence[Sequence[int]], tar
       for r, i in enumerate(chunk):
         results[i] = logp[r, :len(targets[i])]
   return results
-
-
-def n_best_texts(params, config: ModelConfig, tokenizer, texts: Sequence[str], *, beam_size: int = 4,
-                 alpha: float = 0.6, extra_len: int = 50, progress: Callable[[int], None] | None = None,
-                 **kwargs) -> list[list[tuple[str, float]]]:
-  """`n_best_ids` of `texts`, detokenised: per text `[(translation, log_prob), ...]`, best first; `[]` for a
-  blank line. Encoding as `translate_texts`; raises ValueError unless `beam_size >= 2`."""
-  ids = [[] if tokenizer.is_blank(t) else tokenizer.encode(t) for t in texts]
-  lists = n_best_ids(params, config, ids, beam_size=beam_size, alpha=alpha, extra_len=extra_len,
-                     progress=progress, **kwargs)
-  return [[(tokenizer.decode(c), log_prob) for c, log_prob in candidates] for candidates in lists]
-
-
-def choose(n_best: Sequence[Sequence[tuple[str, float]]], mbr_utility: str = "",
-           target_lang: str = "") -> list[str]:
-  """One translation per `n_best_texts` list: the first (beam search's best) with `mbr_utility` '', else the
-  minimum-Bayes-risk choice under 'chrf' or 'bleu' for `target_lang` (`decoding.mbr.select`); '' for
-  an empty list. Raises ValueError for another utility."""
-  if not mbr_utility:
-    return [candidates[0][0] if candidates else "" for candidates in n_best]
-  utility = mbr.utility_fn(mbr_utility, target_lang)
-  outputs = []
-  for candidates in n_best:
-    texts = [text for text, _ in candidates]
-    outputs.append(texts[mbr.select(texts, [lp for _, lp in candidates], utility)] if texts else "")
-  return outputs

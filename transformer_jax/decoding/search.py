@@ -48,6 +48,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from transformer_jax.config import FLOAT32_MAX
+
 Array = jax.Array
 
 NEG_INF = float("-inf")
@@ -233,6 +235,18 @@ def tempered(log_probs: Array, temperature: float) -> Array:
   return jnp.where(log_probs > NEG_INF, (log_probs - top) / temperature, NEG_INF)
 
 
+def check_sampling(temperature: float, top_k: int, top_p: float) -> None:
+  """Raises ValueError for a `temperature` that is not a finite float32 > 0, `top_k < 0` or `top_p` outside
+  (0, 1]: the one check of sampling's ranges (`sample_over` and `generate.DecodeOptions.check` call it)."""
+  if not 0.0 < temperature <= FLOAT32_MAX:
+    raise ValueError(f"temperature={temperature} must be a finite number > 0 (use greedy search or top_k=1 for "
+                     "argmax)")
+  if top_k < 0:
+    raise ValueError(f"top_k={top_k} must be >= 0")
+  if not 0.0 < top_p <= 1.0:
+    raise ValueError(f"top_p={top_p} must be in (0, 1]")
+
+
 def sample_over(tokens_to_logits: TokensToLogits, cache, rng: Array, *, batch_size: int, max_decode_len: int,
                 bos_id: int, eos_id: int, pad_id: int, temperature: float = 1.0, top_k: int = 0,
                 top_p: float = 1.0, max_lengths: Optional[Array] = None,
@@ -247,13 +261,7 @@ def sample_over(tokens_to_logits: TokensToLogits, cache, rng: Array, *, batch_si
   `top_p` -> 0. Raises ValueError for a `temperature` that is not finite and > 0, `top_k < 0` or `top_p` outside
   (0, 1].
   """
-  if not 0.0 < temperature < float("inf"):
-    raise ValueError(f"temperature={temperature} must be a finite number > 0 (use greedy_search or top_k=1 for "
-                     "argmax)")
-  if top_k < 0:
-    raise ValueError(f"top_k={top_k} must be >= 0")
-  if not 0.0 < top_p <= 1.0:
-    raise ValueError(f"top_p={top_p} must be in (0, 1]")
+  check_sampling(temperature, top_k, top_p)
   per_row = jnp.ndim(rng) == 2
 
   def choose(logp, t):

@@ -24,7 +24,7 @@ import ml_collections
 
 from transformer_jax.config import FLOAT32_MAX, INT32_MAX, ModelConfig
 from transformer_jax.data.config import DataConfig
-from transformer_jax.decoding import mbr
+from transformer_jax.decoding import generate
 from transformer_jax.evaluation import metrics as metrics_lib
 from transformer_jax.run import trackers
 from transformer_jax.sharding import MeshConfig
@@ -375,7 +375,6 @@ RULES: dict[str, Callable[[Any], tuple[bool, str]]] = {
     "decode.alpha": _number(0.0),
     "decode.extra_len": _integer(0),
     "decode.average_last": _integer(1),
-    "decode.mbr_utility": _one_of("", *mbr.UTILITIES),
     "final_eval.split": _text(nonempty=False),
     "final_eval.max_examples": _integer(0),
 }
@@ -394,8 +393,8 @@ def validate(config: ExperimentConfig) -> None:
   Each key against its rule (`RULES`), then the relations between keys: the batch by `data.tokens_per_batch >=
   data.max_len` (at least one packed row per batch), subword sampling and lowercasing by `data.tokenizer ==
   'sentencepiece'`, `data.subword_from_epoch` by `data.subword_alpha > 0`, the cool-down and dropout stages by
-  the schedule, early stopping and the best checkpoint's metric by the evaluators, MBR decoding by
-  `decode.beam_size >= 2` (its n-best list).
+  the schedule, early stopping and the best checkpoint's metric by the evaluators, the decoding options by
+  `generate.DecodeOptions.check` (the one check of decoding options: MBR's utility and beam among them).
   `config.model` was checked when it was built (`ModelConfig`'s own range checks).
   """
   for key in RULES:
@@ -410,9 +409,16 @@ def validate(config: ExperimentConfig) -> None:
     trackers.check_trackers(config.trackers)
   except trackers.TrackerError as error:
     raise ConfigError(str(error)) from None
-  if config.decode.mbr_utility and config.decode.beam_size < 2:
-    raise ConfigError(f"--config.decode.mbr_utility={config.decode.mbr_utility!r}: needs decode.beam_size >= 2 "
-                      f"(MBR chooses from beam search's n-best list), got {config.decode.beam_size}")
+  decode_options(config.decode)
+
+
+def decode_options(decode: DecodeConfig) -> generate.DecodeOptions:
+  """The config's `decode` section as checked `DecodeOptions` (beam search); ConfigError names the key."""
+  try:
+    return generate.DecodeOptions(beam_size=decode.beam_size, alpha=float(decode.alpha),
+                                  mbr_utility=decode.mbr_utility, token_log_probs=False).check()
+  except ValueError as error:
+    raise ConfigError(f"--config.decode.{error}") from None
 
 
 def _check_data(data: DataConfig) -> None:

@@ -102,7 +102,7 @@ def _decode_program(config: ExperimentConfig, model_config: ModelConfig, params:
                     rows: int, src_len: int, max_decode_len: int) -> tuple:
   """The recipe's beam search (`decode.beam_size`, `decode.alpha`) over one `[rows, src_len]` batch on one
   device, as `decoding.inference.decode_ids` dispatches it (evaluation decodes on one device)."""
-  options = generate.DecodeOptions(sampling="beam", beam_size=config.decode.beam_size, alpha=config.decode.alpha,
+  options = generate.DecodeOptions(strategy="beam", beam_size=config.decode.beam_size, alpha=config.decode.alpha,
                                    token_log_probs=False)
   one = jax.sharding.SingleDeviceSharding(device)
   on_device = lambda shape, dtype=jnp.int32: jax.ShapeDtypeStruct(shape, dtype, sharding=one)  # noqa: E731

@@ -2,7 +2,7 @@
 each training batch against the model's tables, before its step.
 
 Each check raises one line naming the config keys (or the step, row and values) involved, as the programs print
-it (`launch.program.USER_ERRORS`). JAX fills out-of-bounds gathers with NaN, so an id or a position past a
+it (`launch.main.USER_ERRORS`). JAX fills out-of-bounds gathers with NaN, so an id or a position past a
 table would otherwise train on NaN without an error.
 """
 

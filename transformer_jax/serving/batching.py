@@ -139,7 +139,7 @@ class TranslationService:
   def __init__(self, params: Any, model_config: ModelConfig, tokenizer, limits: ServingLimits = ServingLimits()):
     self.params, self.model_config, self.tokenizer = params, model_config, tokenizer
     self.limits = limits.check(model_config.max_len)
-    self.options = {b: generate.DecodeOptions(sampling="beam", beam_size=b, alpha=float(limits.alpha),
+    self.options = {b: generate.DecodeOptions(strategy="beam", beam_size=b, alpha=float(limits.alpha),
                                               token_log_probs=False).check() for b in limits.beam_sizes}
     self.metrics = Metrics()
     self._queues: dict[tuple[int, int], collections.deque] = collections.defaultdict(collections.deque)
