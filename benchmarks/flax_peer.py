@@ -37,8 +37,8 @@ import jax
 import jax.numpy as jnp
 from flax.training import train_state
 
-from benchmarks import common
 import launch
+from benchmarks import common
 from transformer_jax.config import ModelConfig
 from transformer_jax.run import factories
 

@@ -35,8 +35,8 @@ import jax
 import numpy as np
 from absl import flags
 
-from benchmarks import common
 import launch
+from benchmarks import common
 from transformer_jax import sharding
 from transformer_jax.decoding import inference
 from transformer_jax.decoding.generate import DecodeOptions

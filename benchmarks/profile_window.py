@@ -19,8 +19,8 @@ import tempfile
 import numpy as np
 from absl import flags
 
-from benchmarks import common
 import launch
+from benchmarks import common
 from experiments.configs import number_words
 from transformer_jax.run import trainer
 from transformer_jax.run.experiment_config import ExperimentConfig

@@ -34,8 +34,8 @@ import grain
 import numpy as np
 from absl import flags
 
-from benchmarks import common
 import launch
+from benchmarks import common
 from experiments.configs import multi30k as multi30k_config
 from transformer_jax.data import pipeline
 from transformer_jax.data import tokenizer as tok_lib

@@ -38,8 +38,8 @@ from pathlib import Path
 from absl import flags
 from ml_collections import config_flags
 
-from benchmarks import common
 import launch
+from benchmarks import common
 from transformer_jax import accelerators, sharding
 from transformer_jax.run import factories, plan, run_checks
 from transformer_jax.run.experiment_config import ExperimentConfig
