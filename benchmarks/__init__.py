@@ -6,4 +6,7 @@ restarts there once with glibc huge pages (`launch/huge_pages.py`), so benchmark
 programs run.
 """
 
-import launch  # noqa: F401 (first: a `python -m` program restarts here once with huge pages, launch/__init__.py)
+import importlib
+
+# First: a `python -m` program restarts here once with huge pages (launch/__init__.py).
+importlib.import_module("launch")

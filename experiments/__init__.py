@@ -5,4 +5,7 @@ it shares with `benchmarks/`. Importing this package imports `launch` first: a `
 restarts there once with glibc huge pages (`launch/huge_pages.py`), before the program's own imports.
 """
 
-import launch  # noqa: F401 (first: a `python -m` program restarts here once with huge pages, launch/__init__.py)
+import importlib
+
+# First: a `python -m` program restarts here once with huge pages (launch/__init__.py).
+importlib.import_module("launch")

@@ -18,9 +18,10 @@ import types
 import pytest
 
 import benchmarks
+import launch
 import transformer_jax
 
-PACKAGES = (transformer_jax, benchmarks)
+PACKAGES = (transformer_jax, launch, benchmarks)
 
 
 def _modules():
@@ -69,6 +70,7 @@ def test_the_check_finds_an_undefined_name(tmp_path, monkeypatch):
 def test_pyflakes_finds_no_unused_import_or_undefined_name():
   """Unused imports, undefined names, shadowed loop variables ... in the library, the programs and the tests."""
   repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-  result = subprocess.run([sys.executable, "-m", "pyflakes", "transformer_jax", "experiments", "tests"], cwd=repo,
+  result = subprocess.run([sys.executable, "-m", "pyflakes", "transformer_jax", "launch", "experiments", "benchmarks",
+                           "tests"], cwd=repo,
                           capture_output=True, text=True, timeout=120)
   assert result.returncode == 0, result.stdout + result.stderr
