@@ -146,14 +146,14 @@ def compile_report(program: tuple, cache_dir: Optional[str] = None, cache_key: s
   """Compiles `program` (`Programs.train` / `.eval` / `.decode`) and reads its analyses into a report.
 
   With `cache_dir`, a report is kept as JSON under the hash of the lowered program's text, `cache_key` (say,
-  the topology) and the jax and libtpu versions, and a repeat is read back without compiling: JAX's persistent
+  the topology) and the jax and compilers' versions, and a repeat is read back without compiling: JAX's persistent
   compilation cache cannot serve compile-only devices (a compile-only client cannot deserialise an executable).
   `compile_seconds` is the original compile's.
   """
   lowered = lower(program)
   path = None
   if cache_dir:
-    digest = hashlib.sha256("\n".join([lowered.as_text(), cache_key, jax.__version__, _libtpu_version()]).encode())
+    digest = hashlib.sha256("\n".join([lowered.as_text(), cache_key, jax.__version__, _compiler_versions()]).encode())
     path = pathlib.Path(cache_dir) / f"{digest.hexdigest()[:32]}.json"
     if path.exists():
       return CompiledReport(**json.loads(path.read_text()))
@@ -164,11 +164,15 @@ def compile_report(program: tuple, cache_dir: Optional[str] = None, cache_key: s
   return report
 
 
-def _libtpu_version() -> str:
-  try:
-    return importlib.metadata.version("libtpu")
-  except importlib.metadata.PackageNotFoundError:
-    return "none"
+def _compiler_versions() -> str:
+  """The installed versions of the compilers a report may come from (libtpu, jax's CUDA plugin)."""
+  versions = []
+  for package in ("libtpu", "jax-cuda12-pjrt"):
+    try:
+      versions.append(f"{package}=={importlib.metadata.version(package)}")
+    except importlib.metadata.PackageNotFoundError:
+      versions.append(f"{package}: none")
+  return ", ".join(versions)
 
 
 def analyse(lowered: jax.stages.Lowered) -> CompiledReport:
@@ -388,11 +392,14 @@ def uncovered_ops(report: CompiledReport) -> int:
   return -math.floor(report.optimal_seconds)
 
 
-def step_estimate(report: CompiledReport, topology: accelerators.Topology) -> tuple[float, str]:
+def step_estimate(report: CompiledReport, topology: accelerators.Topology) -> tuple[Optional[float], str]:
   """(seconds, source) of one step on one device. 'compiler': `optimal_seconds` as given (positive);
   'compiler-N': its known part once the -1 s of each of the N ops it left out is removed (`uncovered_ops`;
   read only where the roofline is under 0.5 s, so that the whole seconds cannot be the known part's);
-  'roofline': `roofline_seconds`, where the compiler gives nothing readable."""
+  'roofline': `roofline_seconds`, where the compiler gives nothing readable; (None, 'no cost analysis') where
+  the compiler gives no cost at all (XLA's compile-only GPU client: no FLOPs, bytes or estimate)."""
+  if report.optimal_seconds is None and not report.flops and not report.bytes_accessed:
+    return None, "no cost analysis"
   roofline = roofline_seconds(report, topology)
   if report.optimal_seconds is None:
     return roofline, "roofline"
