@@ -1,9 +1,10 @@
-r"""A recipe compiled for a TPU topology on this host, without a TPU: memory per chip, FLOPs, collectives, the
-compiler's step-time estimate. A table and a JSON file.
+r"""A recipe compiled for a TPU topology (or a GPU host) on this host, without the accelerator: memory per chip,
+FLOPs, collectives, the compiler's step-time estimate. A table and a JSON file.
 
     python -m benchmarks.tpu_plan --config=experiments/configs/wmt14_ende_base.py --topology=v5e:2x4
     python -m benchmarks.tpu_plan --config=experiments/configs/wmt14_ende_big.py --topology=v5e:2x4 --fit=auto
     python -m benchmarks.tpu_plan --config=... --topology=v5e:2x4 --num_slices=2 --config.mesh.fsdp=2
+    python -m benchmarks.tpu_plan --config=experiments/configs/wmt14_ende_big.py --topology=H100:8
 
 It builds what `experiments.train` would run for the config (the trainer's mesh from `config.mesh`, its abstract
 train state, its partitioned train and eval steps, and the recipe's beam search at `decode.beam_size` over
@@ -25,8 +26,14 @@ fits, saying which. JAX's persistent compilation cache cannot serve compile-only
 compile-only client cannot read back), so the plan keeps each compiled program's report under the hash of its
 lowered text (`--cache_dir`): a repeat of an unchanged program costs its lowering (seconds), not its compile.
 
-This is the TPU compiler's plan, not a run on a TPU: `benchmarks.accelerator_check` on a real chip prints the
-same estimate beside the measured step time. Needs libtpu (`pip install -e '.[tpu]'`).
+GPUs: `--topology=H100:8` (or `H100:1`, `A100:8`: `accelerators.gpu_topology`, one host) compiles with XLA's
+CUDA compiler for GPUs described by their public spec (`accelerators.gpu_target_config`), without a GPU. Its
+compile-only client gives memory and the optimised HLO but no cost analysis: the GPU rows have no estimated
+seconds, tokens/s, MFU or hours (the JSON's `analytic_compute_floor_seconds` is the analytic FLOPs at the bf16
+peak, a lower bound, not an estimate). Needs jax's CUDA plugin (`pip install -e '.[gpu-plan]'`).
+
+This is the compiler's plan, not a run on the accelerator: `benchmarks.accelerator_check` on a real chip prints
+the same estimate beside the measured step time. TPU topologies need libtpu (`pip install -e '.[tpu]'`).
 """
 
 from __future__ import annotations
