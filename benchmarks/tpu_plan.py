@@ -98,7 +98,8 @@ def compile_train(config: ExperimentConfig, topology: accelerators.Topology, fit
     try:
       report = plan.compile_report(built.train, FLAGS.cache_dir, topology.describe())
       print(f"train step, {plan.describe_split(candidate)}: peak {report.peak_bytes / 2**30:.2f} GiB per "
-            f"device (compiled in {report.compile_seconds:.0f} s)", flush=True)
+            f"device (compiled in {report.compile_seconds:.0f} s"
+            f"{', read from --cache_dir' if report.from_cache else ''})", flush=True)
       plan.check_fits(report, topology.hbm_bytes_per_device)
       return candidate, built, report
     except plan.DoesNotFitError as refusal:
@@ -158,7 +159,8 @@ def table(rows: list[dict]) -> str:
                  f"{r['capacity_bytes'] / 2**30:8.1f} {r['argument_bytes'] / 2**30:9.2f} "
                  f"{r['temp_bytes'] / 2**30:9.2f} {fmt('flops_ratio', '9.2f')} {fmt('step_seconds', '9.4f')} "
                  f"{r['estimate']:13} {fmt('tokens_per_second_per_chip', '11.0f')} {fmt('mfu', '6.1%')} "
-                 f"{fmt('hours', '7.1f')} {r['compile_seconds']:9.1f}  {coll or '-'}")
+                 f"{fmt('hours', '7.1f')} {r['compile_seconds']:9.1f}{'*' if r.get('from_cache') else ' '} "
+                 f"{coll or '-'}")
   return "\n".join(lines)
 
 
@@ -184,6 +186,8 @@ def main() -> None:
   result = run_plan(config, topology, FLAGS.fit, tuple(FLAGS.programs))
   result.update(config_file=FLAGS["config"].config_filename, dtype=dtype_note)
   print(f"planned: {result['split']}\n" + table(result["rows"]))
+  if any(row.get("from_cache") for row in result["rows"]):
+    print("compile s*: the original compile's, the report read from --cache_dir (this run only lowered it)")
   if any(row["step_seconds"] is None for row in result["rows"]):
     print("est s, tok/s/chip, MFU, hours: not available: the compile-only GPU client gives no cost analysis "
           "(JSON: analytic_compute_floor_seconds, the analytic FLOPs at the bf16 peak, a lower bound)")

@@ -7,6 +7,8 @@ import dataclasses
 import subprocess
 import sys
 
+import jax
+import jax.numpy as jnp
 import pytest
 
 from benchmarks import common
@@ -95,6 +97,15 @@ def test_gpu_target_configs_come_from_the_chips_spec_and_bad_names_are_refused_i
     assert "\n" not in str(refusal.value)
   with pytest.raises(ValueError, match="a GPU topology .* is one host"):
     accelerators.compile_topology("H100:8", num_slices=2)
+
+
+def test_a_repeated_program_is_read_back_from_the_report_cache_and_says_so(tmp_path):
+  program = (jax.jit(lambda x: jnp.tanh(x @ x)), (jax.ShapeDtypeStruct((64, 64), jnp.float32),))
+  first = plan.compile_report(program, str(tmp_path), "cpu")
+  again = plan.compile_report(program, str(tmp_path), "cpu")
+  assert not first.from_cache and again.from_cache and len(list(tmp_path.iterdir())) == 1
+  assert dataclasses.replace(again, from_cache=False) == first and first.flops > 0
+  assert not plan.compile_report(program, str(tmp_path), "another topology").from_cache
 
 
 def test_collectives_are_read_from_the_optimised_hlo():

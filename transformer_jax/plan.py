@@ -131,6 +131,7 @@ class CompiledReport:
   collectives: dict = dataclasses.field(default_factory=dict)  # kind -> {"count", "bytes"} (bytes per device)
   custom_calls: dict = dataclasses.field(default_factory=dict)  # custom_call_target -> count (optimised HLO)
   top_ops: list = dataclasses.field(default_factory=list)  # [[share of estimated cycles, source op], ...] (TPU)
+  from_cache: bool = False       # read back from `compile_report`'s cache (compile_seconds is the original's)
 
   def to_json(self) -> dict:
     return dataclasses.asdict(self)
@@ -156,7 +157,7 @@ def compile_report(program: tuple, cache_dir: Optional[str] = None, cache_key: s
     digest = hashlib.sha256("\n".join([lowered.as_text(), cache_key, jax.__version__, _compiler_versions()]).encode())
     path = pathlib.Path(cache_dir) / f"{digest.hexdigest()[:32]}.json"
     if path.exists():
-      return CompiledReport(**json.loads(path.read_text()))
+      return CompiledReport(**dict(json.loads(path.read_text()), from_cache=True))
   report = analyse(lowered)
   if path is not None:
     path.parent.mkdir(parents=True, exist_ok=True)
