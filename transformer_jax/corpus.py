@@ -15,8 +15,8 @@ from the global line number, so a shard's bytes do not depend on which process w
 skips every finished shard; the remaining ones are dealt round-robin over the processes (`jax.distributed`:
 process 0 lists what is done, every process agrees, `multihost`). Hence kill -9 of any process at any moment,
 then the same command again, gives the bytes of one uninterrupted single-process run. Memory holds a few units
-of lines at a time (the batcher's open ones), whatever the corpus size. Back-translation (Edunov et al., 2018; Caswell et al., 2019):
-sampling or beam search, `noise` on the outputs, a `tag` in front of each output.
+of lines at a time (the batcher's open ones), whatever the corpus size. Back-translation (Edunov et al., 2018;
+Caswell et al., 2019): sampling or beam search, `noise` on the outputs, a `tag` in front of each output.
 """
 
 from __future__ import annotations
