@@ -1,9 +1,10 @@
-r"""A recipe compiled for a TPU topology on this host, without a TPU: memory per chip, FLOPs, collectives, the
-compiler's step-time estimate. A table and a JSON file.
+r"""A recipe compiled for a TPU topology (or a GPU host) on this host, without the accelerator: memory per chip,
+FLOPs, collectives, the compiler's step-time estimate. A table and a JSON file.
 
     python -m benchmarks.tpu_plan --config=experiments/configs/wmt14_ende_base.py --topology=v5e:2x4
     python -m benchmarks.tpu_plan --config=experiments/configs/wmt14_ende_big.py --topology=v5e:2x4 --fit=auto
     python -m benchmarks.tpu_plan --config=... --topology=v5e:2x4 --num_slices=2 --config.mesh.fsdp=2
+    python -m benchmarks.tpu_plan --config=experiments/configs/wmt14_ende_big.py --topology=H100:8
 
 It builds what `experiments.train` would run for the config (the trainer's mesh from `config.mesh`, its abstract
 train state, its partitioned train and eval steps, and the recipe's beam search at `decode.beam_size` over
@@ -25,8 +26,14 @@ fits, saying which. JAX's persistent compilation cache cannot serve compile-only
 compile-only client cannot read back), so the plan keeps each compiled program's report under the hash of its
 lowered text (`--cache_dir`): a repeat of an unchanged program costs its lowering (seconds), not its compile.
 
-This is the TPU compiler's plan, not a run on a TPU: `benchmarks.accelerator_check` on a real chip prints the
-same estimate beside the measured step time. Needs libtpu (`pip install -e '.[tpu]'`).
+GPUs: `--topology=H100:8` (or `H100:1`, `A100:8`: `accelerators.gpu_topology`, one host) compiles with XLA's
+CUDA compiler for GPUs described by their public spec (`accelerators.gpu_target_config`), without a GPU. Its
+compile-only client gives memory and the optimised HLO but no cost analysis: the GPU rows have no estimated
+seconds, tokens/s, MFU or hours (the JSON's `analytic_compute_floor_seconds` is the analytic FLOPs at the bf16
+peak, a lower bound, not an estimate). Needs jax's CUDA plugin (`pip install -e '.[gpu-plan]'`).
+
+This is the compiler's plan, not a run on the accelerator: `benchmarks.accelerator_check` on a real chip prints
+the same estimate beside the measured step time. TPU topologies need libtpu (`pip install -e '.[tpu]'`).
 """
 
 from __future__ import annotations
@@ -53,7 +60,8 @@ def define_flags() -> None:
   launch.define_config_flag(os.path.join(common.REPO, "experiments", "configs", "wmt14_ende_base.py"),
                             "the recipe's config file (default: WMT14 EN-DE base)")
   flags.declare_key_flag("config")
-  flags.DEFINE_string("topology", "v5e:2x4", "TPU topology GENERATION:AxB[xC], e.g. v2:2x2, v4:2x2x1, v5e:2x4")
+  flags.DEFINE_string("topology", "v5e:2x4", "TPU topology GENERATION:AxB[xC] (v2:2x2, v4:2x2x1, v5e:2x4) or GPUs "
+                      "on one host CHIP:N (H100:8, A100:8; the gpu-plan extra)")
   flags.DEFINE_integer("num_slices", 1, "slices of the topology over DCN (mesh.data spans them)", lower_bound=1)
   flags.DEFINE_enum("fit", "check", ["check", "auto"], "check: refuse a train step that does not fit; auto: plan "
                     "the cheapest mesh split or accumulation that fits (plan.fit_candidates)")
@@ -66,13 +74,13 @@ def define_flags() -> None:
   launch.check_list_choices("programs", PROGRAMS)
 
 
-def plan_config(config: ExperimentConfig, explicit: dict) -> tuple[ExperimentConfig, str]:
-  """`config` with `model.vocab_size` from `data.vocab_size` and the TPU rule's compute dtype unless
-  `--config.model.dtype` was given; returns (config, a note on the dtype)."""
+def plan_config(config: ExperimentConfig, explicit: dict, platform: str = "tpu") -> tuple[ExperimentConfig, str]:
+  """`config` with `model.vocab_size` from `data.vocab_size` and the compute dtype of `platform`'s rule
+  (`accelerators.backend_choices`) unless `--config.model.dtype` was given; returns (config, a note on it)."""
   vocab = config.data.vocab_size or config.model.vocab_size
   given = "model.dtype" in explicit
-  dtype = accelerators.resolve_dtype(config.model.dtype if given else "auto", "tpu")
-  note = f"model.dtype={dtype} ({'given' if given else 'the TPU rule'}; recipe: {config.model.dtype})"
+  dtype = accelerators.resolve_dtype(config.model.dtype if given else "auto", platform)
+  note = f"model.dtype={dtype} ({'given' if given else f'the {platform} rule'}; recipe: {config.model.dtype})"
   return dataclasses.replace(config, model=config.model.replace(vocab_size=vocab, dtype=dtype)), note
 
 
@@ -90,7 +98,8 @@ def compile_train(config: ExperimentConfig, topology: accelerators.Topology, fit
     try:
       report = plan.compile_report(built.train, FLAGS.cache_dir, topology.describe())
       print(f"train step, {plan.describe_split(candidate)}: peak {report.peak_bytes / 2**30:.2f} GiB per "
-            f"device (compiled in {report.compile_seconds:.0f} s)", flush=True)
+            f"device (compiled in {report.compile_seconds:.0f} s"
+            f"{', read from --cache_dir' if report.from_cache else ''})", flush=True)
       plan.check_fits(report, topology.hbm_bytes_per_device)
       return candidate, built, report
     except plan.DoesNotFitError as refusal:
@@ -119,9 +128,14 @@ def figures(name: str, report: plan.CompiledReport, config: ExperimentConfig, bu
   seconds, source = plan.step_estimate(report, topology)
   row = {"program": name, **report.to_json(), "capacity_bytes": topology.hbm_bytes_per_device,
          "fits": report.peak_bytes <= topology.hbm_bytes_per_device, "step_seconds": seconds,
-         "estimate": source, "roofline_seconds": plan.roofline_seconds(report, topology),
+         "estimate": source,
+         "roofline_seconds": plan.roofline_seconds(report, topology) if seconds is not None else None,
          "uncovered_ops": plan.uncovered_ops(report), "analytic_flops": analytic,
-         "flops_ratio": report.flops * devices / analytic if analytic else None}
+         "flops_ratio": report.flops * devices / analytic if analytic and report.flops else None}
+  if seconds is None:  # no cost analysis (GPU): the analytic FLOPs at the bf16 peak bound the time from below
+    row["analytic_compute_floor_seconds"] = analytic / (topology.peak_flops_per_device * devices) \
+        if analytic else None
+    return row
   if name == "train":
     row["tokens_per_second_per_chip"] = built.target_tokens / seconds / chips
     row["mfu"] = analytic / seconds / (topology.peak_flops_per_device * devices)
@@ -139,12 +153,14 @@ def table(rows: list[dict]) -> str:
   lines = [head]
   for r in rows:
     coll = ", ".join(f"{k} {v['count']} x ({v['bytes'] / 2**20:.1f} MiB)" for k, v in r["collectives"].items())
-    fmt = lambda key, spec: format(r[key], spec) if r.get(key) is not None else "-"  # noqa: E731
+    fmt = lambda key, spec: format(r[key], spec) if r.get(key) is not None else \
+        "-".rjust(int(spec.split(".")[0]))  # noqa: E731
     lines.append(f"{r['program']:8} {str(r['fits']):5} {r['peak_bytes'] / 2**30:9.2f} "
                  f"{r['capacity_bytes'] / 2**30:8.1f} {r['argument_bytes'] / 2**30:9.2f} "
-                 f"{r['temp_bytes'] / 2**30:9.2f} {fmt('flops_ratio', '9.2f')} {r['step_seconds']:9.4f} "
+                 f"{r['temp_bytes'] / 2**30:9.2f} {fmt('flops_ratio', '9.2f')} {fmt('step_seconds', '9.4f')} "
                  f"{r['estimate']:13} {fmt('tokens_per_second_per_chip', '11.0f')} {fmt('mfu', '6.1%')} "
-                 f"{fmt('hours', '7.1f')} {r['compile_seconds']:9.1f}  {coll or '-'}")
+                 f"{fmt('hours', '7.1f')} {r['compile_seconds']:9.1f}{'*' if r.get('from_cache') else ' '} "
+                 f"{coll or '-'}")
   return "\n".join(lines)
 
 
@@ -163,13 +179,18 @@ def run_plan(config: ExperimentConfig, topology: accelerators.Topology, fit: str
 
 @launch.program
 def main() -> None:
+  topology = accelerators.compile_topology(FLAGS.topology, FLAGS.num_slices)
   config, dtype_note = plan_config(ExperimentConfig.from_config_dict(FLAGS.config),
-                                   config_flags.get_override_values(FLAGS["config"]))
-  topology = accelerators.tpu_topology(FLAGS.topology, FLAGS.num_slices)
+                                   config_flags.get_override_values(FLAGS["config"]), topology.devices[0].platform)
   print(f"{topology.describe()}; {dtype_note}", flush=True)
   result = run_plan(config, topology, FLAGS.fit, tuple(FLAGS.programs))
   result.update(config_file=FLAGS["config"].config_filename, dtype=dtype_note)
   print(f"planned: {result['split']}\n" + table(result["rows"]))
+  if any(row.get("from_cache") for row in result["rows"]):
+    print("compile s*: the original compile's, the report read from --cache_dir (this run only lowered it)")
+  if any(row["step_seconds"] is None for row in result["rows"]):
+    print("est s, tok/s/chip, MFU, hours: not available: the compile-only GPU client gives no cost analysis "
+          "(JSON: analytic_compute_floor_seconds, the analytic FLOPs at the bf16 peak, a lower bound)")
   for row in result["rows"]:
     if row.get("top_ops"):  # the TPU cost model's cycles per source op (plan.top_ops)
       print(f"{row['program']}: largest shares of the estimate: "

@@ -48,6 +48,7 @@ flags.DEFINE_integer("beam_size", 1, "Beam size of every section.")
 flags.DEFINE_integer("server_requests", 96, "Requests per concurrency level.")
 flags.DEFINE_integer("repeats", 3, "Timed passes per mode of the int8 section (after one that compiles).")
 flags.DEFINE_integer("lines_per_shard", 0, "Corpus section's --lines_per_shard (0: an eighth of the input).")
+flags.DEFINE_bool("corpus_two_processes", True, "Corpus section: also time 2 processes joined by jax.distributed.")
 flags.DEFINE_bool("kill_restart", False, "Corpus section: also run 2 processes, SIGKILL both once process 1 has "
                   "written its first shard, rerun the command, and compare the bytes with the 1-process run.")
 flags.DEFINE_integer("ct2_threads", 2, "ctranslate2 section: CTranslate2 intra-op threads (this host's cores).")
@@ -144,14 +145,14 @@ def corpus_section(lines: list[str], tmp: str) -> dict:
                        f"--beam_size={FLAGS.beam_size}", f"--input={FLAGS.input}", f"--output={tmp}/translate.txt"]])
   shard = FLAGS.lines_per_shard or max(1, -(-len(lines) // 8))
   one = _timed(_corpus_command(tmp, "one", shard))
-  two = _timed(_corpus_command(tmp, "two", shard, 2, _free_port()))
   config = trained.workdir_config(FLAGS.workdir).data
   same = (open(f"{tmp}/translate.txt", "rb").read() == open(f"{tmp}/one/out.{config.target_lang}", "rb").read())
-  rows = {"lines": len(lines), "lines_per_shard": shard, "translate_s": translate, "corpus_1_process_s": one,
-          "corpus_2_processes_s": two}
+  rows = {"lines": len(lines), "lines_per_shard": shard, "translate_s": translate, "corpus_1_process_s": one}
+  if FLAGS.corpus_two_processes:
+    rows["corpus_2_processes_s"] = _timed(_corpus_command(tmp, "two", shard, 2, _free_port()))
+    rows["two_identical_to_one"] = _tree_bytes(f"{tmp}/two") == _tree_bytes(f"{tmp}/one")
   rows.update({k.replace("_s", "_lines_per_s"): len(lines) / v for k, v in list(rows.items()) if k.endswith("_s")})
-  rows.update(identical_to_translate=same, two_identical_to_one=_tree_bytes(f"{tmp}/two") == _tree_bytes(f"{tmp}/one"),
-              corpus_1_over_translate=translate / one)
+  rows.update(identical_to_translate=same, corpus_1_over_translate=translate / one)
   if FLAGS.kill_restart:
     rows["kill_restart"] = _killed_and_restarted(tmp, shard)
   return rows

@@ -83,6 +83,32 @@ def test_an_interrupted_run_resumes_to_the_same_bytes_and_never_redoes_a_shard(t
   assert _tree_bytes(tmp_path / "out") == _tree_bytes(tmp_path / "whole")
 
 
+class _HoldingTranslator:
+  """A streaming translator (`Translator.stream`'s protocol) that holds two units and finishes them newest first,
+  as a batcher shared across units can."""
+
+  def stream(self, units):
+    held = []
+    for unit in units:
+      held.append(unit)
+      if len(held) == 2:
+        for key, lines, first in reversed(held):
+          yield (key, *_fake_translator(lines, first))
+        held = []
+    for key, lines, first in held:
+      yield (key, *_fake_translator(lines, first))
+
+
+def test_a_streaming_translator_finishing_units_out_of_order_writes_the_same_bytes(tmp_path):
+  inputs = _write_inputs(tmp_path / "in", LINES, 2)
+  corpus.translate_corpus(_fake_translator, {}, str(inputs), str(tmp_path / "one_by_one"), lines_per_shard=6)
+  written = []
+  corpus.translate_corpus(_HoldingTranslator(), {}, str(inputs), str(tmp_path / "streamed"), lines_per_shard=6,
+                          on_shard=lambda u: written.append(u.index))
+  assert written[:2] == [1, 0] and sorted(written) == list(range(10))
+  assert _tree_bytes(tmp_path / "streamed") == _tree_bytes(tmp_path / "one_by_one")
+
+
 def test_other_settings_against_an_existing_output_are_refused_in_one_line(tmp_path):
   inputs = _write_inputs(tmp_path / "in", LINES, 1)
   corpus.translate_corpus(_fake_translator, {"decode": {"beam_size": 4}}, str(inputs), str(tmp_path / "out"))

@@ -286,6 +286,22 @@ def test_translate_ids_empty_inputs_do_not_run_the_model():
   assert inference.compilation_count() == before
 
 
+def test_decode_groups_fills_batches_across_groups_and_equals_decode_ids(monkeypatch):
+  sizes, real = [], inference._run_batch  # noqa: SLF001
+  monkeypatch.setattr(inference, "_run_batch", lambda *a, **kw: (sizes.append(len(a[2])), real(*a, **kw))[1])
+  groups = [(k, _random_sources(30 + k, n, CFG.vocab_size, 1, 6), first)  # one bucket (8), 4 rows a batch
+            for k, (n, first) in enumerate([(5, 0), (0, 5), (7, 5), (6, 12), (3, 18)])]
+  groups[2][1][4] = []
+  options = generate.DecodeOptions(strategy="sample", top_k=5, token_log_probs=False)
+  out = dict(inference.decode_groups(PARAMS, CFG, iter(groups), options, seed=3, extra_len=4,
+                                     max_tokens_per_batch=32, max_open_groups=2))
+  assert sorted(out) == [0, 1, 2, 3, 4] and out[1] == [] and out[2][4] == []
+  assert sizes[:-1] == [4] * (len(sizes) - 1) and sum(sizes) == 20  # full batches across group boundaries
+  for key, sources, first in groups:  # per-line seeds (first + i): the outputs of one decode_ids call per group
+    expected = inference.decode_ids(PARAMS, CFG, sources, options, seed=3, extra_len=4, first_index=first)
+    assert [[h.ids for h in hyps] for hyps in out[key]] == [[h.ids for h in hyps] for hyps in expected]
+
+
 def test_decode_ids_lists_the_whole_beam_with_teacher_forced_log_probs():
   sources = _random_sources(7, 6, CFG.vocab_size, 1, 12)
   sources[2] = []

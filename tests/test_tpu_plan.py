@@ -1,12 +1,14 @@
 """The run's own train step compiled for TPU topologies on this host (libtpu, no TPU): the collectives each
 mesh implies, memory within the chip, the compiler's FLOPs against the analytic count, and the refusal of a run
-that cannot fit (`transformer_jax.run.plan`, `benchmarks.tpu_plan`). Skipped only where libtpu (the `tpu` extra)
-is absent."""
+that cannot fit (`transformer_jax.run.plan`, `benchmarks.tpu_plan`); and for an 8-GPU H100 host (jax's CUDA plugin,
+no GPU). Skipped only where libtpu (the `tpu` extra) or the CUDA plugin (the `gpu-plan` extra) is absent."""
 
 import dataclasses
 import subprocess
 import sys
 
+import jax
+import jax.numpy as jnp
 import pytest
 
 from benchmarks import common
@@ -18,13 +20,17 @@ from transformer_jax.run.experiment_config import DataConfig, ExperimentConfig
 needs_libtpu = pytest.mark.skipif(not accelerators.libtpu_available(),
                                 reason="libtpu is not installed (pip install -e '.[tpu]'; make test installs it)")
 
+needs_cuda_plugin = pytest.mark.skipif(
+    not accelerators.cuda_plugin_available(),
+    reason="jax's CUDA plugin is not installed (pip install -e '.[gpu-plan]'; not in make setup: see pyproject.toml)")
+
 MODEL = ModelConfig(vocab_size=512, num_encoder_layers=1, num_decoder_layers=1, d_model=256, d_ff=1024,
                     num_heads=4, max_len=32, dtype="bfloat16")
 CONFIG = ExperimentConfig(model=MODEL, data=DataConfig(vocab_size=512, max_len=32, tokens_per_batch=32 * 16))
 
 
 def _train_report(topology_name: str, mesh_config: sharding.MeshConfig):
-  topology = accelerators.tpu_topology(topology_name)
+  topology = accelerators.compile_topology(topology_name)
   config = dataclasses.replace(CONFIG, mesh=mesh_config)
   mesh = sharding.mesh_from_config(mesh_config, devices=topology.devices)
   return topology, plan.compile_report(plan.build_programs(config, MODEL, mesh, decode_rows=0).train)
@@ -70,6 +76,37 @@ def test_a_run_too_big_for_one_v5e_chip_is_refused_in_one_line_with_nothing_writ
   assert len(errors) == 1 and "GiB per device at its peak" in errors[0] and "15.75 GiB" in errors[0], errors
   assert "mesh.fsdp" in errors[0] and "grad_accum_steps" in errors[0] and "remat" in errors[0]
   assert not output.exists()
+
+
+@needs_cuda_plugin
+def test_data_parallel_on_eight_h100s_all_reduces_gradients_and_gives_memory_but_no_cost():
+  topology, report = _train_report("H100:8", sharding.MeshConfig(data=8))
+  assert len(topology.devices) == 8 and topology.devices[0].device_kind == "NVIDIA H100 80GB HBM3"
+  assert report.collectives["all-reduce"]["count"] >= 1 and "all-gather" not in report.collectives
+  assert 0 < report.peak_bytes <= topology.hbm_bytes_per_device
+  assert report.flops == 0 and plan.step_estimate(report, topology) == (None, "no cost analysis")
+
+
+def test_gpu_target_configs_come_from_the_chips_spec_and_bad_names_are_refused_in_one_line():
+  h100 = accelerators.gpu_target_config(accelerators.chip_named("H100"))
+  assert "core_count: 132" in h100 and "major: 9 minor: 0" in h100 and "memory_bandwidth: 3350000000000" in h100
+  assert 'device_description_str: "NVIDIA A100-SXM4-80GB"' in accelerators.gpu_target_config(
+      accelerators.chip_named("A100"))
+  for bad in ("H200:8", "H100:0", "H100x8"):
+    with pytest.raises(ValueError, match=r"CHIP:N with CHIP one of H100, A100") as refusal:
+      accelerators.gpu_topology(bad)
+    assert "\n" not in str(refusal.value)
+  with pytest.raises(ValueError, match="a GPU topology .* is one host"):
+    accelerators.compile_topology("H100:8", num_slices=2)
+
+
+def test_a_repeated_program_is_read_back_from_the_report_cache_and_says_so(tmp_path):
+  program = (jax.jit(lambda x: jnp.tanh(x @ x)), (jax.ShapeDtypeStruct((64, 64), jnp.float32),))
+  first = plan.compile_report(program, str(tmp_path), "cpu")
+  again = plan.compile_report(program, str(tmp_path), "cpu")
+  assert not first.from_cache and again.from_cache and len(list(tmp_path.iterdir())) == 1
+  assert dataclasses.replace(again, from_cache=False) == first and first.flops > 0
+  assert not plan.compile_report(program, str(tmp_path), "another topology").from_cache
 
 
 def test_collectives_are_read_from_the_optimised_hlo():

@@ -15,7 +15,7 @@ import helpers
 from experiments.configs import number_words
 from transformer_jax import sharding
 from transformer_jax.run import checkpoint as checkpoint_lib
-from transformer_jax.run import evaluators, factories, trained, trainer
+from transformer_jax.run import evaluators, factories, plan, trained, trainer
 from transformer_jax.run.experiment_config import ExperimentConfig
 from transformer_jax.workdir import Workdir
 
@@ -216,3 +216,29 @@ def test_make_train_step_is_the_step_the_trainer_runs(tmp_path):
   other = factories.make_train_step(config.replace(label_smoothing=0.2), run.model_config, run.mesh, start.state,
                                     run.rules)
   assert other.lower(start.state, batch, start.rng).as_text() != text
+
+
+def test_the_fit_check_compiles_the_train_step_the_run_then_uses(tmp_path, monkeypatch):
+  """On a device that reports its memory, `plan.check_run_fits` compiles the train step before anything is
+  written; the run runs that executable: the train step is compiled once (XLA's compile events counted)."""
+  monkeypatch.setattr(plan, "device_capacity", lambda device: 64 * 2**30)  # as a GPU or TPU reports it
+  compiles = []
+
+  def count(event, seconds, **kwargs):
+    if event == jax._src.dispatch.BACKEND_COMPILE_EVENT and "train_step" in kwargs.get("fun_name", ""):
+      compiles.append(kwargs["fun_name"])
+
+  jax.monitoring.register_event_duration_secs_listener(count)
+  try:
+    config = ExperimentConfig.from_config_dict(_tiny_config(tmp_path)).replace(num_train_steps=0)
+    run, start, program = _started(config, str(tmp_path / "run"))
+    batch = sharding.shard_batch(next(run.data.train), run.mesh, run.rules)
+    state, _ = program.train_step(start.state, batch, start.rng)
+    state, metrics = program.train_step(state, sharding.shard_batch(next(run.data.train), run.mesh, run.rules),
+                                        start.rng)
+  finally:
+    jax.monitoring.unregister_event_duration_listener(count)
+  assert run.checked_step is not None and 0 < run.checked_step.report.peak_bytes < 64 * 2**30
+  assert compiles == ["jit(train_step)"], compiles
+  assert program.train_step is run.checked_step.train_step
+  assert np.isfinite(float(metrics["loss"])) and int(state.step) == 2

@@ -104,7 +104,8 @@ class Topology:
 
   def describe(self) -> str:
     slices = f" x {self.num_slices} slices (DCN)" if self.num_slices > 1 else ""
-    return (f"{self.name}{slices}: {self.chips_per_slice * self.num_slices} TPU {self.chip.name} chips, "
+    kind = "TPU " if self.chip.name in TPU_GENERATIONS else ""
+    return (f"{self.name}{slices}: {self.chips_per_slice * self.num_slices} {kind}{self.chip.name} chips, "
             f"{len(self.devices)} devices, {self.hbm_bytes_per_device / 2**30:.1f} GiB HBM per device")
 
 
@@ -150,6 +151,97 @@ def tpu_topology(name: str, num_slices: int = 1) -> Topology:
                                            **kwargs).devices
   return Topology(name=name, chip=chip, chips_per_slice=math.prod(dims), num_slices=num_slices,
                   devices=tuple(devices))
+
+
+# ----------------------------------------------------------------------------------------------------------
+# GPUs, compiled for without a GPU
+# ----------------------------------------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class GpuSpec:
+  """What XLA's GPU compiler is told of a GPU it compiles for without one (`stream_executor.GpuTargetConfigProto`'s
+  `gpu_device_info`, the fields of XLA's `xla/backends/gpu/target_config/specs/*.txtpb`)."""
+
+  description: str               # the `device_kind` the compile-only devices show
+  compute_capability: tuple[int, int]
+  core_count: int                # streaming multiprocessors
+  fpus_per_core: int             # FP32 lanes per SM
+  clock_rate_ghz: float          # boost clock
+  l2_cache_bytes: int
+  shared_memory_per_core: int    # bytes per SM
+  shared_memory_per_block_optin: int
+  device_memory_bytes: int       # as the CUDA driver reports it (cudaDeviceProp.totalGlobalMem)
+
+
+# NVIDIA's H100 SXM5 80GB and A100 SXM4 80GB datasheets and CUDA programming guide (compute capability tables);
+# the H100's figures are those of XLA's own h100_sxm.txtpb.
+GPU_SPECS = {
+    "H100": GpuSpec("NVIDIA H100 80GB HBM3", (9, 0), 132, 128, 1.98, 50 * 2**20, 233472, 232448, 84942979072),
+    "A100": GpuSpec("NVIDIA A100-SXM4-80GB", (8, 0), 108, 64, 1.41, 40 * 2**20, 167936, 166912, 85899345920),
+}
+_GPU_TOPOLOGY = re.compile(r"^([A-Z]\d+):(\d+)$")
+
+
+def cuda_plugin_available() -> bool:
+  """Whether XLA's CUDA compiler is installed (`pip install .[gpu-plan]`: jax's CUDA plugin), found unimported."""
+  try:
+    return importlib.util.find_spec("jax_plugins.xla_cuda12") is not None
+  except ModuleNotFoundError:  # no jax_plugins namespace package at all
+    return False
+
+
+def gpu_target_config(chip: Chip) -> str:
+  """The text `GpuTargetConfigProto` of `chip` (one of `GPU_SPECS`), from its public spec and `chip.hbm_gbps`:
+  what `topologies.get_topology_desc(platform="cuda", target_config=...)` compiles for (jax's
+  `deviceless_aot_test`, openxla/xla#16913). cuDNN 8.9.4 as XLA's specs give it (no cuDNN is loaded)."""
+  spec = GPU_SPECS[chip.name]
+  major, minor = spec.compute_capability
+  return f"""gpu_device_info {{
+  threads_per_block_limit: 1024 threads_per_warp: 32 shared_memory_per_block: 49152
+  shared_memory_per_core: {spec.shared_memory_per_core} threads_per_core_limit: 2048
+  core_count: {spec.core_count} fpus_per_core: {spec.fpus_per_core}
+  block_dim_limit_x: 2147483647 block_dim_limit_y: 65535 block_dim_limit_z: 65535
+  memory_bandwidth: {int(chip.hbm_gbps * 1e9)} l2_cache_size: {spec.l2_cache_bytes}
+  clock_rate_ghz: {spec.clock_rate_ghz} device_memory_size: {spec.device_memory_bytes}
+  shared_memory_per_block_optin: {spec.shared_memory_per_block_optin}
+  cuda_compute_capability {{ major: {major} minor: {minor} }}
+  registers_per_core_limit: 65536 registers_per_block_limit: 65536
+}}
+platform_name: "CUDA"
+dnn_version_info {{ major: 8 minor: 9 patch: 4 }}
+device_description_str: "{spec.description}"
+"""
+
+
+def gpu_topology(name: str) -> Topology:
+  """The compile-only devices of `name` = 'CHIP:N' (`GPU_SPECS`: 'H100:8' is one HGX/DGX H100 host of 8 GPUs,
+  NVLink among them), for XLA's CUDA compiler without a GPU. Its compile-only client gives memory analyses
+  and the optimised HLO, no cost analysis. Raises ValueError (one line) on a malformed name or an unknown
+  chip, or when the CUDA plugin (the `gpu-plan` extra) is absent."""
+  match = _GPU_TOPOLOGY.match(name)
+  if not match or match.group(1) not in GPU_SPECS or int(match.group(2)) < 1:
+    raise ValueError(f"--topology={name!r}: expected CHIP:N with CHIP one of {', '.join(GPU_SPECS)} and N GPUs "
+                     "on one host (e.g. H100:8)")
+  if not cuda_plugin_available():
+    raise ValueError(f"--topology={name}: compiling for a GPU needs jax's CUDA plugin, which is not installed: "
+                     "pip install -e '.[gpu-plan]'")
+  # The plugin checks the CUDA libraries' versions when it starts; compile-only use loads none of them.
+  os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
+  from jax.experimental import topologies  # pylint: disable=g-import-not-at-top (loads the CUDA plugin)
+  chip, count = chip_named(match.group(1)), int(match.group(2))
+  devices = topologies.get_topology_desc(platform="cuda", target_config=gpu_target_config(chip),
+                                         topology=f"1x1x{count}").devices  # slices x hosts x GPUs per host
+  return Topology(name=name, chip=chip, chips_per_slice=count, num_slices=1, devices=tuple(devices))
+
+
+def compile_topology(name: str, num_slices: int = 1) -> Topology:
+  """`tpu_topology(name, num_slices)` for a TPU name ('v5e:2x4'), `gpu_topology(name)` for a GPU one
+  ('H100:8'; one host, num_slices 1); ValueError (one line) otherwise."""
+  if _GPU_TOPOLOGY.match(name):
+    if num_slices != 1:
+      raise ValueError(f"--num_slices={num_slices}: a GPU topology ({name}) is one host; use 1")
+    return gpu_topology(name)
+  return tpu_topology(name, num_slices)
 
 
 def attached_topology(devices: Optional[Sequence[jax.Device]] = None) -> Optional[Topology]:

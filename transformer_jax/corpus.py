@@ -7,15 +7,16 @@
                                      (`DataConfig` reads `{split}.{lang}` files: `data/parallel_text.py`)
 
 The input (one file, or a directory of shard files read in name order) is cut into units of
-`lines_per_shard` consecutive lines; unit u becomes output shard u. Each shard is decoded on its own
-(`inference.decode_texts`: length-bucketed batches over a fixed set of compiled shapes) and written
+`lines_per_shard` consecutive lines; unit u becomes output shard u. A process streams the lines of all its
+units through one length-bucketed batcher over a fixed set of compiled shapes (`inference.decode_groups`: batches
+stay full across unit boundaries, and a line's output does not depend on its batch), and writes each shard
 atomically (`workdir.write_bytes_atomically`), so a shard exists whole or not at all; sampling and noise draw
 from the global line number, so a shard's bytes do not depend on which process wrote it or when. A rerun
 skips every finished shard; the remaining ones are dealt round-robin over the processes (`jax.distributed`:
 process 0 lists what is done, every process agrees, `multihost`). Hence kill -9 of any process at any moment,
-then the same command again, gives the bytes of one uninterrupted single-process run. Memory holds one unit
-of lines at a time, whatever the corpus size. Back-translation (Edunov et al., 2018; Caswell et al., 2019):
-sampling or beam search, `noise` on the outputs, a `tag` in front of each output.
+then the same command again, gives the bytes of one uninterrupted single-process run. Memory holds a few units
+of lines at a time (the batcher's open ones), whatever the corpus size. Back-translation (Edunov et al., 2018;
+Caswell et al., 2019): sampling or beam search, `noise` on the outputs, a `tag` in front of each output.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import hashlib
 import itertools
 import logging
 import time
-from typing import Any, Callable, Iterator, NamedTuple, Sequence
+from typing import Any, Callable, Iterable, Iterator, NamedTuple, Sequence
 
 import jax
 import numpy as np
@@ -168,9 +169,21 @@ class Translator:
 
   def __call__(self, lines: Sequence[str], first_index: int) -> tuple[list[str], int]:
     """The output line of each of `lines` (corpus lines `first_index`, ...) and the output tokens decoded."""
-    lists = inference.decode_texts(self.params, self.model_config, self.tokenizer, lines, self.options,
-                                   seed=self.seed, extra_len=self.extra_len,
-                                   max_tokens_per_batch=self.max_tokens_per_batch, first_index=first_index)
+    (_, outputs, tokens), = self.stream([(None, lines, first_index)])
+    return outputs, tokens
+
+  def stream(self, units: Iterable[tuple[Any, Sequence[str], int]]) -> Iterator[tuple[Any, list[str], int]]:
+    """`(key, output lines, output tokens)` of each `(key, lines, first_index)` of `units`, as each finishes:
+    one length-bucketed batcher over them all (`inference.decode_groups`), so batches stay full across unit
+    boundaries; a line's output is the same whichever lines share its batch."""
+    groups = (((key, first), [[] if self.tokenizer.is_blank(t) else self.tokenizer.encode(t) for t in lines], first)
+              for key, lines, first in units)
+    for (key, first), lists in inference.decode_groups(
+        self.params, self.model_config, groups, self.options, seed=self.seed, extra_len=self.extra_len,
+        max_tokens_per_batch=self.max_tokens_per_batch):
+      yield (key, *self._outputs(lists, first))
+
+  def _outputs(self, lists, first_index: int) -> tuple[list[str], int]:
     outputs, tokens = [], 0
     for offset, hyps in enumerate(lists):
       if not hyps:
@@ -286,16 +299,25 @@ def translate_corpus(translator: Callable[[Sequence[str], int], tuple[list[str],
   remaining = [u for u in units if u.index not in done]
   mine = remaining[jax.process_index()::jax.process_count()]
   progress, lines = Progress(sum(u.lines for u in mine)), 0
-  for unit, texts in unit_lines(files, mine):
-    outputs, tokens = translator(texts, unit.global_first)
+  for unit, outputs, tokens in _translated_units(translator, unit_lines(files, mine)):
     write_shard(layout.shard(unit.index), outputs)
-    progress.update(len(texts), tokens)
-    lines += len(texts)
+    progress.update(len(outputs), tokens)
+    lines += len(outputs)
     if on_shard is not None:
       on_shard(unit)
   multihost.sync_processes("corpus shards")
   manifest = _finish(layout, files, units, parallel_corpus)
   return CorpusResult(lines, len(mine), len(done), manifest)
+
+
+def _translated_units(translator, items: Iterable[tuple[Unit, list[str]]]) -> Iterator[tuple[Unit, list[str], int]]:
+  """`(unit, outputs, tokens)` per unit, as each finishes: through `translator.stream` when it has one (batches
+  shared across units: `Translator.stream`), else one `translator(lines, first_index)` call per unit."""
+  if hasattr(translator, "stream"):
+    yield from translator.stream((unit, texts, unit.global_first) for unit, texts in items)
+    return
+  for unit, texts in items:
+    yield (unit, *translator(texts, unit.global_first))
 
 
 def _remove_partial_writes(layout: Layout) -> None:

@@ -381,6 +381,13 @@ class PartitionedFunction:
   that of its `in_shardings` entry but holds the same arrays (a `TrainState` built or restored elsewhere has
   other static fields) gets the shardings re-attached (`shardings_like`), and so does every `out_shardings`
   entry that is that same object; one jitted program is kept per argument structure.
+
+  `.compile(*args)` (arrays or `jax.ShapeDtypeStruct`s) compiles ahead of time and keeps the executable: a
+  later call whose arguments' leaves have the same shapes and dtypes, in order, runs it without compiling again
+  (the trainer runs the step its fit check, `plan.check_run_fits`, compiled on abstract arguments). Leaves are
+  passed in the compiled program's structure (a `TrainState` built elsewhere has other static fields: its
+  optimizer object) and the executable checks their shardings itself (`jax.stages.Compiled`: committed arrays
+  on other shardings raise ValueError).
   """
 
   def __init__(self, fn: Callable, mesh: Mesh, rules: LogicalRules, in_shardings: tuple,
@@ -389,6 +396,7 @@ class PartitionedFunction:
     self.in_shardings, self.out_shardings = tuple(in_shardings), out_shardings
     self.donate_argnums = tuple(donate_argnums)
     self._jitted: dict[tuple, Callable] = {}
+    self._compiled: dict[tuple, jax.stages.Compiled] = {}
 
   def _bind(self, args: tuple) -> Callable:
     key = tuple(jax.tree_util.tree_structure(a) for a in args)
@@ -407,12 +415,28 @@ class PartitionedFunction:
     return self._jitted[key]
 
   def __call__(self, *args):
+    if self._compiled:
+      leaves = jax.tree_util.tree_leaves(args)
+      compiled = self._compiled.get(_leaf_signature(leaves))
+      if compiled is not None:
+        return compiled(*jax.tree_util.tree_unflatten(compiled.in_tree.children()[0], leaves))
     with mesh_context(self.mesh, self.rules):
       return self._bind(args)(*args)
 
   def lower(self, *args) -> jax.stages.Lowered:
     with mesh_context(self.mesh, self.rules):
       return self._bind(args).lower(*args)
+
+  def compile(self, *args) -> jax.stages.Compiled:
+    """`self.lower(*args).compile()`, kept for later calls on arguments of the same shapes and dtypes."""
+    compiled = self.lower(*args).compile()
+    self._compiled[_leaf_signature(jax.tree_util.tree_leaves(args))] = compiled
+    return compiled
+
+
+def _leaf_signature(leaves: list) -> tuple:
+  """((shape, dtype) of each leaf of a call's arguments): what a kept executable is looked up by."""
+  return tuple((np.shape(x), getattr(x, "dtype", type(x))) for x in leaves)
 
 
 def partition(fn: Callable, mesh: Mesh, rules: LogicalRules = LOGICAL_AXIS_RULES, *, in_shardings: tuple,

@@ -13,7 +13,7 @@ import collections
 import functools
 import itertools
 import logging
-from typing import Callable, NamedTuple, Optional, Sequence
+from typing import Any, Callable, Iterable, Iterator, NamedTuple, Optional, Sequence
 
 import flax.linen as nn
 import jax
@@ -162,15 +162,7 @@ def decode_ids(params, config: ModelConfig, sources: Sequence[Sequence[int]],
   (`search.beam_search_over`'s `nbest`), so a list is shorter than `options.nbest` only where the length limit
   left no room for more. Raises ValueError for bad options or prefixes.
   """
-  if options.check().mbr_utility:
-    raise ValueError(f"mbr_utility={options.mbr_utility!r} chooses among texts: decode with decode_texts")
-  if options.rows_per_source * config.vocab_size > np.iinfo(np.int32).max:
-    raise ValueError(f"beam_size={options.beam_size}: beam search ranks beam_size x vocab_size "
-                     f"({config.vocab_size}) candidates with int32 indices; beam_size must be <= "
-                     f"{np.iinfo(np.int32).max // config.vocab_size}")
-  if not 0 <= seed <= MAX_SEED:
-    raise ValueError(f"seed={seed} must be an integer in [0, {MAX_SEED}] (a PRNG key's 32 bits)")
-  params_list = [jax.device_put(nn.unbox(p)) for p in (params if isinstance(params, (list, tuple)) else [params])]
+  params_list = _checked(params, config, options, seed)
   if prefixes is not None and len(prefixes) != len(sources):
     raise ValueError(f"{len(prefixes)} prefixes for {len(sources)} sources: one per source is needed")
   if constraints is not None and len(constraints) != len(sources):
@@ -179,6 +171,117 @@ def decode_ids(params, config: ModelConfig, sources: Sequence[Sequence[int]],
                      max_tokens_per_batch=max_tokens_per_batch, batch_size=batch_size, append_eos=append_eos,
                      progress=progress, first_index=first_index)
   return [[] if row is None else _hypotheses(row, config) for row in rows]
+
+
+def _checked(params, config: ModelConfig, options: generate.DecodeOptions, seed: int) -> list:
+  """The models' parameters on the device, once the options (`DecodeOptions.check`), the beam's candidate count
+  and the seed are known good; ValueError otherwise."""
+  if options.check().mbr_utility:
+    raise ValueError(f"mbr_utility={options.mbr_utility!r} chooses among texts: decode with decode_texts")
+  if options.rows_per_source * config.vocab_size > np.iinfo(np.int32).max:
+    raise ValueError(f"beam_size={options.beam_size}: beam search ranks beam_size x vocab_size "
+                     f"({config.vocab_size}) candidates with int32 indices; beam_size must be <= "
+                     f"{np.iinfo(np.int32).max // config.vocab_size}")
+  if not 0 <= seed <= MAX_SEED:
+    raise ValueError(f"seed={seed} must be an integer in [0, {MAX_SEED}] (a PRNG key's 32 bits)")
+  return [jax.device_put(nn.unbox(p)) for p in (params if isinstance(params, (list, tuple)) else [params])]
+
+
+def decode_groups(params, config: ModelConfig, groups: Iterable[tuple[Any, Sequence[Sequence[int]], int]],
+                  options: generate.DecodeOptions, *, seed: int = 0, extra_len: int = 50,
+                  max_tokens_per_batch: int = 4096, max_open_groups: int = 2
+                  ) -> Iterator[tuple[Any, list[list[Hypothesis]]]]:
+  """`decode_ids` over a stream of groups whose sources share length-bucketed batches across group boundaries.
+
+  `groups` yields `(key, sources, first_index)` (token ids as `decode_ids` takes them; source i of a group
+  samples with line number `first_index + i`); this yields `(key, per-source Hypothesis lists)` as each group's
+  last source is decoded (groups can finish out of order). Batches fill from every open group, so a stream of
+  small groups (`transformer_jax.corpus`'s shards) runs the full batches of one `decode_ids` call over them all;
+  at most `max_open_groups` (>= 1) groups wait for a batch at once (the oldest is flushed first), so memory is
+  flat in the stream's length. A source's output does not depend on which other sources share its batch
+  (row-wise arithmetic; a batch's shape is (bucket rows, bucket) as in `decode_ids`). Raises ValueError as
+  `decode_ids` (one model; no prefixes or constraints).
+  """
+  params_list = _checked(params, config, options, seed)
+  if max_open_groups < 1:
+    raise ValueError(f"max_open_groups={max_open_groups} must be >= 1")
+  batcher = _GroupBatcher(tuple(params_list), config, options, seed, extra_len, max_tokens_per_batch)
+  for key, sources, first_index in groups:
+    yield from batcher.add(key, sources, first_index)
+    while batcher.open_groups() > max_open_groups:
+      yield from batcher.flush_oldest()
+  yield from batcher.flush_all()
+
+
+class _GroupBatcher:
+  """`decode_groups`'s state: per length bucket the pending sources of the open groups, and each open group's
+  results; one batch in flight (dispatched before the previous one is read back, as `_search_all`)."""
+
+  def __init__(self, params_tuple, config: ModelConfig, options, seed: int, extra_len: int, max_tokens: int):
+    self.config, self.max_tokens = config, max_tokens
+    self.run = functools.partial(_run_batch, params_tuple, config, options=options, extra_len=extra_len,
+                                 prefixes=None, seed=seed)
+    self.extra_len = extra_len
+    self.pending: dict[int, list] = collections.defaultdict(list)  # bucket -> [(group, (index, ids, limit), i)]
+    self.groups: dict[int, list] = {}  # group number -> [key, results, sources left], in arrival order
+    self.count, self.in_flight = 0, None
+
+  def open_groups(self) -> int:
+    return len(self.groups)
+
+  def _rows(self, bucket: int) -> int:
+    return max(1, self.max_tokens // bucket)
+
+  def add(self, key, sources, first_index: int) -> Iterator:
+    number, self.count = self.count, self.count + 1
+    prepared = _prepare_sources(sources, self.config, self.extra_len, append_eos=True)
+    self.groups[number] = [key, [None] * len(sources), len(prepared)]
+    for i, ids, limit in prepared:
+      self.pending[source_bucket(ids, self.config)].append((number, (first_index + i, ids, limit), i))
+    if not prepared:
+      yield from self._finish(number)
+    for bucket in sorted(self.pending, reverse=True):
+      while len(self.pending[bucket]) >= self._rows(bucket):
+        yield from self._dispatch(bucket, self.pending[bucket][: self._rows(bucket)])
+
+  def flush_oldest(self) -> Iterator:
+    """Dispatches every pending source of the oldest open group (its batches filled up from younger groups)."""
+    oldest = next(iter(self.groups))
+    for bucket in sorted(self.pending, reverse=True):
+      items = self.pending[bucket]
+      while any(item[0] == oldest for item in items):
+        items.sort(key=lambda item: item[0] != oldest)  # stable: the oldest group's sources first
+        yield from self._dispatch(bucket, items[: self._rows(bucket)])
+    yield from self._collect(None)
+
+  def flush_all(self) -> Iterator:
+    for bucket in sorted(self.pending, reverse=True):
+      while self.pending[bucket]:
+        yield from self._dispatch(bucket, self.pending[bucket][: self._rows(bucket)])
+    yield from self._collect(None)
+
+  def _dispatch(self, bucket: int, batch: list) -> Iterator:
+    del self.pending[bucket][: len(batch)]
+    future = self.run([item[1] for item in batch], bucket, self._rows(bucket))
+    yield from self._collect((batch, future))
+
+  def _collect(self, next_in_flight) -> Iterator:
+    """Reads back the batch in flight (yielding the groups it finishes) and puts `next_in_flight` in its place."""
+    done, self.in_flight = self.in_flight, next_in_flight
+    if done is None:
+      return
+    batch, output = done
+    output = jax.tree_util.tree_map(np.asarray, output)
+    for r, (number, _, i) in enumerate(batch):
+      group = self.groups[number]
+      group[1][i] = _hypotheses(jax.tree_util.tree_map(lambda x: x[r], output), self.config)  # noqa: B023
+      group[2] -= 1
+      if group[2] == 0:
+        yield from self._finish(number)
+
+  def _finish(self, number: int) -> Iterator:
+    key, results, _ = self.groups.pop(number)
+    yield key, [[] if hyps is None else hyps for hyps in results]
 
 
 def _hypotheses(row, config: ModelConfig) -> list[Hypothesis]:

@@ -132,6 +132,7 @@ class CompiledReport:
   collectives: dict = dataclasses.field(default_factory=dict)  # kind -> {"count", "bytes"} (bytes per device)
   custom_calls: dict = dataclasses.field(default_factory=dict)  # custom_call_target -> count (optimised HLO)
   top_ops: list = dataclasses.field(default_factory=list)  # [[share of estimated cycles, source op], ...] (TPU)
+  from_cache: bool = False       # read back from `compile_report`'s cache (compile_seconds is the original's)
 
   def to_json(self) -> dict:
     return dataclasses.asdict(self)
@@ -147,17 +148,17 @@ def compile_report(program: tuple, cache_dir: Optional[str] = None, cache_key: s
   """Compiles `program` (`Programs.train` / `.eval` / `.decode`) and reads its analyses into a report.
 
   With `cache_dir`, a report is kept as JSON under the hash of the lowered program's text, `cache_key` (say,
-  the topology) and the jax and libtpu versions, and a repeat is read back without compiling: JAX's persistent
+  the topology) and the jax and compilers' versions, and a repeat is read back without compiling: JAX's persistent
   compilation cache cannot serve compile-only devices (a compile-only client cannot deserialise an executable).
   `compile_seconds` is the original compile's.
   """
   lowered = lower(program)
   path = None
   if cache_dir:
-    digest = hashlib.sha256("\n".join([lowered.as_text(), cache_key, jax.__version__, _libtpu_version()]).encode())
+    digest = hashlib.sha256("\n".join([lowered.as_text(), cache_key, jax.__version__, _compiler_versions()]).encode())
     path = pathlib.Path(cache_dir) / f"{digest.hexdigest()[:32]}.json"
     if path.exists():
-      return CompiledReport(**json.loads(path.read_text()))
+      return CompiledReport(**dict(json.loads(path.read_text()), from_cache=True))
   report = analyse(lowered)
   if path is not None:
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -165,23 +166,38 @@ def compile_report(program: tuple, cache_dir: Optional[str] = None, cache_key: s
   return report
 
 
-def _libtpu_version() -> str:
-  try:
-    return importlib.metadata.version("libtpu")
-  except importlib.metadata.PackageNotFoundError:
-    return "none"
+def _compiler_versions() -> str:
+  """The installed versions of the compilers a report may come from (libtpu, jax's CUDA plugin)."""
+  versions = []
+  for package in ("libtpu", "jax-cuda12-pjrt"):
+    try:
+      versions.append(f"{package}=={importlib.metadata.version(package)}")
+    except importlib.metadata.PackageNotFoundError:
+      versions.append(f"{package}: none")
+  return ", ".join(versions)
 
 
 def analyse(lowered: jax.stages.Lowered) -> CompiledReport:
   """Compiles `lowered` (timed) and reads `memory_analysis`, `cost_analysis` and the optimised HLO's collectives."""
+  return timed_compile(lowered.compile)[1]
+
+
+def timed_compile(compile_fn) -> tuple[jax.stages.Compiled, CompiledReport]:
+  """(the executable `compile_fn()` returns, its report with the compile's seconds); a compile the TPU compiler
+  refuses as RESOURCE_EXHAUSTED is DoesNotFitError (one line)."""
   start = time.perf_counter()
   try:
-    compiled = lowered.compile()
+    compiled = compile_fn()
   except jax.errors.JaxRuntimeError as error:
     if "RESOURCE_EXHAUSTED" not in str(error):
       raise
     raise DoesNotFitError(_compiler_refusal(str(error))) from None
-  seconds = time.perf_counter() - start
+  return compiled, read_report(compiled, time.perf_counter() - start)
+
+
+def read_report(compiled: jax.stages.Compiled, compile_seconds: float) -> CompiledReport:
+  """What `compiled` says about itself: `memory_analysis`, `cost_analysis` (FLOPs 0 and no `optimal_seconds`
+  where the backend gives none: a compile-only GPU client) and its optimised HLO's collectives."""
   hlo = compiled.as_text()
   memory = compiled.memory_analysis()
   cost = compiled.cost_analysis()
@@ -190,14 +206,13 @@ def analyse(lowered: jax.stages.Lowered) -> CompiledReport:
       memory.argument_size_in_bytes + memory.output_size_in_bytes - memory.alias_size_in_bytes
       + memory.temp_size_in_bytes)
   optimal = cost.get("optimal_seconds")
-  report = CompiledReport(
-      compile_seconds=seconds, argument_bytes=int(memory.argument_size_in_bytes),
+  return CompiledReport(
+      compile_seconds=compile_seconds, argument_bytes=int(memory.argument_size_in_bytes),
       output_bytes=int(memory.output_size_in_bytes), alias_bytes=int(memory.alias_size_in_bytes),
       temp_bytes=int(memory.temp_size_in_bytes), peak_bytes=int(peak), flops=float(cost.get("flops", 0.0)),
       bytes_accessed=float(cost.get("bytes accessed", 0.0)),
       optimal_seconds=None if optimal is None else float(optimal), collectives=collectives(hlo),
       custom_calls=custom_calls(hlo), top_ops=top_ops(hlo))
-  return report
 
 
 def collectives(hlo_text: str) -> dict:
@@ -290,22 +305,43 @@ def check_fits(report: CompiledReport, capacity_bytes: float, what: str = "the t
         + "; ".join(LEVERS))
 
 
-def check_run_fits(config: ExperimentConfig, mesh: jax.sharding.Mesh) -> Optional[CompiledReport]:
+@dataclasses.dataclass(frozen=True)
+class CheckedStep:
+  """The train step the fit check compiled (`check_run_fits`): the run uses it instead of compiling again."""
+
+  config: ExperimentConfig
+  model_config: ModelConfig      # the step's (`factories.train_model_config` at update 1)
+  train_step: Any                # sharding.PartitionedFunction holding the compiled executable
+  report: CompiledReport
+
+  def step_for(self, config: ExperimentConfig, model_config: ModelConfig) -> Optional[Any]:
+    """The compiled step when it is the one `config` and `model_config` ask for, else None."""
+    return self.train_step if (config, model_config) == (self.config, self.model_config) else None
+
+
+def device_capacity(device: jax.Device) -> Optional[int]:
+  """Bytes `device` holds (`memory_stats()['bytes_limit']`: TPUs and GPUs), None where it reports none (CPUs)."""
+  return (device.memory_stats() or {}).get("bytes_limit") or None
+
+
+def check_run_fits(config: ExperimentConfig, mesh: jax.sharding.Mesh) -> Optional[CheckedStep]:
   """Refuses (DoesNotFitError, one line) a run whose compiled train step needs more memory per device than the
-  mesh's first device holds (`memory_stats()['bytes_limit']`: TPUs and GPUs); does nothing (None) on devices
-  that report no limit (CPUs). The model's vocabulary is `data.vocab_size` (the size the tokenizer is trained
-  to), else `model.vocab_size`. Costs one compile of the train step: the trainer calls it before it writes.
+  mesh's first device holds (`device_capacity`); does nothing (None) on devices that report no limit (CPUs).
+  The model's vocabulary is `data.vocab_size` (the size the tokenizer is trained to), else `model.vocab_size`.
+  Costs the one compile of the train step the run needs: the trainer calls it before it writes and then runs
+  the returned `CheckedStep.train_step` (`sharding.PartitionedFunction.compile` keeps the executable).
   Each process reads one of its own devices (another host's is not addressable: memory_stats() raises)."""
   local = next(d for d in mesh.devices.flat if d.process_index == jax.process_index())
-  stats = local.memory_stats() or {}
-  capacity = stats.get("bytes_limit")
+  capacity = device_capacity(local)
   if not capacity:
     return None
   model_config = factories.model_config_from(config, config.data.vocab_size or config.model.vocab_size,
                                              local.platform)
-  report = compile_report(build_programs(config, model_config, mesh, decode_rows=0).train)
+  train_step, args = build_programs(config, model_config, mesh, decode_rows=0).train
+  _, report = timed_compile(lambda: train_step.compile(*args))
   check_fits(report, capacity)
-  return report
+  return CheckedStep(config=config, model_config=factories.train_model_config(config, model_config, 1),
+                     train_step=train_step, report=report)
 
 
 def fit_candidates(config: ExperimentConfig, num_devices: int, max_accum: int = 8) -> list[ExperimentConfig]:
@@ -358,11 +394,14 @@ def uncovered_ops(report: CompiledReport) -> int:
   return -math.floor(report.optimal_seconds)
 
 
-def step_estimate(report: CompiledReport, topology: accelerators.Topology) -> tuple[float, str]:
+def step_estimate(report: CompiledReport, topology: accelerators.Topology) -> tuple[Optional[float], str]:
   """(seconds, source) of one step on one device. 'compiler': `optimal_seconds` as given (positive);
   'compiler-N': its known part once the -1 s of each of the N ops it left out is removed (`uncovered_ops`;
   read only where the roofline is under 0.5 s, so that the whole seconds cannot be the known part's);
-  'roofline': `roofline_seconds`, where the compiler gives nothing readable."""
+  'roofline': `roofline_seconds`, where the compiler gives nothing readable; (None, 'no cost analysis') where
+  the compiler gives no cost at all (XLA's compile-only GPU client: no FLOPs, bytes or estimate)."""
+  if report.optimal_seconds is None and not report.flops and not report.bytes_accessed:
+    return None, "no cost analysis"
   roofline = roofline_seconds(report, topology)
   if report.optimal_seconds is None:
     return roofline, "roofline"

@@ -84,6 +84,7 @@ class Run:
   mesh: jax.sharding.Mesh
   rules: tuple
   writer: MetricWriter           # metrics.jsonl and the trackers (`config.trackers`), opened by `prepare`
+  checked_step: plan.CheckedStep | None = None  # the train step the fit check compiled (TPU, GPU), reused
 
   @property
   def is_chief(self) -> bool:
@@ -154,11 +155,12 @@ def prepare(config: ExperimentConfig, workdir: str) -> Run:
   check_logged_metrics(config)  # a config built without `from_config_dict` has not been validated
   mesh = sharding.mesh_from_config(config.mesh)
   check_batch_rows(config.data, mesh)
-  plan.check_run_fits(config, mesh)  # on an accelerator: a train step that cannot fit is refused here
+  checked_step = plan.check_run_fits(config, mesh)  # on an accelerator: a step that cannot fit is refused here
   # A tracker that cannot start is refused (trackers.TrackerError) before we write anything.
   writer = MetricWriter.open(config.tracker_options(), run_dir, enabled=jax.process_index() == 0)
   try:
-    return _prepare_run(config, run_dir, saved, untrained_import, mesh, writer)
+    return dataclasses.replace(_prepare_run(config, run_dir, saved, untrained_import, mesh, writer),
+                               checked_step=checked_step)
   except BaseException:
     writer.close()
     raise
@@ -221,10 +223,13 @@ def init_or_restore(run: Run, checkpointer: checkpoint_lib.Checkpointer) -> Star
 def compile_program(run: Run, config: ExperimentConfig, resolved_config: dict, state: steps.TrainState,
                     step: int) -> Program:
   """The `Program` for update `step` onwards: `config`'s schedule and the dropout rate it sets there
-  (`factories.train_model_config`), compiled for `state`'s shardings."""
+  (`factories.train_model_config`), compiled for `state`'s shardings: the fit check's step where it is the
+  same program (`Run.checked_step`; compiled once per run), else a new one."""
   model_config = factories.train_model_config(config, run.model_config, step)
+  checked = run.checked_step and run.checked_step.step_for(config, model_config)
+  train_step = checked or factories.make_train_step(config, model_config, run.mesh, state, run.rules)
   return Program(config=config, resolved_config=resolved_config, dropout_rate=model_config.dropout_rate,
-                 train_step=factories.make_train_step(config, model_config, run.mesh, state, run.rules))
+                 train_step=train_step)
 
 
 def apply_budget(run: Run, program: Program, state: steps.TrainState, decision: budget_lib.BudgetDecision,
