@@ -2,6 +2,7 @@
 n-best lists with scores, sampling (top-p, seeds), forced scoring, prefixes, alignments, ensembles, bad
 combinations. Numbers are checked against the model's teacher-forced log-probs and NumPy recomputations."""
 
+import dataclasses
 import json
 
 import jax.numpy as jnp
@@ -10,7 +11,7 @@ import pytest
 
 from tests.test_experiments import TINY_OVERRIDES, _run
 from transformer_jax import decoding
-from transformer_jax.decoding import ensemble, generate, inference, scoring
+from transformer_jax.decoding import ensemble, generate, inference, mbr, scoring
 from transformer_jax.model import Transformer
 from transformer_jax.run import trained
 from transformer_jax.training import loss as loss_lib
@@ -265,6 +266,22 @@ def test_ensemble_of_one_step_is_that_step(model):
   assert inference.decode_ids([params], config, ids, options) == inference.decode_ids(params, config, ids, options)
   step = decoding.transformer_step_fn(params, config, jnp.asarray([ids[0]]), 8)
   assert ensemble.ensemble_step([step]) is step
+
+
+def test_mbr_puts_its_choice_first_in_the_n_best_list_and_keeps_blank_lines(model):
+  config, params, tokenizer = model
+  plain = generate.DecodeOptions(beam_size=3, nbest=3, token_log_probs=False)
+  lists = inference.decode_texts(params, config, tokenizer, LINES, plain)
+  chosen = inference.decode_texts(params, config, tokenizer, LINES,
+                                  dataclasses.replace(plain, mbr_utility="chrf", nbest=2))
+  for hyps, mbr_hyps in zip(lists, chosen):
+    if not hyps:
+      assert mbr_hyps == []  # a blank line stays blank
+      continue
+    k = mbr.select([tokenizer.decode(h.ids) for h in hyps], [h.log_prob for h in hyps], "chrf")
+    assert mbr_hyps == ([hyps[k]] + hyps[:k] + hyps[k + 1:])[:2]
+  assert inference.translate_texts(params, config, tokenizer, LINES, beam_size=3, mbr_utility="chrf") == [
+      tokenizer.decode(h[0].ids) if h else "" for h in chosen]
 
 
 @pytest.mark.slow

@@ -471,7 +471,7 @@ def mbr_first(lists: Sequence[list[Hypothesis]], tokenizer, mbr_utility: str,
   utility = mbr.utility_fn(mbr_utility, target_lang)
   chosen = [mbr.select([tokenizer.decode(h.ids) for h in hyps], [h.log_prob for h in hyps], utility) if hyps else 0
             for hyps in lists]
-  return [[hyps[k]] + hyps[:k] + hyps[k + 1:] for hyps, k in zip(lists, chosen)]
+  return [[hyps[k]] + hyps[:k] + hyps[k + 1:] if hyps else [] for hyps, k in zip(lists, chosen)]
 
 
 def _forced_target(tokenizer, text: str, what: str, index: int) -> list[int]:
