@@ -18,9 +18,10 @@ from absl import flags
 
 import launch
 from experiments import decoding
-from transformer_jax import corpus, multihost
+from transformer_jax import multihost
 from transformer_jax.data import noise
 from transformer_jax.run import trained
+from transformer_jax.serving import corpus
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("workdir", None, "The training run's --workdir.")

@@ -1,4 +1,4 @@
-"""Corpus translation (`transformer_jax.corpus`, `experiments.translate_corpus`): shards, manifest, exactly once.
+"""Corpus translation (`transformer_jax.serving.corpus`, `experiments.translate_corpus`): shards, manifest, exactly once.
 
 The cheap tests drive the library with a pure-Python translator; the slow one runs the program on a tiny trained
 model in 2 processes joined by jax.distributed, kills one with SIGKILL part-way, restarts, and compares bytes.
@@ -15,7 +15,7 @@ import pytest
 
 import helpers
 
-from transformer_jax import corpus
+from transformer_jax.serving import corpus
 from transformer_jax.data import noise, parallel_text
 
 REPO = helpers.REPO

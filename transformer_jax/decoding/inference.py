@@ -150,7 +150,7 @@ def decode_ids(params, config: ModelConfig, sources: Sequence[Sequence[int]],
       with `constraints.satisfied` (a phrase that cannot fit the length limit leaves the output unfinished).
     seed: sampling's seed, in [0, MAX_SEED]; source i samples with `fold_in(PRNGKey(seed), first_index + i)`,
       whatever the batching (`first_index`: the line number of `sources[0]` in a corpus decoded in parts,
-      `transformer_jax.corpus`).
+      `transformer_jax.serving.corpus`).
     extra_len: each output has at most `len(source) + extra_len` tokens, EOS included (the paper: 50), where
       `len(source)` counts the source ids before EOS is appended; also capped by `config.max_len`.
     max_tokens_per_batch: rows per batch = this // the padded source length (ignored if `batch_size`).
@@ -196,7 +196,7 @@ def decode_groups(params, config: ModelConfig, groups: Iterable[tuple[Any, Seque
   `groups` yields `(key, sources, first_index)` (token ids as `decode_ids` takes them; source i of a group
   samples with line number `first_index + i`); this yields `(key, per-source Hypothesis lists)` as each group's
   last source is decoded (groups can finish out of order). Batches fill from every open group, so a stream of
-  small groups (`transformer_jax.corpus`'s shards) runs the full batches of one `decode_ids` call over them all;
+  small groups (`transformer_jax.serving.corpus`'s shards) runs the full batches of one `decode_ids` call over them all;
   at most `max_open_groups` (>= 1) groups wait for a batch at once (the oldest is flushed first), so memory is
   flat in the stream's length. A source's output does not depend on which other sources share its batch
   (row-wise arithmetic; a batch's shape is (bucket rows, bucket) as in `decode_ids`). Raises ValueError as
