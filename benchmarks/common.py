@@ -25,7 +25,7 @@ from transformer_jax import config as presets
 from transformer_jax import decoding, sharding
 from transformer_jax.config import ModelConfig
 from transformer_jax.data import number_words as nw
-from transformer_jax.data import pipeline
+from transformer_jax.data import id_shards, pipeline
 from transformer_jax.data import tokenizer as tok_lib
 from transformer_jax.data.batching import filter_by_length
 from transformer_jax.run import factories
@@ -148,8 +148,8 @@ def packed_stream(corpus: Corpus, tokens_per_batch: int, row_length: int, seed: 
   """The trainer's input pipeline over `corpus`'s training ids (written once as id shards in the cache)."""
   key = {"corpus": corpus.name, "tokenizer": corpus.tokenizer_path, "pairs": len(corpus.sources),
          "target_tokens": int(sum(map(len, corpus.targets)))}
-  directory = pipeline.key_directory(CACHE / "ids", key)
-  shards = pipeline.IdShards.open(directory) or pipeline.write_id_arrays(
+  directory = id_shards.key_directory(CACHE / "ids", key)
+  shards = id_shards.IdShards.open(directory) or id_shards.write_id_arrays(
       directory, key, corpus.sources, corpus.targets, corpus.vocab_size)
   return pipeline.TrainStream(shards, tokens_per_batch=tokens_per_batch, row_length=row_length,
                               pad_id=presets.PAD_ID, seed=seed)

@@ -36,7 +36,7 @@ from absl import flags
 import launch
 from benchmarks import common
 from transformer_jax import sharding
-from transformer_jax.data import pipeline
+from transformer_jax.data import id_shards, pipeline
 from transformer_jax.run import run_checks
 from transformer_jax.run.experiment_config import ExperimentConfig
 from transformer_jax.workdir import Workdir
@@ -82,11 +82,11 @@ def variant_config(base: ml_collections.ConfigDict, config_file: str, vocab_size
   return ExperimentConfig.from_config_dict(config)
 
 
-def train_ids(workdir: str) -> tuple[pipeline.IdShards, int]:
+def train_ids(workdir: str) -> tuple[id_shards.IdShards, int]:
   """The workdir's training id shards and its vocabulary size; FileNotFoundError names what is missing."""
   run_dir = Workdir(workdir)
   ids_path, config_json = os.fspath(run_dir.token_ids("train")), os.fspath(run_dir.config_json)
-  shards = pipeline.IdShards.newest(ids_path)
+  shards = id_shards.IdShards.newest(ids_path)
   for path, present in ((ids_path, shards is not None), (config_json, os.path.exists(config_json))):
     if not present:
       raise FileNotFoundError(f"{path} does not exist or is incomplete (run experiments.train or "
@@ -94,7 +94,7 @@ def train_ids(workdir: str) -> tuple[pipeline.IdShards, int]:
   return shards, int(run_dir.require_config()["model"]["vocab_size"])
 
 
-def build_variant(name: str, config: ExperimentConfig, shards: pipeline.IdShards, batches: int) -> dict:
+def build_variant(name: str, config: ExperimentConfig, shards: id_shards.IdShards, batches: int) -> dict:
   """Variant `name`'s compiled step on its own mesh and `batches` of its own packed batches, after one step (which
   compiles). ValueError when its devices or rows do not fit this process."""
   devices = max(config.num_cpu_devices, 1)

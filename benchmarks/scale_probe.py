@@ -37,7 +37,7 @@ from absl import flags
 import launch
 from benchmarks import common
 from experiments.configs import multi30k as multi30k_config
-from transformer_jax.data import pipeline
+from transformer_jax.data import id_shards, packing, pipeline
 from transformer_jax.data import tokenizer as tok_lib
 
 REPO = Path(__file__).resolve().parents[1]
@@ -111,7 +111,7 @@ def step_seconds(log: str) -> dict[int, float]:
   return {k: (t - stamps[k - 1]) % 86_400 for k, t in stamps.items() if k - 1 in stamps}
 
 
-def epoch_boundaries(shards: pipeline.IdShards, tokens: int, row_length: int, steps: int) -> set[int]:
+def epoch_boundaries(shards: id_shards.IdShards, tokens: int, row_length: int, steps: int) -> set[int]:
   """The training steps (1-based) whose batch holds the first pairs of a new epoch: the same stream the run read
   (seed 0, one process), replayed batch by batch."""
   stream = pipeline.TrainStream(shards, tokens_per_batch=tokens, row_length=row_length, pad_id=tok_lib.PAD_ID)
@@ -133,7 +133,7 @@ def epoch_stalls(multi30k: Path, root: Path, pairs: int, steps: int, tokens: int
   if workdir.exists():
     shutil.rmtree(workdir)
   seconds = step_seconds(run_train(corpus, workdir, steps, tokens, vocab_size=2000)["log"])
-  shards = pipeline.IdShards.newest(workdir / "data" / "train.ids")
+  shards = id_shards.IdShards.newest(workdir / "data" / "train.ids")
   boundaries = epoch_boundaries(shards, tokens, 256, steps) & set(seconds)
   every = np.asarray([seconds[k] for k in sorted(seconds) if k > 2])  # steps 1-2 compile
   at = np.asarray([seconds[k] for k in sorted(boundaries) if k > 2])
@@ -148,14 +148,14 @@ def last_step(workdir: Path) -> int:
 
 
 class _Unchunk(grain.experimental.FlatMapTransform):
-  max_fan_out = pipeline.READ_CHUNK
+  max_fan_out = packing.READ_CHUNK
 
   def flat_map(self, element):
     return element
 
 
 def grain_first_fit(chunks: Callable[[int], list], rows: int, row_length: int, pad_id: int) -> Iterator[dict]:
-  """grain's own first-fit packer and batching over `chunks` (what `pipeline.FirstFitBatches` replaces), with
+  """grain's own first-fit packer and batching over `chunks` (what `packing.FirstFitBatches` replaces), with
   the pipeline's key names: the reference its batches equal (tests) and its speed is compared with."""
   chunk_stream = grain.MapDataset.range(1 << 40).map(chunks).to_iter_dataset()
   stream = grain.experimental.FlatMapIterDataset(chunk_stream, _Unchunk())
@@ -178,9 +178,9 @@ def _rate(batches: Iterator[dict], count: int) -> tuple[float, np.ndarray, int]:
   return time.perf_counter() - start, real, slots
 
 
-def pipeline_rate(shards: pipeline.IdShards, tokens: int, row_length: int, batches: int, rounds: int = 3) -> dict:
+def pipeline_rate(shards: id_shards.IdShards, tokens: int, row_length: int, batches: int, rounds: int = 3) -> dict:
   """Packed target tokens/s of `TrainStream` over `shards` after its first batch, its packing efficiency, and
-  the same stream's reading and packing without the prefetch thread, `pipeline.FirstFitBatches` against grain's
+  the same stream's reading and packing without the prefetch thread, `packing.FirstFitBatches` against grain's
   `FirstFitPackIterDataset` (`grain_first_fit`), alternating, `rounds` each: the median ratio of their times."""
   stream = pipeline.TrainStream(shards, tokens_per_batch=tokens, row_length=row_length, pad_id=tok_lib.PAD_ID)
   seconds, real, slots = _rate(stream, batches)
@@ -188,7 +188,7 @@ def pipeline_rate(shards: pipeline.IdShards, tokens: int, row_length: int, batch
   rows = stream.rows_per_batch
   times = {"ours": [], "grain": []}
   for _ in range(rounds):
-    times["ours"].append(_rate(iter(pipeline.FirstFitBatches(chunks, rows, row_length, tok_lib.PAD_ID)),
+    times["ours"].append(_rate(iter(packing.FirstFitBatches(chunks, rows, row_length, tok_lib.PAD_ID)),
                                batches)[0])
     times["grain"].append(_rate(grain_first_fit(chunks, rows, row_length, tok_lib.PAD_ID), batches)[0])
   return {"target_tokens_per_s": real[1] / seconds, "source_eff": real[0] / slots, "target_eff": real[1] / slots,
@@ -205,7 +205,7 @@ def multi30k_packing(multi30k: Path, root: Path, batches: int) -> tuple[float, f
   tok = tok_lib.Tokenizer(str(path)) if path.exists() else tok_lib.train_tokenizer(
       en + de, str(path), config.data.vocab_size)
   sources, targets = tok_lib.encode_pairs(tok, list(zip(en, de)))
-  shards = pipeline.write_id_arrays(root / "multi30k_ids" / str(time.time_ns()), {"probe": 1}, sources, targets,
+  shards = id_shards.write_id_arrays(root / "multi30k_ids" / str(time.time_ns()), {"probe": 1}, sources, targets,
                                     tok.vocab_size)
   stream = pipeline.TrainStream(shards, tokens_per_batch=config.data.tokens_per_batch,
                                 row_length=config.data.max_len, pad_id=tok.pad_id)
@@ -254,7 +254,7 @@ def main() -> None:
     chars = build_corpus(multi30k, corpus, n)
     fresh = None if FLAGS.restart_only else run_train(corpus, workdir, FLAGS.steps, FLAGS.tokens)
     restart = run_train(corpus, workdir, last_step(workdir) + FLAGS.steps, FLAGS.tokens)
-    shards = pipeline.IdShards.newest(workdir / "data" / "train.ids")
+    shards = id_shards.IdShards.newest(workdir / "data" / "train.ids")
     disk = sum(os.path.getsize(p) for p in shards.directory.iterdir())
     rate = pipeline_rate(shards, FLAGS.pipeline_tokens, 256, FLAGS.pipeline_batches)
     first = f"{fresh['first_step_s']:.1f} s, {fresh['peak_rss_gb']:.2f} GB" if fresh else "-"

@@ -23,7 +23,7 @@ _DATA = """
     from experiments.configs import number_words
     from transformer_jax.data import datasets, pipeline
     from transformer_jax.run.experiment_config import ExperimentConfig
-    pipeline.SHARD_PAIRS = 500  # 4 shards of the tiny split: each process writes two
+    id_shards.SHARD_PAIRS = 500  # 4 shards of the tiny split: each process writes two
     cfg = dataclasses.replace(ExperimentConfig.from_config_dict(number_words.get_config()).data, builder_config="tiny",
                               vocab_size=128, tfds_data_dir=sys.argv[3] + "/tfds", max_len=32, tokens_per_batch=16 * 32)
     data = datasets.build_datasets(cfg, sys.argv[3] + "/work", seed=0, process_index=jax.process_index(),

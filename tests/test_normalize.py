@@ -14,7 +14,7 @@ import sacrebleu
 import sentencepiece as spm
 
 from transformer_jax import config as C
-from transformer_jax.data import datasets, normalize, parallel_text, pipeline, token_cache, tokenizer as tok_lib
+from transformer_jax.data import datasets, id_shards, normalize, parallel_text, token_cache, tokenizer as tok_lib
 from transformer_jax.evaluation import metrics
 from transformer_jax.run.experiment_config import DataConfig
 
@@ -267,9 +267,9 @@ def test_token_ids_are_keyed_by_the_normalisation(tmp_path):
   meta = shards.manifest
   assert meta["normalization"] == normalize.signature()
   key = {k: meta[k] for k in ("dataset", "split", "source", "target", "vocab_sha256", "normalization")}
-  assert pipeline.IdShards.open(shards.directory, key) is not None
-  assert pipeline.IdShards.open(shards.directory, dict(key, normalization="none")) is None
-  other = pipeline.key_directory(shards.directory.parent, dict(key, normalization="none"))
+  assert id_shards.IdShards.open(shards.directory, key) is not None
+  assert id_shards.IdShards.open(shards.directory, dict(key, normalization="none")) is None
+  other = id_shards.key_directory(shards.directory.parent, dict(key, normalization="none"))
   assert other != shards.directory  # ids of another normalisation would live elsewhere, never be read here
   rebuilt = datasets.build_datasets(cfg, work, seed=0)
   assert rebuilt.train.shards.read_all()[0][0].tolist() == rebuilt.tokenizer.encode(en[0])

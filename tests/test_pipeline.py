@@ -17,7 +17,7 @@ from etils import epath
 import grain
 from benchmarks import scale_probe
 from transformer_jax import config as C
-from transformer_jax.data import pipeline
+from transformer_jax.data import id_shards, packing, pipeline
 from transformer_jax.model import Transformer
 from transformer_jax.training import eval_step
 from transformer_jax.training.loss import label_smoothed_cross_entropy, token_weights
@@ -39,7 +39,7 @@ def _corpus(n, seed=0, src=(3, 14), tgt=(2, 10), eos=C.EOS_ID, long_every=0):
 
 
 def _shards(tmp_path, sources, targets, shard_pairs=97):
-  return pipeline.write_id_arrays(epath.Path(tmp_path) / "ids", {"test": 1}, sources, targets, vocab_size=40,
+  return id_shards.write_id_arrays(epath.Path(tmp_path) / "ids", {"test": 1}, sources, targets, vocab_size=40,
                                   shard_pairs=shard_pairs)
 
 
@@ -86,9 +86,9 @@ def test_shards_round_trip_ids_lengths_and_counts(tmp_path):
   for a, b in zip(got_s + got_t, sources + targets):
     np.testing.assert_array_equal(a, b)
   np.testing.assert_array_equal(shards.lengths, [[len(s), len(t)] for s, t in zip(sources, targets)])
-  assert pipeline.IdShards.open(shards.directory, {"test": 2}) is None  # another key: not these ids
-  (shards.directory / pipeline.shard_name("done", 2, 4, "json")).unlink()  # an interrupted preparation
-  assert pipeline.IdShards.open(shards.directory, {"test": 1}) is None
+  assert id_shards.IdShards.open(shards.directory, {"test": 2}) is None  # another key: not these ids
+  (shards.directory / id_shards.shard_name("done", 2, 4, "json")).unlink()  # an interrupted preparation
+  assert id_shards.IdShards.open(shards.directory, {"test": 1}) is None
 
 
 def test_a_reader_never_sees_a_half_written_file_while_another_process_rewrites_them(tmp_path):
@@ -101,13 +101,13 @@ def test_a_reader_never_sees_a_half_written_file_while_another_process_rewrites_
 
   def rewrite():
     while not stop.is_set():
-      pipeline.write_manifest(shards.directory, {"test": 1}, 2, vocab_size=40)
-      pipeline.write_shard(shards.directory, 1, 2, [("", "")] * 100, sources[100:], targets[100:], dtype)
+      id_shards.write_manifest(shards.directory, {"test": 1}, 2, vocab_size=40)
+      id_shards.write_shard(shards.directory, 1, 2, [("", "")] * 100, sources[100:], targets[100:], dtype)
 
   writer = threading.Thread(target=rewrite)
   writer.start()
   try:
-    opened = [pipeline.IdShards.open(shards.directory, {"test": 1}) for _ in range(300)]
+    opened = [id_shards.IdShards.open(shards.directory, {"test": 1}) for _ in range(300)]
   finally:
     stop.set()
     writer.join()
@@ -116,8 +116,8 @@ def test_a_reader_never_sees_a_half_written_file_while_another_process_rewrites_
 
 
 def test_record_keeps_texts_and_large_vocabulary_ids():
-  raw = pipeline.encode_record([70000, 1], [5, 1], "häus", "maison", np.int32)
-  out = pipeline.decode_record(raw, np.int32, texts=True)
+  raw = id_shards.encode_record([70000, 1], [5, 1], "häus", "maison", np.int32)
+  out = id_shards.decode_record(raw, np.int32, texts=True)
   np.testing.assert_array_equal(out["inputs"], [70000, 1])
   np.testing.assert_array_equal(out["targets"], [5, 1])
   assert out["texts"] == ("häus", "maison")
@@ -159,7 +159,7 @@ def test_first_fit_batches_equal_grains_first_fit_packer(tmp_path, rows, row):
   sources, targets = _corpus(400, seed=rows, long_every=40)
   stream = _stream(_shards(tmp_path, sources, targets), rows=rows, row=row)
   chunks = pipeline.ReadChunk(stream.shards, stream.kept, stream.order)
-  ours, reference = iter(pipeline.FirstFitBatches(chunks, rows, row, PAD)), scale_probe.grain_first_fit(chunks, rows, row, PAD)
+  ours, reference = iter(packing.FirstFitBatches(chunks, rows, row, PAD)), scale_probe.grain_first_fit(chunks, rows, row, PAD)
   states = []
   for _ in range(60):  # several epochs
     states.append(ours.get_state())
@@ -167,13 +167,13 @@ def test_first_fit_batches_equal_grains_first_fit_packer(tmp_path, rows, row):
     assert mine.keys() == theirs.keys()
     for key in mine:
       np.testing.assert_array_equal(mine[key], theirs[key], err_msg=key)
-  again = iter(pipeline.FirstFitBatches(chunks, rows, row, PAD))
+  again = iter(packing.FirstFitBatches(chunks, rows, row, PAD))
   again.set_state(states[37])
-  replay = iter(pipeline.FirstFitBatches(chunks, rows, row, PAD))
+  replay = iter(packing.FirstFitBatches(chunks, rows, row, PAD))
   for _ in range(37):
     next(replay)
   resumed, uninterrupted = next(again), next(replay)
-  for key in pipeline.BATCH_KEYS:
+  for key in packing.BATCH_KEYS:
     np.testing.assert_array_equal(resumed[key], uninterrupted[key], err_msg=key)
 
 
@@ -181,7 +181,7 @@ def test_first_fit_batches_equal_grains_first_fit_packer(tmp_path, rows, row):
 def test_packed_batch_layout(tmp_path, ids):
   sources, targets = _corpus(50, eos=ids["eos_id"])
   batch = next(_stream(_shards(tmp_path, sources, targets), rows=4, pad_id=ids["pad_id"]))
-  assert {k: (v.shape, v.dtype) for k, v in batch.items()} == {k: ((4, 32), np.int32) for k in pipeline.BATCH_KEYS}
+  assert {k: (v.shape, v.dtype) for k, v in batch.items()} == {k: ((4, 32), np.int32) for k in packing.BATCH_KEYS}
   for r, row in enumerate(_examples(batch)):
     for side, seqs in (("inputs", sources), ("targets", targets)):
       offset = 0
@@ -212,7 +212,7 @@ def test_packed_row_gives_the_same_per_example_loss_as_examples_alone(tmp_path, 
   rows = _examples(batch)
   batch = {k: jnp.asarray(v) for k, v in batch.items()}
   params = nn.unbox(model.init(jax.random.key(0), batch["inputs"], batch["targets"])["params"])
-  kwargs = {k: batch[k] for k in pipeline.BATCH_KEYS[2:]}
+  kwargs = {k: batch[k] for k in packing.BATCH_KEYS[2:]}
   packed_loss, _ = label_smoothed_cross_entropy(
       model.apply({"params": params}, batch["inputs"], batch["targets"], **kwargs), batch["targets"])
   order = [i for row in rows for i in row]
@@ -258,7 +258,7 @@ def test_exact_resume_replays_the_same_batches_across_an_epoch_boundary(tmp_path
   resumed.set_state(state)
   for expected in reference[37:]:
     got = next(resumed)
-    for key in pipeline.BATCH_KEYS:
+    for key in packing.BATCH_KEYS:
       np.testing.assert_array_equal(got[key], expected[key])
 
 

@@ -1,6 +1,6 @@
 """`benchmarks.recipe_speed`: variants of a recipe timed side by side on a workdir's cached ids.
 
-A workdir is faked with what a run leaves (id shards in `data/train.ids/` through `pipeline.write_id_arrays`,
+A workdir is faked with what a run leaves (id shards in `data/train.ids/` through `id_shards.write_id_arrays`,
 `config.json`); the
 probe must build each variant's own batches and compiled step, report one row per variant with the reference
 first, and refuse bad variants and missing workdirs in one line without writing anything.
@@ -17,7 +17,7 @@ from etils import epath
 
 from benchmarks import recipe_speed
 from experiments.configs import multi30k
-from transformer_jax.data import pipeline
+from transformer_jax.data import id_shards
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RECIPE = "experiments/configs/multi30k.py"
@@ -30,7 +30,7 @@ def workdir(tmp_path):
   pairs = [(rng.integers(4, 200, rng.integers(3, 30)), rng.integers(4, 200, rng.integers(3, 30)))
            for _ in range(300)]
   eos = np.array([3])
-  pipeline.write_id_arrays(epath.Path(tmp_path) / "data" / "train.ids" / "k", {"test": 1},
+  id_shards.write_id_arrays(epath.Path(tmp_path) / "data" / "train.ids" / "k", {"test": 1},
                            [np.concatenate([s, eos]) for s, _ in pairs], [np.concatenate([t, eos]) for _, t in pairs],
                            vocab_size=200)
   (tmp_path / "config.json").write_text(json.dumps({"model": {"vocab_size": 200}}))
@@ -38,7 +38,7 @@ def workdir(tmp_path):
 
 
 def test_the_workdirs_id_shards_are_found(workdir):
-  sources, targets = pipeline.IdShards.newest(workdir / "data" / "train.ids").read_all()
+  sources, targets = id_shards.IdShards.newest(workdir / "data" / "train.ids").read_all()
   assert len(sources) == len(targets) == 300
   assert all(s.dtype == np.int32 and s[-1] == 3 for s in sources)
 

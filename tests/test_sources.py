@@ -90,7 +90,7 @@ def test_parallel_text_pipeline_skips_blank_in_training_keeps_in_eval(small_corp
 
 def test_training_ids_are_written_once_and_reused_only_for_the_same_data_and_vocabulary(small_corpus, tmp_path,
                                                                                         monkeypatch):
-  from transformer_jax.data import pipeline
+  from transformer_jax.data import id_shards
   cfg = _data_config(dir=str(small_corpus))
   work = str(tmp_path / "work")
   first = datasets.build_datasets(cfg, work, seed=0)
@@ -115,11 +115,11 @@ def test_training_ids_are_written_once_and_reused_only_for_the_same_data_and_voc
 
   # ... and ignores them for another vocabulary (or dataset, split, languages): those would live elsewhere.
   key = {k: shards.manifest[k] for k in ("dataset", "split", "source", "target", "vocab_sha256", "normalization")}
-  assert pipeline.IdShards.open(shards.directory, dict(key, vocab_sha256="0" * 64)) is None
-  assert pipeline.key_directory(shards.directory.parent, dict(key, split="train[:10]")) != shards.directory
-  (shards.directory / pipeline.shard_name("done", 0, 1, "json")).unlink()  # an interrupted preparation
+  assert id_shards.IdShards.open(shards.directory, dict(key, vocab_sha256="0" * 64)) is None
+  assert id_shards.key_directory(shards.directory.parent, dict(key, split="train[:10]")) != shards.directory
+  (shards.directory / id_shards.shard_name("done", 0, 1, "json")).unlink()  # an interrupted preparation
   third = datasets.build_datasets(cfg, work, seed=0)  # the missing shard is encoded again
-  assert third.stats == first.stats and pipeline.IdShards.open(shards.directory, key) is not None
+  assert third.stats == first.stats and id_shards.IdShards.open(shards.directory, key) is not None
 
 
 def test_parallel_text_dataset_is_built_once_and_reused(small_corpus, tmp_path, monkeypatch):

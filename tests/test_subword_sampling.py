@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from experiments.configs import default
-from transformer_jax.data import datasets, pipeline, subword_sampling
+from transformer_jax.data import datasets, packing, subword_sampling
 from transformer_jax.data import tokenizer as tok_lib
 from transformer_jax.run.experiment_config import ConfigError, DataConfig, ExperimentConfig
 
@@ -126,7 +126,7 @@ def test_training_batches_sample_and_resume_exactly_and_evaluation_does_not(tmp_
   resumed.train.set_state({"processes": [interrupted.train.get_state()]})
   for expected in reference[13:]:
     got = next(resumed.train)
-    for key in pipeline.BATCH_KEYS:
+    for key in packing.BATCH_KEYS:
       np.testing.assert_array_equal(got[key], expected[key])
 
 

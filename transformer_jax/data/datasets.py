@@ -23,7 +23,7 @@ import numpy as np
 import tensorflow_datasets as tfds
 from etils import epath
 
-from transformer_jax.data import batching, normalize, pipeline, records, sources, token_cache
+from transformer_jax.data import batching, id_shards, normalize, pipeline, records, sources, token_cache
 from transformer_jax.data import tokenizer as tokenizer_lib
 from transformer_jax.data.config import DataConfig
 from transformer_jax.data.marian_vocab import TOKENIZER_NAME as MARIAN_TOKENIZER
@@ -116,8 +116,8 @@ def ids_root(workdir: str, split: str) -> epath.Path:
 def prepare_ids(data_config: DataConfig, workdir: str, builder, source_key: str, target_key: str, *,
                 process_index: int = 0, process_count: int = 1,
                 barrier: Callable[[str], None] | None = None) -> tuple[tokenizer_lib.TextTokenizer,
-                                                                      pipeline.IdShards]:
-  """The run's vocabulary and the training split's id shards, made the first time (`pipeline.write_shards`).
+                                                                      id_shards.IdShards]:
+  """The run's vocabulary and the training split's id shards, made the first time (`id_shards.write_shards`).
 
   A missing SentencePiece vocabulary is trained by process 0 on an evenly spaced sample of
   `data.vocab_max_sentences` lines (`pipeline.evenly_spaced_splits`: the corpus is not read for it), the other
@@ -143,19 +143,19 @@ def prepare_ids(data_config: DataConfig, workdir: str, builder, source_key: str,
   tok = open_tokenizer(data_config, workdir)
   key = token_cache.cache_key(builder.info.full_name, split, source_key, target_key,
                               vocab_path(data_config, workdir), normalize.signature(tok.normalization, tok.lowercase))
-  directory = pipeline.key_directory(ids_root(workdir, split), key)
-  shards = pipeline.IdShards.open(directory, key)
-  shard_splits = tfds.even_splits(split, max(1, -(-pairs // pipeline.SHARD_PAIRS)))
+  directory = id_shards.key_directory(ids_root(workdir, split), key)
+  shards = id_shards.IdShards.open(directory, key)
+  shard_splits = tfds.even_splits(split, max(1, -(-pairs // id_shards.SHARD_PAIRS)))
   start, wrote = time.perf_counter(), 0
   if shards is None:
-    wrote = pipeline.write_shards(directory, key, shard_splits, read, tok, process_index=process_index,
+    wrote = id_shards.write_shards(directory, key, shard_splits, read, tok, process_index=process_index,
                                   process_count=process_count)
   if barrier:
     barrier("token ids")
   if shards is None:
     if barrier:  # the shards of processes whose files this one cannot see (workdirs that are not shared)
-      wrote += pipeline.write_shards(directory, key, shard_splits, read, tok, only_mine=False)
-    shards = pipeline.IdShards.open(directory, key)
+      wrote += id_shards.write_shards(directory, key, shard_splits, read, tok, only_mine=False)
+    shards = id_shards.IdShards.open(directory, key)
     logging.info("Tokenised %d of the %d shards of %s into %s in %.1fs", wrote, len(shard_splits), split,
                  directory, time.perf_counter() - start)
   if shards is None:  # every shard was written: only another writer of other ids in this directory gets here

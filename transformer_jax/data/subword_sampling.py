@@ -41,7 +41,7 @@ class PairSampler:
       the unregularised one up to there (a late regulariser, as `config.dropout_schedule`).
     max_len: the row length; a sampled side longer than it falls back to the deterministic pair.
 
-  The pair is `{"inputs", "targets", "texts"}` (`pipeline.decode_record(..., texts=True)`); "texts" is dropped.
+  The pair is `{"inputs", "targets", "texts"}` (`id_shards.decode_record(..., texts=True)`); "texts" is dropped.
 
   Raises:
     ValueError: `alpha` is outside (0, 1), or `from_epoch` < 0.

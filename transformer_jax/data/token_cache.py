@@ -1,12 +1,12 @@
 """The key of the training split's stored token ids: what they were encoded from.
 
-The training split is encoded once into id shards (`pipeline.write_shards`, in `<workdir>/data/<split>.ids/`), so
+The training split is encoded once into id shards (`id_shards.write_shards`, in `<workdir>/data/<split>.ids/`), so
 a restart does not re-read and re-encode it (tens of minutes for WMT14 EN-FR's 36M pairs on a small host).
 They are read only under the same key: the same dataset (tfds full name: builder, config - for local text
 files a fingerprint of their contents - and version), split, language keys, vocabulary (SHA-256 of the
 SentencePiece model, or of the files of a Marian tokenizer directory) and the text normalisation the ids were
 encoded with (`normalize.signature`: its version and the Unicode database of NFC); the shards of another key
-live in another directory (`pipeline.key_directory`).
+live in another directory (`id_shards.key_directory`).
 """
 
 from __future__ import annotations
