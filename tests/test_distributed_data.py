@@ -21,7 +21,7 @@ from transformer_jax.data.number_words import NumberWords
 _DATA = """
     import dataclasses
     from experiments.configs import number_words
-    from transformer_jax.data import datasets, pipeline
+    from transformer_jax.data import datasets, id_shards
     from transformer_jax.run.experiment_config import ExperimentConfig
     id_shards.SHARD_PAIRS = 500  # 4 shards of the tiny split: each process writes two
     cfg = dataclasses.replace(ExperimentConfig.from_config_dict(number_words.get_config()).data, builder_config="tiny",

@@ -7,7 +7,8 @@ from etils import epath
 
 from transformer_jax.config import tiny
 from transformer_jax.data import number_words
-from transformer_jax.data.pipeline import TrainStream, write_id_arrays
+from transformer_jax.data.id_shards import write_id_arrays
+from transformer_jax.data.pipeline import TrainStream
 from transformer_jax.data.tokenizer import encode_pairs, train_tokenizer
 from transformer_jax import sharding
 from transformer_jax.training import optimizer
