@@ -32,6 +32,19 @@ EOS_ID = 3
 INT32_MAX = 2**31 - 1  # counts, sizes and ids reach JAX as int32 (shapes, indices, step counters)
 FLOAT32_MAX = 3.4028234663852886e38  # rates, epsilons and exponents reach JAX as float32
 
+def is_int32(value: Any, low: int = 0) -> bool:
+  """An integer (not a bool) in [low, INT32_MAX]: what a JAX shape, index or step counter holds. With
+  `experiment_config`'s rules, the one test of an integer config value."""
+  return isinstance(value, numbers.Integral) and not isinstance(value, bool) and low <= value <= INT32_MAX
+
+
+def is_float32(value: Any) -> bool:
+  """A finite real number (not a bool) of magnitude <= FLOAT32_MAX: what reaches JAX as a float32 finite.
+  With `experiment_config`'s rules, the one test of a number config value."""
+  return (isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
+          and abs(value) <= FLOAT32_MAX)
+
+
 # Integer fields and their smallest value (the largest is INT32_MAX); ids are also checked against vocab_size.
 _INTEGER_FIELDS = (("vocab_size", 1), ("num_encoder_layers", 1), ("num_decoder_layers", 1), ("d_model", 1),
                    ("d_ff", 1), ("num_heads", 1), ("max_len", 1), ("max_relative_position", 0),
@@ -134,7 +147,7 @@ class ModelConfig:
     rates), or of another type: before any arithmetic on it (num_heads=0 was a ZeroDivisionError)."""
     for name, low in _INTEGER_FIELDS:
       value = getattr(self, name)
-      if isinstance(value, bool) or not isinstance(value, numbers.Integral) or not low <= value <= INT32_MAX:
+      if not is_int32(value, low):
         off = " (0 = off)" if name in ("max_relative_position", "attention_window", "query_chunk_size") else ""
         raise ValueError(f"{name}={value!r} must be an integer in [{low}, {INT32_MAX}]{off}")
     for name in ("pad_id", "bos_id", "eos_id"):
@@ -144,8 +157,8 @@ class ModelConfig:
       raise ValueError(f"eos_id={self.eos_id} must differ from pad_id={self.pad_id} and bos_id={self.bos_id}")
     for name in ("dropout_rate", "attention_dropout_rate", "relu_dropout_rate", "layer_norm_epsilon"):
       value = getattr(self, name)
-      if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
-        raise ValueError(f"{name}={value!r} must be a finite number")
+      if not is_float32(value):
+        raise ValueError(f"{name}={value!r} must be a finite number (float32)")
     for name in ("dropout_rate", "attention_dropout_rate", "relu_dropout_rate"):
       if not 0.0 <= getattr(self, name) < 1.0:
         raise ValueError(f"{name}={getattr(self, name)} must be in [0, 1)")

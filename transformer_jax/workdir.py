@@ -7,7 +7,7 @@
       vocab/spm.model         the SentencePiece vocabulary (unless `data.vocab_path` names another), and
       vocab/spm.normalization.json  the text normalisation it was trained with (`data.tokenizer.stamp_path`);
       vocab/source.spm, target.spm, vocab.json  instead, for an imported Marian model (`data.tokenizer` "marian")
-      data/<split>.ids/       the training split's token ids, sharded ArrayRecord files (`data.pipeline`)
+      data/<split>.ids/       the training split's token ids, sharded ArrayRecord files (`data.id_shards`)
       tfds/                   tfds-prepared datasets (unless `data.tfds_data_dir` names another; TFRecord on gs://)
       metrics.jsonl           one JSON object per logged step: {"step", "time", "train/loss", ...}
       tensorboard/            TensorBoard event files: the same scalars, the config as HParams, sample translations
@@ -116,7 +116,7 @@ class Workdir:
     return self.vocab_dir / "spm.model"
 
   def token_ids(self, split: str) -> epath.Path:
-    """`data/<split>.ids/`, the id shards (`data.pipeline`; characters other than letters, digits, `.` and `-`
+    """`data/<split>.ids/`, the id shards (`data.id_shards`; characters other than letters, digits, `.` and `-`
     become `_`)."""
     safe = "".join(c if c.isalnum() or c in ".-" else "_" for c in split)
     return self.root / "data" / f"{safe}.ids"

@@ -17,12 +17,11 @@ Defaults are the paper's (Vaswani et al., 2017, sections 5-6) where the paper ha
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Any, Callable, Mapping
 
 import ml_collections
 
-from transformer_jax.config import FLOAT32_MAX, INT32_MAX, ModelConfig
+from transformer_jax.config import INT32_MAX, ModelConfig, is_float32, is_int32
 from transformer_jax.data.config import DataConfig
 from transformer_jax.decoding import generate
 from transformer_jax.evaluation import metrics as metrics_lib
@@ -227,8 +226,7 @@ class ConfigError(ValueError):
 
 def _integer(low: int | None = None):
   def check(value):
-    ok = (isinstance(value, int) and not isinstance(value, bool) and (low is None or value >= low)
-          and abs(value) <= INT32_MAX)
+    ok = is_int32(value, -INT32_MAX if low is None else low)
     return ok, (f"an integer >= {low} and <= {INT32_MAX}" if low is not None else
                 f"an integer of magnitude <= {INT32_MAX}")
   return check
@@ -236,8 +234,7 @@ def _integer(low: int | None = None):
 
 def _number(low: float, high: float | None = None, *, low_open: bool = False, high_open: bool = True):
   def check(value):
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-    ok = ok and abs(value) <= FLOAT32_MAX  # what reaches JAX is float32: a larger value would be inf there
+    ok = is_float32(value)  # what reaches JAX is float32: a larger value would be inf there
     ok = ok and (value > low if low_open else value >= low)
     ok = ok and (high is None or (value < high if high_open else value <= high))
     left, right = "(" if low_open else "[", ")" if high_open or high is None else "]"
@@ -254,19 +251,8 @@ def _text(nonempty: bool = True):
                         "a non-empty string" if nonempty else "a string")
 
 
-def _is_int(value, low: int = 0) -> bool:
-  """An int (not bool) in [low, INT32_MAX]: what a JAX shape, index or step counter holds."""
-  return isinstance(value, int) and not isinstance(value, bool) and low <= value <= INT32_MAX
-
-
-def _is_float(value, low: float = 0.0) -> bool:
-  """A finite number (not bool) in [low, FLOAT32_MAX]: what a float32 holds."""
-  return (isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-          and low <= value <= FLOAT32_MAX)
-
-
 def _mesh_axis(value):
-  ok = (isinstance(value, int) and not isinstance(value, bool) and value == -1) or _is_int(value, 1)
+  ok = (isinstance(value, int) and not isinstance(value, bool) and value == -1) or is_int32(value, 1)
   return ok, f"an integer in [1, {INT32_MAX}], or -1 for the remaining devices"
 
 
@@ -279,7 +265,7 @@ def _step_pairs(second: str, example: str):
   """A tuple of (integer step, number) pairs, e.g. cool-down knots or dropout stages."""
   def check(value):
     ok = isinstance(value, (tuple, list)) and all(
-        isinstance(k, (tuple, list)) and len(k) == 2 and _is_int(k[0]) and _is_float(k[1], -FLOAT32_MAX)
+        isinstance(k, (tuple, list)) and len(k) == 2 and is_int32(k[0]) and is_float32(k[1])
         for k in value)
     return ok, (f"a tuple of (step, {second}) pairs, e.g. '{example}', or () (steps integers in [0, "
                 f"{INT32_MAX}], {second} finite)")
@@ -299,7 +285,7 @@ def _trackers(value):
 
 def _profile_steps(value):
   ok = value in ((), []) or (isinstance(value, (tuple, list)) and len(value) == 2 and all(
-      _is_int(v, 1) for v in value) and value[0] <= value[1])
+      is_int32(v, 1) for v in value) and value[0] <= value[1])
   return ok, f"() or (start, stop) steps with 1 <= start <= stop <= {INT32_MAX}, e.g. '(5, 8)'"
 
 
@@ -307,7 +293,7 @@ def _early_stopping(value):
   ok = value in ((), []) or (
       isinstance(value, (tuple, list)) and len(value) == 3 and isinstance(value[0], str)
       and value[0].count("/") == 1 and value[0].split("/")[1] in metrics_lib.METRICS
-      and _is_int(value[1], 1) and _is_float(value[2]))
+      and is_int32(value[1], 1) and is_float32(value[2]) and value[2] >= 0)
   return ok, (f"() or (metric, patience in [1, {INT32_MAX}], min_delta a finite number >= 0 (float32)) with "
               "metric '<eval split>/<name>', name one of "
               f"{', '.join(sorted(metrics_lib.METRICS))}, e.g. \"('validation/loss', 3, 0.0)\"")
