@@ -173,9 +173,8 @@ def _decode_program(args):
   corpus = common.load_corpus()
   cfg = common.preset_config(args.preset, args.vocab or corpus.vocab_size)
   params = jax.device_put(nn.unbox(init_params(cfg, jax.random.key(0))))
-  longest_first = sorted(corpus.test_sources, key=len, reverse=True)  # as decode_ids batches them (EOS included)
-  prepared = [(i, [int(x) for x in ids], len(ids) - 1 + 50) for i, ids in enumerate(longest_first)
-              if inference.source_bucket(ids, cfg) == args.bucket][:args.sources]
+  prepared = [p for p in inference.prepare_sources(corpus.test_sources, cfg, 50, True)
+              if inference.source_bucket(p[1], cfg) == args.bucket][:args.sources]
   if not prepared:
     raise ValueError(f"--bucket={args.bucket}: no test source falls in that length bucket")
   inputs = np.full((len(prepared), args.bucket), cfg.pad_id, np.int32)

@@ -234,7 +234,7 @@ class _GroupBatcher:
 
   def add(self, key, sources, first_index: int) -> Iterator:
     number, self.count = self.count, self.count + 1
-    prepared = _prepare_sources(sources, self.config, self.extra_len, append_eos=True)
+    prepared = prepare_sources(sources, self.config, self.extra_len, append_eos=True)
     self.groups[number] = [key, [None] * len(sources), len(prepared)]
     for i, ids, limit in prepared:
       self.pending[source_bucket(ids, self.config)].append((number, (first_index + i, ids, limit), i))
@@ -305,7 +305,7 @@ def _search_all(params_tuple, config: ModelConfig, sources, options, prefixes, s
   """Runs the search over every non-empty source in length buckets; each source's row of the search's
   `Hypotheses` (numpy) in input order, None for an empty source."""
   results: list = [None] * len(sources)
-  prepared = _prepare_sources(sources, config, extra_len, append_eos)
+  prepared = prepare_sources(sources, config, extra_len, append_eos)
   if prefixes is not None:
     _check_prefixes(prepared, prefixes, config, extra_len)
   rows_for = lambda bucket: batch_size or max(1, max_tokens_per_batch // bucket)  # noqa: E731
@@ -333,9 +333,10 @@ def _search_all(params_tuple, config: ModelConfig, sources, options, prefixes, s
 _Prepared = tuple[int, list[int], int]  # (input index, ids fed to the encoder, output length limit)
 
 
-def _prepare_sources(sources: Sequence[Sequence[int]], config: ModelConfig, extra_len: int,
+def prepare_sources(sources: Sequence[Sequence[int]], config: ModelConfig, extra_len: int,
                      append_eos: bool) -> list[_Prepared]:
-  """The non-empty sources with EOS appended and truncated to `config.max_len`, longest first."""
+  """`(input index, ids fed to the encoder, output length limit)` of the non-empty sources, EOS appended (with
+  `append_eos`) and truncated to `config.max_len`, longest first: how `decode_ids` batches them."""
   eos = config.eos_id
   prepared = []
   for i, src in enumerate(sources):
